@@ -1,0 +1,268 @@
+//! Copies on a stream: host to device, device to host, device to device.
+//!
+//! Device-to-host copies return a `Pending` that keeps the destination mutably borrowed until
+//! `wait()` hands out the data, so reading a result before it has arrived — the PyTorch
+//! `.to("cpu", non_blocking=True)` hazard — does not compile.
+
+use std::marker::PhantomData;
+use std::os::raw::c_void;
+use std::sync::Arc;
+
+use bytemuck::Pod;
+
+use crate::error::{check_with, Error, Result};
+use crate::event::Event;
+use crate::memory::tracker::{self, Tracker};
+use crate::memory::{DeviceSlice, DeviceSliceMut, HostKind, HostSlice, HostSliceMut};
+use crate::stream::Stream;
+use crate::sys;
+
+/// A host-to-device copy in flight. It borrows the source, so the source can be neither
+/// mutated nor dropped while this value lives (a compile error). Dropping it does not wait —
+/// the source's own event still guards later host access — while `wait()` blocks until the copy
+/// has finished.
+#[derive(Debug)]
+pub struct InFlight<'s> {
+    event: Option<Arc<Event>>,
+    _src: PhantomData<&'s ()>,
+}
+
+impl InFlight<'_> {
+    /// Blocks until the copy has finished.
+    pub fn wait(self) -> Result<()> {
+        self.event.as_ref().map_or(Ok(()), |e| e.synchronize())
+    }
+
+    /// Whether the copy has finished, without blocking.
+    pub fn is_complete(&self) -> Result<bool> {
+        self.event.as_ref().map_or(Ok(true), |e| e.is_complete())
+    }
+}
+
+/// A device-to-host copy in flight. It holds the destination mutably borrowed: the only way to
+/// read the data is `wait()`, which blocks until it has arrived. Dropping it without waiting
+/// waits too, so no one reads a half-written buffer.
+#[must_use = "the copy is only finished after `wait()`; read the data through it"]
+pub struct Pending<'d, T> {
+    ptr: *mut T,
+    len: usize,
+    event: Option<Arc<Event>>,
+    _dst: PhantomData<&'d mut [T]>,
+}
+
+// SAFETY: a `Pending` stands for the `&'d mut [T]` it holds.
+unsafe impl<T: Send> Send for Pending<'_, T> {}
+// SAFETY: as above; `&Pending` gives no access to the data.
+unsafe impl<T: Sync> Sync for Pending<'_, T> {}
+
+impl<T> std::fmt::Debug for Pending<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending")
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'d, T> Pending<'d, T> {
+    /// Blocks until the data has arrived, then gives it out.
+    pub fn wait(self) -> Result<&'d [T]> {
+        self.wait_mut().map(|s| &*s)
+    }
+
+    /// As `wait`, with write access.
+    pub fn wait_mut(mut self) -> Result<&'d mut [T]> {
+        if let Some(ev) = &self.event {
+            ev.synchronize()?;
+        }
+        self.event = None;
+        // SAFETY: the copy into `ptr[..len]` has finished (waited above); the memory is the
+        // destination borrowed mutably for 'd, which the returned slice inherits.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+
+    /// Whether the data has arrived, without blocking.
+    pub fn is_ready(&self) -> Result<bool> {
+        self.event.as_ref().map_or(Ok(true), |e| e.is_complete())
+    }
+}
+
+impl<T> Drop for Pending<'_, T> {
+    fn drop(&mut self) {
+        if let Some(ev) = self.event.take() {
+            // The destination's borrow ends here: the copy must be over first.
+            let _ = ev.synchronize();
+        }
+    }
+}
+
+/// Whether the runtime knows `ptr` as page-locked host memory (pinned or registered elsewhere).
+fn runtime_pinned(ptr: *const c_void) -> bool {
+    let mut attr = std::mem::MaybeUninit::<sys::cudaPointerAttributes>::zeroed();
+    // SAFETY: `attr` is a valid out-pointer; any host pointer may be queried.
+    let err = unsafe { sys::cudaPointerGetAttributes(attr.as_mut_ptr(), ptr) };
+    if err != sys::cudaError::cudaSuccess {
+        // SAFETY: clears the error this query left behind, so it does not surface later.
+        unsafe {
+            let _ = sys::cudaGetLastError();
+        }
+        return false;
+    }
+    // SAFETY: written by the runtime on success; plain data.
+    let attr = unsafe { attr.assume_init() };
+    attr.type_ == sys::cudaMemoryType_cudaMemoryTypeHost
+}
+
+fn memcpy(
+    stream: &Stream,
+    dst: *mut c_void,
+    src: *const c_void,
+    bytes: usize,
+    kind: sys::cudaMemcpyKind,
+    what: &'static str,
+) -> Result<()> {
+    // SAFETY: the callers pass regions that were checked to be `bytes` long and on the right
+    // sides; both stay alive for the copy through borrows and trackers.
+    check_with(
+        unsafe { sys::cudaMemcpyAsync(dst, src, bytes, kind, stream.as_raw()) },
+        "cudaMemcpyAsync",
+        || format!("{bytes} bytes, {what}"),
+    )
+}
+
+fn same_len(op: &'static str, src: usize, dst: usize) -> Result<()> {
+    if src != dst {
+        return Err(Error::LengthMismatch { op, src, dst });
+    }
+    Ok(())
+}
+
+fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tracker> {
+    std::iter::once(a).chain(b).collect()
+}
+
+impl Stream {
+    /// Copies `src` (pinned, registered or plain host memory) into `dst` on this stream.
+    ///
+    /// From pinned or registered memory the call returns at once. From plain memory it follows
+    /// CUDA: it returns once the data is staged, after which `src` may be reused.
+    pub fn copy_h2d<'s, T, S, D>(&self, src: &'s S, dst: &mut D) -> Result<InFlight<'s>>
+    where
+        T: Pod,
+        S: HostSlice<T> + ?Sized,
+        D: DeviceSliceMut<T> + ?Sized,
+    {
+        const OP: &str = "Stream::copy_h2d";
+        let (h, d) = (src.host_region(), dst.device_region());
+        same_len(OP, h.len, d.len)?;
+        self.same_device(OP, d.device)?;
+        let bytes = h.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(InFlight {
+                event: None,
+                _src: PhantomData,
+            });
+        }
+        self.enter()?;
+        let (_, event) = tracker::ordered(self, &trackers(d.tracker, h.tracker), || {
+            memcpy(
+                self,
+                d.ptr,
+                h.ptr,
+                bytes,
+                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                "host to device",
+            )
+        })?;
+        // A plain slice that is in fact page-locked (pinned elsewhere) is copied asynchronously
+        // by CUDA, and nothing would guard it once borrowed no more: finish the copy here.
+        if h.kind == HostKind::Pageable && runtime_pinned(h.ptr) {
+            event.synchronize()?;
+        }
+        Ok(InFlight {
+            event: Some(event),
+            _src: PhantomData,
+        })
+    }
+
+    /// Copies `src` into `dst` (pinned, registered or plain host memory) on this stream. Read the
+    /// data through the returned `Pending`. Into plain memory the copy has finished when the
+    /// call returns (CUDA's semantics for pageable memory), and `wait()` returns at once.
+    pub fn copy_d2h<'d, T, S, D>(&self, src: &S, dst: &'d mut D) -> Result<Pending<'d, T>>
+    where
+        T: Pod,
+        S: DeviceSlice<T> + ?Sized,
+        D: HostSliceMut<T> + ?Sized,
+    {
+        const OP: &str = "Stream::copy_d2h";
+        let (d, h) = (src.device_region(), dst.host_region());
+        same_len(OP, d.len, h.len)?;
+        self.same_device(OP, d.device)?;
+        if h.read_only {
+            return Err(Error::invalid(
+                OP,
+                "the destination is registered read-only",
+            ));
+        }
+        let mut pending = Pending {
+            ptr: h.ptr.cast(),
+            len: h.len,
+            event: None,
+            _dst: PhantomData,
+        };
+        let bytes = h.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(pending);
+        }
+        self.enter()?;
+        let (_, event) = tracker::ordered(self, &trackers(d.tracker, h.tracker), || {
+            memcpy(
+                self,
+                h.ptr,
+                d.ptr,
+                bytes,
+                sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
+                "device to host",
+            )
+        })?;
+        pending.event = Some(event);
+        if h.kind == HostKind::Pageable {
+            // Synchronous for pageable memory already; this also covers a plain slice that is
+            // page-locked elsewhere, which no tracker guards.
+            let event = pending.event.take();
+            if let Some(ev) = event {
+                ev.synchronize()?;
+            }
+        }
+        Ok(pending)
+    }
+
+    /// Copies `src` into `dst`, both on this stream's device.
+    pub fn copy_d2d<T, S, D>(&self, src: &S, dst: &mut D) -> Result<()>
+    where
+        T: Pod,
+        S: DeviceSlice<T> + ?Sized,
+        D: DeviceSliceMut<T> + ?Sized,
+    {
+        const OP: &str = "Stream::copy_d2d";
+        let (s, d) = (src.device_region(), dst.device_region());
+        same_len(OP, s.len, d.len)?;
+        self.same_device(OP, s.device)?;
+        self.same_device(OP, d.device)?;
+        let bytes = s.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.enter()?;
+        tracker::ordered(self, &[s.tracker, d.tracker], || {
+            memcpy(
+                self,
+                d.ptr,
+                s.ptr,
+                bytes,
+                sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+                "device to device",
+            )
+        })
+        .map(|_| ())
+    }
+}

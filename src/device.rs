@@ -1,0 +1,374 @@
+//! `Device`: which GPUs there are and what they are — SMs, memory, copy engines, PCI location
+//! and link, driver and runtime versions.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{check, check_with, Error, Result};
+use crate::stream::Stream;
+use crate::sys;
+
+/// One CUDA device, by ordinal. Cheap to copy; every call that needs it makes the device current
+/// on the calling thread first, so several devices and threads can be used freely.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Device {
+    ordinal: i32,
+}
+
+/// A CUDA version such as 13.0 (the runtime reports 13000).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Version {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl Version {
+    /// From the runtime's encoding, `1000 * major + 10 * minor`.
+    pub fn from_cuda(v: i32) -> Version {
+        let v = v.max(0) as u32;
+        Version {
+            major: v / 1000,
+            minor: (v % 1000) / 10,
+        }
+    }
+}
+
+impl fmt::Display for Version {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}", self.major, self.minor)
+    }
+}
+
+/// Free and total device memory in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryInfo {
+    pub free: usize,
+    pub total: usize,
+}
+
+/// The PCIe link of a device as Linux reports it in sysfs. Each field is `None` where the file
+/// is missing or unreadable (virtual machines, other platforms).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PcieLink {
+    /// Transfer rate per lane in GT/s (e.g. 32.0 for Gen5).
+    pub current_speed_gts: Option<f64>,
+    pub current_gen: Option<u32>,
+    pub current_width: Option<u32>,
+    pub max_speed_gts: Option<f64>,
+    pub max_gen: Option<u32>,
+    pub max_width: Option<u32>,
+}
+
+impl PcieLink {
+    /// Reads `current_link_speed`, `current_link_width`, `max_link_speed`, `max_link_width` from
+    /// a sysfs PCI device folder. `None` when none of them could be read.
+    pub fn from_sysfs_dir(dir: &Path) -> Option<PcieLink> {
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        let speed = |name: &str| read(name).and_then(|s| parse_link_speed(&s));
+        let width = |name: &str| {
+            read(name)
+                .and_then(|s| s.trim().parse::<u32>().ok())
+                .filter(|w| *w > 0)
+        };
+        let link = PcieLink {
+            current_speed_gts: speed("current_link_speed"),
+            current_gen: speed("current_link_speed").and_then(pcie_gen_from_gts),
+            current_width: width("current_link_width"),
+            max_speed_gts: speed("max_link_speed"),
+            max_gen: speed("max_link_speed").and_then(pcie_gen_from_gts),
+            max_width: width("max_link_width"),
+        };
+        (link != PcieLink::default()).then_some(link)
+    }
+
+    /// The theoretical data rate of the current link in one direction, in GB/s (10^9 bytes),
+    /// after line encoding: Gen5 x16 gives 63.0.
+    pub fn current_gbps(&self) -> Option<f64> {
+        Some(lane_gbps(self.current_gen?)? * f64::from(self.current_width?))
+    }
+
+    /// The same for the link's maximum generation and width.
+    pub fn max_gbps(&self) -> Option<f64> {
+        Some(lane_gbps(self.max_gen?)? * f64::from(self.max_width?))
+    }
+}
+
+impl fmt::Display for PcieLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fn part(gen: Option<u32>, width: Option<u32>) -> String {
+            let g = gen.map_or("?".to_string(), |g| g.to_string());
+            let w = width.map_or("?".to_string(), |w| w.to_string());
+            format!("Gen{g} x{w}")
+        }
+        write!(
+            f,
+            "{} (max {})",
+            part(self.current_gen, self.current_width),
+            part(self.max_gen, self.max_width)
+        )
+    }
+}
+
+/// "32.0 GT/s PCIe" -> 32.0; "Unknown" -> None.
+pub fn parse_link_speed(s: &str) -> Option<f64> {
+    let num = s.split_whitespace().next()?;
+    let v: f64 = num.parse().ok()?;
+    (v > 0.0).then_some(v)
+}
+
+/// Per-lane transfer rate in GT/s to PCIe generation (2.5 -> 1 ... 64 -> 6).
+pub fn pcie_gen_from_gts(gts: f64) -> Option<u32> {
+    const GENS: [(f64, u32); 7] = [
+        (2.5, 1),
+        (5.0, 2),
+        (8.0, 3),
+        (16.0, 4),
+        (32.0, 5),
+        (64.0, 6),
+        (128.0, 7),
+    ];
+    GENS.iter()
+        .find(|(r, _)| (gts - r).abs() < 0.01)
+        .map(|(_, g)| *g)
+}
+
+/// GB/s per lane and direction after encoding (8b/10b to Gen2, 128b/130b from Gen3, FLIT from Gen6).
+fn lane_gbps(gen: u32) -> Option<f64> {
+    Some(match gen {
+        1 => 2.5 * 0.8 / 8.0,
+        2 => 5.0 * 0.8 / 8.0,
+        3 => 8.0 * 128.0 / 130.0 / 8.0,
+        4 => 16.0 * 128.0 / 130.0 / 8.0,
+        5 => 32.0 * 128.0 / 130.0 / 8.0,
+        6 => 64.0 * 242.0 / 256.0 / 8.0,
+        7 => 128.0 * 242.0 / 256.0 / 8.0,
+        _ => return None,
+    })
+}
+
+impl Device {
+    /// How many CUDA devices there are. Without a driver or a device this is
+    /// `Err(Error::NoDevice)`, never a panic or a loader failure.
+    pub fn count() -> Result<usize> {
+        let mut n = 0;
+        // SAFETY: `n` is a valid out-pointer for the duration of the call.
+        check(
+            unsafe { sys::cudaGetDeviceCount(&mut n) },
+            "cudaGetDeviceCount",
+        )?;
+        Ok(n.max(0) as usize)
+    }
+
+    /// Device `ordinal`; an ordinal past the count is `Error::InvalidArgument`.
+    pub fn get(ordinal: usize) -> Result<Device> {
+        let n = Device::count()?;
+        if ordinal >= n {
+            return Err(Error::invalid(
+                "Device::get",
+                format!("device {ordinal} requested, but there are {n} devices"),
+            ));
+        }
+        Ok(Device {
+            ordinal: ordinal as i32,
+        })
+    }
+
+    /// Every device.
+    pub fn all() -> Result<Vec<Device>> {
+        Ok((0..Device::count()?)
+            .map(|i| Device { ordinal: i as i32 })
+            .collect())
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal as usize
+    }
+
+    pub(crate) fn raw(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// Makes this the current device of the calling thread (`cudaSetDevice`).
+    pub fn make_current(&self) -> Result<()> {
+        // SAFETY: plain call with a value argument.
+        check_with(
+            unsafe { sys::cudaSetDevice(self.ordinal) },
+            "cudaSetDevice",
+            || format!("device {}", self.ordinal),
+        )
+    }
+
+    fn attribute(&self, attr: sys::cudaDeviceAttr) -> Result<i32> {
+        let mut v = 0;
+        // SAFETY: `v` is a valid out-pointer; `attr` is a valid enumerator.
+        check_with(
+            unsafe { sys::cudaDeviceGetAttribute(&mut v, attr, self.ordinal) },
+            "cudaDeviceGetAttribute",
+            || format!("{attr:?}, device {}", self.ordinal),
+        )?;
+        Ok(v)
+    }
+
+    fn properties(&self) -> Result<sys::cudaDeviceProp> {
+        let mut prop = std::mem::MaybeUninit::<sys::cudaDeviceProp>::zeroed();
+        // SAFETY: the struct comes from the same headers as the linked runtime (bindgen at build
+        // time), so its layout matches; the runtime fills it in.
+        check_with(
+            unsafe { sys::cudaGetDeviceProperties(prop.as_mut_ptr(), self.ordinal) },
+            "cudaGetDeviceProperties",
+            || format!("device {}", self.ordinal),
+        )?;
+        // SAFETY: zero-initialised and then written by the runtime; all fields are plain data.
+        Ok(unsafe { prop.assume_init() })
+    }
+
+    /// The marketing name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> Result<String> {
+        let prop = self.properties()?;
+        let bytes: Vec<u8> = prop
+            .name
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8)
+            .collect();
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// Compute capability (major, minor), e.g. (9, 0) for Hopper.
+    pub fn compute_capability(&self) -> Result<(u32, u32)> {
+        use sys::cudaDeviceAttr as A;
+        Ok((
+            self.attribute(A::cudaDevAttrComputeCapabilityMajor)? as u32,
+            self.attribute(A::cudaDevAttrComputeCapabilityMinor)? as u32,
+        ))
+    }
+
+    /// Number of streaming multiprocessors.
+    pub fn multiprocessor_count(&self) -> Result<u32> {
+        Ok(self.attribute(sys::cudaDeviceAttr::cudaDevAttrMultiProcessorCount)? as u32)
+    }
+
+    /// Number of asynchronous copy engines (2 or more: H2D and D2H can run at once).
+    pub fn async_engine_count(&self) -> Result<u32> {
+        Ok(self.attribute(sys::cudaDeviceAttr::cudaDevAttrAsyncEngineCount)? as u32)
+    }
+
+    /// L2 cache size in bytes.
+    pub fn l2_cache_bytes(&self) -> Result<usize> {
+        Ok(self.attribute(sys::cudaDeviceAttr::cudaDevAttrL2CacheSize)? as usize)
+    }
+
+    /// Total device memory in bytes (no context is created for this).
+    pub fn total_memory(&self) -> Result<usize> {
+        Ok(self.properties()?.totalGlobalMem)
+    }
+
+    /// Free and total memory right now (creates the device's context if needed).
+    pub fn memory_info(&self) -> Result<MemoryInfo> {
+        self.make_current()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; the device is current.
+        check(
+            unsafe { sys::cudaMemGetInfo(&mut free, &mut total) },
+            "cudaMemGetInfo",
+        )?;
+        Ok(MemoryInfo { free, total })
+    }
+
+    /// Whether pinned host memory can be mapped into the device's address space.
+    pub fn can_map_host_memory(&self) -> Result<bool> {
+        Ok(self.attribute(sys::cudaDeviceAttr::cudaDevAttrCanMapHostMemory)? != 0)
+    }
+
+    /// The PCI bus id in sysfs form, e.g. "0000:3b:00.0".
+    pub fn pci_bus_id(&self) -> Result<String> {
+        let mut buf = [0 as std::os::raw::c_char; 64];
+        // SAFETY: the buffer is writable for its full length, which is passed.
+        check_with(
+            unsafe { sys::cudaDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.ordinal) },
+            "cudaDeviceGetPCIBusId",
+            || format!("device {}", self.ordinal),
+        )?;
+        // SAFETY: the runtime wrote a NUL-terminated string into the (zeroed) buffer.
+        let id = unsafe { CStr::from_ptr(buf.as_ptr()) };
+        Ok(id.to_string_lossy().to_ascii_lowercase())
+    }
+
+    fn sysfs_dir(&self) -> Option<PathBuf> {
+        let id = self.pci_bus_id().ok()?;
+        Some(Path::new("/sys/bus/pci/devices").join(id))
+    }
+
+    /// The PCIe link (generation and width, current and maximum), where sysfs shows it.
+    pub fn pcie_link(&self) -> Option<PcieLink> {
+        PcieLink::from_sysfs_dir(&self.sysfs_dir()?)
+    }
+
+    /// The NUMA node the device hangs off, where sysfs shows it (-1 there means none).
+    pub fn numa_node(&self) -> Option<i32> {
+        let s = std::fs::read_to_string(self.sysfs_dir()?.join("numa_node")).ok()?;
+        s.trim().parse().ok().filter(|n: &i32| *n >= 0)
+    }
+
+    /// The driver's CUDA version; `None` when no driver is installed.
+    pub fn driver_version() -> Result<Option<Version>> {
+        let mut v = 0;
+        // SAFETY: valid out-pointer.
+        check(
+            unsafe { sys::cudaDriverGetVersion(&mut v) },
+            "cudaDriverGetVersion",
+        )?;
+        Ok((v > 0).then(|| Version::from_cuda(v)))
+    }
+
+    /// The version of the CUDA runtime linked into this program.
+    pub fn runtime_version() -> Result<Version> {
+        let mut v = 0;
+        // SAFETY: valid out-pointer.
+        check(
+            unsafe { sys::cudaRuntimeGetVersion(&mut v) },
+            "cudaRuntimeGetVersion",
+        )?;
+        Ok(Version::from_cuda(v))
+    }
+
+    /// The range of stream priorities as (least, greatest); greater priority is the lower number.
+    pub fn stream_priority_range(&self) -> Result<(i32, i32)> {
+        self.make_current()?;
+        let (mut least, mut greatest) = (0, 0);
+        // SAFETY: valid out-pointers; the device is current.
+        check(
+            unsafe { sys::cudaDeviceGetStreamPriorityRange(&mut least, &mut greatest) },
+            "cudaDeviceGetStreamPriorityRange",
+        )?;
+        Ok((least, greatest))
+    }
+
+    /// A new non-blocking stream on this device at default priority.
+    pub fn stream(&self) -> Result<Stream> {
+        Stream::new(self)
+    }
+
+    /// Waits until all work on the device has finished (`cudaDeviceSynchronize`).
+    pub fn synchronize(&self) -> Result<()> {
+        self.make_current()?;
+        // SAFETY: plain call; the device is current.
+        check(
+            unsafe { sys::cudaDeviceSynchronize() },
+            "cudaDeviceSynchronize",
+        )
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cuda:{}", self.ordinal)
+    }
+}
+
+/// Whether this machine can run CUDA work at all: a driver and at least one device.
+pub fn available() -> bool {
+    Device::count().is_ok_and(|n| n > 0)
+}

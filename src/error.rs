@@ -1,0 +1,225 @@
+//! `Error` and `Result`: what failed, with the CUDA runtime's own name and message.
+
+use std::ffi::CStr;
+use std::fmt;
+
+use crate::sys;
+
+/// A CUDA runtime error code together with the runtime's name and description of it
+/// (`cudaGetErrorName`, `cudaGetErrorString`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaError {
+    code: i32,
+    name: &'static str,
+    message: &'static str,
+}
+
+impl CudaError {
+    pub(crate) fn from_raw(err: sys::cudaError_t) -> Self {
+        // SAFETY: both functions accept any error value and return pointers to static,
+        // NUL-terminated strings owned by the runtime (or null, handled below).
+        let (name, message) = unsafe { (sys::cudaGetErrorName(err), sys::cudaGetErrorString(err)) };
+        CudaError {
+            code: err as i32,
+            name: static_str(name).unwrap_or("cudaErrorUnknownCode"),
+            message: static_str(message).unwrap_or("unrecognized error code"),
+        }
+    }
+
+    /// The numeric `cudaError_t` value.
+    pub fn code(&self) -> i32 {
+        self.code
+    }
+
+    /// The enumerator's name, e.g. `cudaErrorMemoryAllocation`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The runtime's description, e.g. `out of memory`.
+    pub fn message(&self) -> &'static str {
+        self.message
+    }
+}
+
+fn static_str(p: *const std::os::raw::c_char) -> Option<&'static str> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: non-null pointers from cudaGetErrorName/String point at static NUL-terminated
+    // strings that live as long as the program.
+    unsafe { CStr::from_ptr(p) }.to_str().ok()
+}
+
+impl fmt::Display for CudaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.name, self.code, self.message)
+    }
+}
+
+/// Everything that can go wrong. Argument checks happen before anything is queued, so an error
+/// from them leaves all buffers as they were.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// There is no CUDA driver, it is too old, or there is no device: the machine cannot run
+    /// CUDA at all.
+    NoDevice {
+        /// The runtime function that found out.
+        call: &'static str,
+        cuda: CudaError,
+    },
+    /// An allocation (device or pinned host memory) failed for lack of memory.
+    OutOfMemory {
+        call: &'static str,
+        /// The size asked for.
+        bytes: usize,
+        cuda: CudaError,
+    },
+    /// Source and destination of a copy (or a kernel's operands) have different lengths.
+    LengthMismatch {
+        op: &'static str,
+        /// Elements on the source (or expected) side.
+        src: usize,
+        /// Elements on the destination (or actual) side.
+        dst: usize,
+    },
+    /// A buffer or event belongs to another device than the stream it is used with.
+    WrongDevice {
+        op: &'static str,
+        /// The device of the stream.
+        expected: i32,
+        /// The device of the buffer or event.
+        found: i32,
+    },
+    /// An argument was rejected before any CUDA call was made.
+    InvalidArgument { op: &'static str, reason: String },
+    /// Any other error the CUDA runtime reported.
+    Cuda {
+        call: &'static str,
+        /// The arguments that matter (sizes, devices, kinds), for the message.
+        detail: String,
+        cuda: CudaError,
+    },
+}
+
+impl Error {
+    /// The CUDA error behind this one, if the runtime reported it.
+    pub fn cuda(&self) -> Option<CudaError> {
+        match self {
+            Error::NoDevice { cuda, .. }
+            | Error::OutOfMemory { cuda, .. }
+            | Error::Cuda { cuda, .. } => Some(*cuda),
+            _ => None,
+        }
+    }
+
+    /// True when the machine has no usable CUDA device or driver.
+    pub fn is_no_device(&self) -> bool {
+        matches!(self, Error::NoDevice { .. })
+    }
+
+    pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::NoDevice { call, cuda } => {
+                write!(f, "no usable CUDA device or driver: {call} failed: {cuda}")
+            }
+            Error::OutOfMemory { call, bytes, cuda } => {
+                write!(f, "out of memory: {call} of {bytes} bytes failed: {cuda}")
+            }
+            Error::LengthMismatch { op, src, dst } => write!(
+                f,
+                "{op}: length mismatch: source has {src} elements, destination has {dst}"
+            ),
+            Error::WrongDevice {
+                op,
+                expected,
+                found,
+            } => write!(
+                f,
+                "{op}: wrong device: the stream is on device {expected}, the operand on device {found}"
+            ),
+            Error::InvalidArgument { op, reason } => write!(f, "{op}: invalid argument: {reason}"),
+            Error::Cuda { call, detail, cuda } if detail.is_empty() => {
+                write!(f, "{call} failed: {cuda}")
+            }
+            Error::Cuda { call, detail, cuda } => write!(f, "{call} ({detail}) failed: {cuda}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// `Result<T, pinstream::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+fn is_no_device(err: sys::cudaError_t) -> bool {
+    use sys::cudaError as E;
+    matches!(
+        err,
+        E::cudaErrorNoDevice
+            | E::cudaErrorInsufficientDriver
+            | E::cudaErrorSystemDriverMismatch
+            | E::cudaErrorStubLibrary
+            | E::cudaErrorCompatNotSupportedOnDevice
+    )
+}
+
+/// Turns a runtime return code into a `Result`; `detail` is only built on failure.
+pub(crate) fn check_with(
+    err: sys::cudaError_t,
+    call: &'static str,
+    detail: impl FnOnce() -> String,
+) -> Result<()> {
+    if err == sys::cudaError::cudaSuccess {
+        return Ok(());
+    }
+    let cuda = CudaError::from_raw(err);
+    if is_no_device(err) {
+        return Err(Error::NoDevice { call, cuda });
+    }
+    Err(Error::Cuda {
+        call,
+        detail: detail(),
+        cuda,
+    })
+}
+
+/// `check_with` without details.
+pub(crate) fn check(err: sys::cudaError_t, call: &'static str) -> Result<()> {
+    check_with(err, call, String::new)
+}
+
+/// For allocations: out of memory becomes `Error::OutOfMemory` with the size asked for.
+pub(crate) fn check_alloc(err: sys::cudaError_t, call: &'static str, bytes: usize) -> Result<()> {
+    if err == sys::cudaError::cudaErrorMemoryAllocation {
+        return Err(Error::OutOfMemory {
+            call,
+            bytes,
+            cuda: CudaError::from_raw(err),
+        });
+    }
+    check_with(err, call, || format!("{bytes} bytes"))
+}
+
+/// The byte size of `len` elements of `T`, or an error if it overflows.
+pub(crate) fn byte_len<T>(op: &'static str, len: usize) -> Result<usize> {
+    len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+        Error::invalid(
+            op,
+            format!(
+                "{len} elements of {} bytes overflow usize",
+                std::mem::size_of::<T>()
+            ),
+        )
+    })
+}

@@ -1,0 +1,140 @@
+//! `Event` (ordering and host waits, no timing) and `TimingEvent` (elapsed time), as two types
+//! so that an event created without timing can never be asked for a time.
+
+use std::time::Duration;
+
+use crate::device::Device;
+use crate::error::{check, Error, Result};
+use crate::sys;
+
+macro_rules! event_type {
+    ($name:ident, $flags:expr, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Debug)]
+        pub struct $name {
+            raw: sys::cudaEvent_t,
+            device: Device,
+        }
+
+        // SAFETY: CUDA events may be recorded, queried and destroyed from any thread.
+        unsafe impl Send for $name {}
+        // SAFETY: as above; all methods take `&self` and the runtime synchronises internally.
+        unsafe impl Sync for $name {}
+
+        impl $name {
+            /// A new event on `device`.
+            pub fn new(device: &Device) -> Result<Self> {
+                device.make_current()?;
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: `raw` is a valid out-pointer; the flags are valid event flags.
+                check(
+                    unsafe { sys::cudaEventCreateWithFlags(&mut raw, $flags) },
+                    "cudaEventCreateWithFlags",
+                )?;
+                Ok($name {
+                    raw,
+                    device: *device,
+                })
+            }
+
+            /// The device the event belongs to.
+            pub fn device(&self) -> Device {
+                self.device
+            }
+
+            /// Blocks until the work before the last `record` has finished (at once if the
+            /// event was never recorded).
+            pub fn synchronize(&self) -> Result<()> {
+                // SAFETY: `raw` is a live event owned by `self`.
+                check(
+                    unsafe { sys::cudaEventSynchronize(self.raw) },
+                    "cudaEventSynchronize",
+                )
+            }
+
+            /// Whether the work before the last `record` has finished, without blocking.
+            pub fn is_complete(&self) -> Result<bool> {
+                // SAFETY: `raw` is a live event owned by `self`.
+                let err = unsafe { sys::cudaEventQuery(self.raw) };
+                if err == sys::cudaError::cudaErrorNotReady {
+                    return Ok(false);
+                }
+                check(err, "cudaEventQuery").map(|()| true)
+            }
+
+            /// The raw handle, for use with other CUDA libraries. It stays owned by `self`.
+            pub fn as_raw(&self) -> sys::cudaEvent_t {
+                self.raw
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: `raw` is live and destroyed once; CUDA defers the release until any
+                // pending record completes. Errors cannot be reported from drop.
+                unsafe {
+                    let _ = sys::cudaEventDestroy(self.raw);
+                }
+            }
+        }
+
+        impl crate::event::sealed::RawEvent for $name {
+            fn raw_event(&self) -> sys::cudaEvent_t {
+                self.raw
+            }
+            fn event_device(&self) -> Device {
+                self.device
+            }
+        }
+        impl crate::event::AnyEvent for $name {}
+    };
+}
+
+event_type!(
+    Event,
+    sys::cudaEventDisableTiming,
+    "An event for ordering streams and waiting from the host; it keeps no time, which makes \
+     recording and waiting cheaper."
+);
+event_type!(
+    TimingEvent,
+    sys::cudaEventDefault,
+    "An event that keeps a GPU timestamp: `start.elapsed(&end)` gives the time between two."
+);
+
+impl TimingEvent {
+    /// GPU time in milliseconds from `self` to `end`; both must have been recorded and reached.
+    pub fn elapsed_ms(&self, end: &TimingEvent) -> Result<f32> {
+        if self.device != end.device {
+            return Err(Error::WrongDevice {
+                op: "TimingEvent::elapsed_ms",
+                expected: self.device.raw(),
+                found: end.device.raw(),
+            });
+        }
+        let mut ms = 0f32;
+        // SAFETY: both events are live, timing-enabled events; `ms` is a valid out-pointer.
+        check(
+            unsafe { sys::cudaEventElapsedTime(&mut ms, self.raw, end.raw) },
+            "cudaEventElapsedTime",
+        )?;
+        Ok(ms)
+    }
+
+    /// As `elapsed_ms`, as a `Duration`.
+    pub fn elapsed(&self, end: &TimingEvent) -> Result<Duration> {
+        Ok(Duration::from_secs_f64(
+            f64::from(self.elapsed_ms(end)?.max(0.0)) / 1e3,
+        ))
+    }
+}
+
+pub(crate) mod sealed {
+    pub trait RawEvent {
+        fn raw_event(&self) -> crate::sys::cudaEvent_t;
+        fn event_device(&self) -> crate::device::Device;
+    }
+}
+
+/// `Event` or `TimingEvent`: what `Stream::record` and `Stream::wait` accept.
+pub trait AnyEvent: sealed::RawEvent {}

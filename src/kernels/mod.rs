@@ -1,0 +1,68 @@
+//! Safe launchers for pinstream's CUDA kernels.
+
+use bytemuck::Pod;
+
+use crate::error::{check_with, Error, Result};
+use crate::memory::tracker;
+use crate::memory::DeviceSliceMut;
+use crate::stream::Stream;
+use crate::sys;
+
+/// Sets every element of `dst` to `value` (any `Pod` type of 1, 2, 4 or 8 bytes).
+pub fn fill<T: Pod, D: DeviceSliceMut<T> + ?Sized>(
+    stream: &Stream,
+    dst: &mut D,
+    value: T,
+) -> Result<()> {
+    const OP: &str = "kernels::fill";
+    let width = std::mem::size_of::<T>();
+    if !matches!(width, 1 | 2 | 4 | 8) {
+        return Err(Error::invalid(
+            OP,
+            format!("elements of {width} bytes (1, 2, 4 or 8 are supported)"),
+        ));
+    }
+    let r = dst.device_region();
+    stream.same_device(OP, r.device)?;
+    if r.len == 0 {
+        return Ok(());
+    }
+    let mut pattern = [0u8; 8];
+    pattern[..width].copy_from_slice(bytemuck::bytes_of(&value));
+    let pattern = u64::from_le_bytes(pattern);
+    stream.enter()?;
+    tracker::ordered(stream, &[r.tracker], || {
+        // SAFETY: `r.ptr` addresses `r.len` elements of `width` bytes on the stream's device,
+        // kept alive by the borrow and the tracker; the launcher checks the launch.
+        check_with(
+            unsafe { sys::pinstream_fill(r.ptr, r.len, width as i32, pattern, stream.as_raw()) },
+            "pinstream_fill",
+            || format!("{} elements of {width} bytes", r.len),
+        )
+    })
+    .map(|_| ())
+}
+
+/// `dst[i] = start + i * step` (wrapping).
+pub fn iota<D: DeviceSliceMut<u32> + ?Sized>(
+    stream: &Stream,
+    dst: &mut D,
+    start: u32,
+    step: u32,
+) -> Result<()> {
+    let r = dst.device_region();
+    stream.same_device("kernels::iota", r.device)?;
+    if r.len == 0 {
+        return Ok(());
+    }
+    stream.enter()?;
+    tracker::ordered(stream, &[r.tracker], || {
+        // SAFETY: as in `fill`, for `r.len` u32 elements.
+        check_with(
+            unsafe { sys::pinstream_iota_u32(r.ptr.cast(), r.len, start, step, stream.as_raw()) },
+            "pinstream_iota_u32",
+            || format!("{} elements", r.len),
+        )
+    })
+    .map(|_| ())
+}

@@ -1,0 +1,50 @@
+//! # pinstream
+//!
+//! Fast, safe host ⇄ GPU transfers over the CUDA runtime, linked statically.
+//!
+//! ```no_run
+//! use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer};
+//! # fn main() -> pinstream::Result<()> {
+//! let dev = Device::get(0)?;
+//! let stream = dev.stream()?;                       // non-blocking
+//! let mut host = PinnedBuffer::<u8>::new(&dev, 1 << 20, HostAlloc::DEFAULT)?;
+//! host.as_mut_slice()?.fill(7);                      // waits if the GPU still uses it
+//! let mut d = DeviceBuffer::<u8>::new(&dev, 1 << 20)?;
+//! stream.copy_h2d(&host, &mut d)?;
+//! let mut back = vec![0u8; 1 << 20];
+//! let done = stream.copy_d2h(&d, &mut back[..])?;   // `back` is borrowed until...
+//! let values: &[u8] = done.wait()?;                  // ...the data has arrived
+//! assert_eq!(values[0], 7);
+//! # Ok(()) }
+//! ```
+//!
+//! Every fallible call returns [`Result`]; a machine without a driver or GPU gets
+//! [`Error::NoDevice`] from the first call.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_debug_implementations)]
+
+pub mod sys;
+
+mod copy;
+mod device;
+mod error;
+mod event;
+pub mod kernels;
+pub mod memory;
+mod stream;
+
+pub use bytemuck::{self, Pod, Zeroable};
+pub use half::{self, bf16, f16};
+
+pub use copy::{InFlight, Pending};
+pub use device::{
+    available, parse_link_speed, pcie_gen_from_gts, Device, MemoryInfo, PcieLink, Version,
+};
+pub use error::{CudaError, Error, Result};
+pub use event::{AnyEvent, Event, TimingEvent};
+pub use memory::{
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, HostAlloc, HostKind,
+    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, Registered,
+};
+pub use stream::Stream;

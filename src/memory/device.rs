@@ -1,0 +1,309 @@
+//! `DeviceBuffer<T>`: device memory from `cudaMalloc` or stream-ordered `cudaMallocAsync`, and
+//! borrowed views of parts of it.
+
+use std::marker::PhantomData;
+use std::ops::RangeBounds;
+use std::os::raw::c_void;
+
+use bytemuck::Pod;
+
+use super::sealed::{DeviceMem, DeviceRegion};
+use super::tracker::{self, Tracker};
+use super::{resolve_range, DeviceSlice, DeviceSliceMut};
+use crate::device::Device;
+use crate::error::{byte_len, check_alloc, check_with, Result};
+use crate::stream::Stream;
+use crate::sys;
+
+/// `len` elements of `T` in device memory. Its contents start undefined (any bit pattern, which
+/// every `Pod` type accepts); fill it with a copy, `Stream::memset` or a kernel.
+///
+/// Every operation on it is ordered after the previous one, whichever stream it ran on, and
+/// dropping it waits for the last one before the memory is freed.
+pub struct DeviceBuffer<T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    device: Device,
+    tracker: Tracker,
+    /// Set for stream-ordered allocations: freed with `cudaFreeAsync` on this stream.
+    stream: Option<Stream>,
+}
+
+// SAFETY: the buffer owns its device memory; all GPU access is ordered through the tracker,
+// which is itself thread-safe.
+unsafe impl<T: Pod> Send for DeviceBuffer<T> {}
+// SAFETY: as above; `&DeviceBuffer` only allows reads and tracked, ordered GPU work.
+unsafe impl<T: Pod> Sync for DeviceBuffer<T> {}
+
+impl<T: Pod> std::fmt::Debug for DeviceBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("device", &self.device)
+            .field("stream_ordered", &self.stream.is_some())
+            .finish()
+    }
+}
+
+impl<T: Pod> DeviceBuffer<T> {
+    /// Allocates `len` elements with `cudaMalloc` on `device`.
+    pub fn new(device: &Device, len: usize) -> Result<Self> {
+        let bytes = byte_len::<T>("DeviceBuffer::new", len)?;
+        let mut ptr = std::ptr::null_mut::<c_void>();
+        if bytes > 0 {
+            device.make_current()?;
+            // SAFETY: `ptr` is a valid out-pointer; the device is current.
+            check_alloc(
+                unsafe { sys::cudaMalloc(&mut ptr, bytes) },
+                "cudaMalloc",
+                bytes,
+            )?;
+        }
+        Ok(DeviceBuffer {
+            ptr: ptr.cast(),
+            len,
+            device: *device,
+            tracker: Tracker::new(),
+            stream: None,
+        })
+    }
+
+    /// Allocates `len` elements with `cudaMallocAsync`, ordered on `stream` (fast: it comes
+    /// from the device's memory pool). It is freed with `cudaFreeAsync` on the same stream after
+    /// its last use. Using it on another stream is safe: that stream waits for the allocation.
+    pub fn new_async(stream: &Stream, len: usize) -> Result<Self> {
+        let bytes = byte_len::<T>("DeviceBuffer::new_async", len)?;
+        let tracker = Tracker::new();
+        let mut ptr = std::ptr::null_mut::<c_void>();
+        if bytes > 0 {
+            stream.enter()?;
+            // The allocation is an operation on the stream: track it, so that other streams
+            // wait for it before they touch the memory.
+            let tracked = tracker::ordered(stream, &[&tracker], || {
+                // SAFETY: `ptr` is a valid out-pointer; the stream is live and current.
+                check_alloc(
+                    unsafe { sys::cudaMallocAsync(&mut ptr, bytes, stream.as_raw()) },
+                    "cudaMallocAsync",
+                    bytes,
+                )
+            });
+            if let Err(e) = tracked {
+                if !ptr.is_null() {
+                    // SAFETY: allocated just above on this stream and not used since.
+                    unsafe {
+                        let _ = sys::cudaFreeAsync(ptr, stream.as_raw());
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(DeviceBuffer {
+            ptr: ptr.cast(),
+            len,
+            device: stream.device(),
+            tracker,
+            stream: Some(stream.clone()),
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device the memory lives on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The device address, for passing to other CUDA code. Dereferencing it on the host is
+    /// invalid; work queued through it is not tracked by this buffer.
+    pub fn as_device_ptr(&self) -> *const T {
+        self.ptr
+    }
+
+    /// The device address, writable, with the same caveats as `as_device_ptr`.
+    pub fn as_device_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    /// Blocks until the GPU has finished every operation queued on this buffer.
+    pub fn synchronize(&self) -> Result<()> {
+        self.tracker.synchronize()
+    }
+
+    /// A read-only view of `range` (in elements).
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceView<'_, T>> {
+        let r = resolve_range("DeviceBuffer::slice", range, self.len)?;
+        Ok(DeviceView {
+            // The offset stays inside the allocation (checked above); wrapping_add keeps this safe
+            // even for the null pointer of an empty buffer.
+            ptr: self.ptr.wrapping_add(r.start),
+            len: r.len(),
+            device: self.device,
+            tracker: &self.tracker,
+            _marker: PhantomData,
+        })
+    }
+
+    /// A writable view of `range` (in elements).
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<DeviceViewMut<'_, T>> {
+        let r = resolve_range("DeviceBuffer::slice_mut", range, self.len)?;
+        Ok(DeviceViewMut {
+            ptr: self.ptr.wrapping_add(r.start),
+            len: r.len(),
+            device: self.device,
+            tracker: &self.tracker,
+            _marker: PhantomData,
+        })
+    }
+}
+
+impl<T: Pod> Drop for DeviceBuffer<T> {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        match &self.stream {
+            Some(stream) => {
+                // Stream-ordered free after the last use, without blocking the host.
+                if self.tracker.wait_on(stream).is_ok() && stream.enter().is_ok() {
+                    // SAFETY: `ptr` came from cudaMallocAsync and is freed once; the stream
+                    // waits for every use of it first.
+                    let err = unsafe { sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw()) };
+                    if err == sys::cudaError::cudaSuccess {
+                        return;
+                    }
+                }
+                // Could not order the free: wait for everything, then free synchronously.
+                let _ = self.tracker.synchronize();
+                let _ = stream.synchronize();
+                // SAFETY: as above; all work on the memory has finished.
+                unsafe {
+                    let _ = sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw());
+                }
+            }
+            None => {
+                let _ = self.tracker.synchronize();
+                let _ = self.device.make_current();
+                // SAFETY: `ptr` came from cudaMalloc and is freed once, after the GPU's last use.
+                unsafe {
+                    let _ = sys::cudaFree(self.ptr.cast());
+                }
+            }
+        }
+    }
+}
+
+macro_rules! view_type {
+    ($name:ident, $borrow:ty, $doc:literal) => {
+        #[doc = $doc]
+        #[derive(Debug)]
+        pub struct $name<'a, T: Pod> {
+            ptr: *mut T,
+            len: usize,
+            device: Device,
+            tracker: &'a Tracker,
+            _marker: PhantomData<$borrow>,
+        }
+
+        // SAFETY: a view is a borrow of a `DeviceBuffer`, which is Send and Sync.
+        unsafe impl<T: Pod> Send for $name<'_, T> {}
+        // SAFETY: as above.
+        unsafe impl<T: Pod> Sync for $name<'_, T> {}
+
+        impl<T: Pod> $name<'_, T> {
+            /// Number of elements.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+            /// Whether it holds no elements.
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+            /// The device the memory lives on.
+            pub fn device(&self) -> Device {
+                self.device
+            }
+            /// The device address (see `DeviceBuffer::as_device_ptr`).
+            pub fn as_device_ptr(&self) -> *const T {
+                self.ptr
+            }
+        }
+
+        impl<T: Pod> DeviceMem<T> for $name<'_, T> {
+            fn device_region(&self) -> DeviceRegion<'_> {
+                DeviceRegion {
+                    ptr: self.ptr.cast(),
+                    len: self.len,
+                    device: self.device,
+                    tracker: self.tracker,
+                }
+            }
+        }
+        impl<T: Pod> DeviceSlice<T> for $name<'_, T> {}
+    };
+}
+
+view_type!(
+    DeviceView,
+    &'a [T],
+    "A read-only view of part of a `DeviceBuffer` (`DeviceBuffer::slice`)."
+);
+view_type!(
+    DeviceViewMut,
+    &'a mut [T],
+    "A writable view of part of a `DeviceBuffer` (`DeviceBuffer::slice_mut`)."
+);
+impl<T: Pod> DeviceSliceMut<T> for DeviceViewMut<'_, T> {}
+
+impl<T: Pod> DeviceMem<T> for DeviceBuffer<T> {
+    fn device_region(&self) -> DeviceRegion<'_> {
+        DeviceRegion {
+            ptr: self.ptr.cast(),
+            len: self.len,
+            device: self.device,
+            tracker: &self.tracker,
+        }
+    }
+}
+impl<T: Pod> DeviceSlice<T> for DeviceBuffer<T> {}
+impl<T: Pod> DeviceSliceMut<T> for DeviceBuffer<T> {}
+
+impl Stream {
+    /// Sets every byte of `dst` to `byte` (`cudaMemsetAsync`), ordered after its earlier uses.
+    pub fn memset<T: Pod, D: DeviceSliceMut<T> + ?Sized>(
+        &self,
+        dst: &mut D,
+        byte: u8,
+    ) -> Result<()> {
+        let r = dst.device_region();
+        self.same_device("Stream::memset", r.device)?;
+        let bytes = r.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.enter()?;
+        tracker::ordered(self, &[r.tracker], || {
+            // SAFETY: `r.ptr` addresses `bytes` bytes of device memory on this stream's device,
+            // kept alive by the `&mut` borrow and, after it, by the tracker.
+            check_with(
+                unsafe { sys::cudaMemsetAsync(r.ptr, i32::from(byte), bytes, self.as_raw()) },
+                "cudaMemsetAsync",
+                || format!("{bytes} bytes"),
+            )
+        })
+        .map(|_| ())
+    }
+}

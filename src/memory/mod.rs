@@ -1,0 +1,125 @@
+//! Memory: `DeviceBuffer<T>` (and views), `PinnedBuffer<T>` (`cudaHostAlloc`) and
+//! `Registered<'a, T>` (`cudaHostRegister` over a borrowed slice), plus the traits that say
+//! which of them a copy accepts on each side.
+
+mod device;
+mod pinned;
+mod registered;
+pub(crate) mod tracker;
+
+pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+pub use pinned::{HostAlloc, PinnedBuffer};
+pub use registered::{HostRegister, Registered};
+
+use std::os::raw::c_void;
+
+use bytemuck::Pod;
+
+use crate::device::Device;
+use tracker::Tracker;
+
+/// What kind of host memory a copy reads or writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostKind {
+    /// Ordinary (pageable) memory: the runtime stages copies through its own pinned buffers.
+    Pageable,
+    /// `cudaHostAlloc` memory (`PinnedBuffer`).
+    Pinned,
+    /// `cudaHostRegister`ed memory (`Registered`).
+    Registered,
+}
+
+pub(crate) mod sealed {
+    use super::*;
+
+    /// Device memory as the copy functions see it.
+    #[derive(Debug)]
+    pub struct DeviceRegion<'a> {
+        pub ptr: *mut c_void,
+        pub len: usize,
+        pub device: Device,
+        pub tracker: &'a Tracker,
+    }
+
+    /// Host memory as the copy functions see it.
+    #[derive(Debug)]
+    pub struct HostRegion<'a> {
+        pub ptr: *mut c_void,
+        pub len: usize,
+        pub kind: HostKind,
+        /// Pinned and registered memory track the GPU's use of them; pageable memory is only
+        /// ever used by calls that finish with it before they return.
+        pub tracker: Option<&'a Tracker>,
+        /// Registered read-only: the GPU may not write it.
+        pub read_only: bool,
+    }
+
+    pub trait DeviceMem<T> {
+        fn device_region(&self) -> DeviceRegion<'_>;
+    }
+
+    pub trait HostMem<T> {
+        fn host_region(&self) -> HostRegion<'_>;
+    }
+}
+
+/// Device memory a copy or kernel may read: `DeviceBuffer`, `DeviceView`, `DeviceViewMut`.
+pub trait DeviceSlice<T: Pod>: sealed::DeviceMem<T> {}
+/// Device memory a copy or kernel may write: `DeviceBuffer`, `DeviceViewMut`.
+pub trait DeviceSliceMut<T: Pod>: DeviceSlice<T> {}
+/// Host memory a copy may read: `PinnedBuffer`, `Registered`, or a plain `[T]` / `Vec<T>`.
+pub trait HostSlice<T: Pod>: sealed::HostMem<T> {}
+/// Host memory a copy may write: `PinnedBuffer`, `Registered`, or a plain `[T]` / `Vec<T>`.
+pub trait HostSliceMut<T: Pod>: HostSlice<T> {}
+
+impl<T: Pod> sealed::HostMem<T> for [T] {
+    fn host_region(&self) -> sealed::HostRegion<'_> {
+        sealed::HostRegion {
+            ptr: self.as_ptr() as *mut c_void,
+            len: self.len(),
+            kind: HostKind::Pageable,
+            tracker: None,
+            read_only: false,
+        }
+    }
+}
+impl<T: Pod> HostSlice<T> for [T] {}
+impl<T: Pod> HostSliceMut<T> for [T] {}
+
+impl<T: Pod> sealed::HostMem<T> for Vec<T> {
+    fn host_region(&self) -> sealed::HostRegion<'_> {
+        self.as_slice().host_region()
+    }
+}
+impl<T: Pod> HostSlice<T> for Vec<T> {}
+impl<T: Pod> HostSliceMut<T> for Vec<T> {}
+
+/// Resolves a range against a length, for the `slice` methods.
+pub(crate) fn resolve_range(
+    op: &'static str,
+    range: impl std::ops::RangeBounds<usize>,
+    len: usize,
+) -> crate::Result<std::ops::Range<usize>> {
+    use std::ops::Bound;
+    let start = match range.start_bound() {
+        Bound::Included(&s) => Some(s),
+        Bound::Excluded(&s) => s.checked_add(1),
+        Bound::Unbounded => Some(0),
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1),
+        Bound::Excluded(&e) => Some(e),
+        Bound::Unbounded => Some(len),
+    };
+    match (start, end) {
+        (Some(s), Some(e)) if s <= e && e <= len => Ok(s..e),
+        _ => Err(crate::Error::invalid(
+            op,
+            format!(
+                "range {:?}..{:?} is outside 0..{len}",
+                range.start_bound(),
+                range.end_bound()
+            ),
+        )),
+    }
+}

@@ -1,0 +1,184 @@
+//! `PinnedBuffer<T>`: page-locked host memory from `cudaHostAlloc`, which the copy engines read
+//! and write directly (no staging), so copies run at link speed and overlap with compute.
+
+use std::ops::BitOr;
+use std::os::raw::c_void;
+
+use bytemuck::Pod;
+
+use super::sealed::{HostMem, HostRegion};
+use super::tracker::Tracker;
+use super::{HostKind, HostSlice, HostSliceMut};
+use crate::device::Device;
+use crate::error::{byte_len, check_alloc, Result};
+use crate::sys;
+
+/// Flags for `cudaHostAlloc`; combine with `|`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostAlloc(u32);
+
+impl HostAlloc {
+    /// Page-locked, cacheable, usable by the device it was allocated on.
+    pub const DEFAULT: HostAlloc = HostAlloc(sys::cudaHostAllocDefault);
+    /// Treated as pinned by every device, not only the allocating one.
+    pub const PORTABLE: HostAlloc = HostAlloc(sys::cudaHostAllocPortable);
+    /// Also mapped into the device address space (zero-copy access from kernels).
+    pub const MAPPED: HostAlloc = HostAlloc(sys::cudaHostAllocMapped);
+    /// Write-combined: faster for the host to write and the GPU to read over PCIe, but very slow
+    /// for the host to read. For upload buffers only.
+    pub const WRITE_COMBINED: HostAlloc = HostAlloc(sys::cudaHostAllocWriteCombined);
+
+    /// The raw flag bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether every flag in `other` is set.
+    pub fn contains(self, other: HostAlloc) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for HostAlloc {
+    type Output = HostAlloc;
+    fn bitor(self, rhs: HostAlloc) -> HostAlloc {
+        HostAlloc(self.0 | rhs.0)
+    }
+}
+
+impl Default for HostAlloc {
+    fn default() -> Self {
+        HostAlloc::DEFAULT
+    }
+}
+
+/// `len` elements of `T` in pinned host memory, zero-filled at allocation.
+///
+/// Every copy that touches it records an event; `as_slice`, `as_mut_slice` and `Drop` wait for
+/// that event first, so the host never sees memory the GPU is still reading or writing — not
+/// even when a `Pending` copy was leaked with `mem::forget`.
+pub struct PinnedBuffer<T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    flags: HostAlloc,
+    device: Device,
+    tracker: Tracker,
+}
+
+// SAFETY: the buffer owns its memory; host access goes through `&`/`&mut` after the tracker's
+// wait, and the tracker is thread-safe.
+unsafe impl<T: Pod> Send for PinnedBuffer<T> {}
+// SAFETY: as above.
+unsafe impl<T: Pod> Sync for PinnedBuffer<T> {}
+
+impl<T: Pod> std::fmt::Debug for PinnedBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("flags", &self.flags)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl<T: Pod> PinnedBuffer<T> {
+    /// Allocates `len` zeroed elements with `cudaHostAlloc(flags)`, with `device` current.
+    pub fn new(device: &Device, len: usize, flags: HostAlloc) -> Result<Self> {
+        let bytes = byte_len::<T>("PinnedBuffer::new", len)?;
+        let mut ptr = std::ptr::null_mut::<c_void>();
+        if bytes > 0 {
+            device.make_current()?;
+            // SAFETY: `ptr` is a valid out-pointer; the flags are valid cudaHostAlloc flags.
+            check_alloc(
+                unsafe { sys::cudaHostAlloc(&mut ptr, bytes, flags.bits()) },
+                "cudaHostAlloc",
+                bytes,
+            )?;
+            // SAFETY: the allocation is `bytes` long and not yet shared with anyone; zeroing
+            // makes every element initialised (all-zero is a valid `Pod` value).
+            unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+        }
+        Ok(PinnedBuffer {
+            ptr: if bytes > 0 {
+                ptr.cast()
+            } else {
+                std::ptr::NonNull::dangling().as_ptr()
+            },
+            len,
+            flags,
+            device: *device,
+            tracker: Tracker::new(),
+        })
+    }
+
+    /// Allocates and fills it with a copy of `data`.
+    pub fn from_slice(device: &Device, data: &[T], flags: HostAlloc) -> Result<Self> {
+        let mut buf = PinnedBuffer::new(device, data.len(), flags)?;
+        buf.as_mut_slice()?.copy_from_slice(data);
+        Ok(buf)
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The flags it was allocated with.
+    pub fn flags(&self) -> HostAlloc {
+        self.flags
+    }
+
+    /// The device that was current at allocation.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Waits for the GPU's last use, then gives read access.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.tracker.synchronize()?;
+        // SAFETY: `ptr` holds `len` initialised elements (zeroed at allocation, then written
+        // only through `&mut self` or by copies, which the wait above has seen finish). No copy
+        // can start while this borrow lives: writes need `&mut self`, and reads are harmless.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+
+    /// Waits for the GPU's last use, then gives write access.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.tracker.synchronize()?;
+        // SAFETY: as in `as_slice`; `&mut self` excludes every other access for the borrow.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+}
+
+impl<T: Pod> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        if self.len == 0 || std::mem::size_of::<T>() == 0 {
+            return;
+        }
+        let _ = self.tracker.synchronize();
+        // SAFETY: `ptr` came from cudaHostAlloc and is freed once, after the GPU's last use.
+        unsafe {
+            let _ = sys::cudaFreeHost(self.ptr.cast());
+        }
+    }
+}
+
+impl<T: Pod> HostMem<T> for PinnedBuffer<T> {
+    fn host_region(&self) -> HostRegion<'_> {
+        HostRegion {
+            ptr: self.ptr.cast(),
+            len: self.len,
+            kind: HostKind::Pinned,
+            tracker: Some(&self.tracker),
+            read_only: false,
+        }
+    }
+}
+impl<T: Pod> HostSlice<T> for PinnedBuffer<T> {}
+impl<T: Pod> HostSliceMut<T> for PinnedBuffer<T> {}

@@ -1,0 +1,188 @@
+//! `Registered<'a, T>`: page-locks memory the caller already owns (`cudaHostRegister`) for the
+//! length of a scope, so copies from and to it run like pinned ones without a second buffer.
+
+use std::marker::PhantomData;
+use std::ops::BitOr;
+
+use bytemuck::Pod;
+
+use super::sealed::{HostMem, HostRegion};
+use super::tracker::Tracker;
+use super::{HostKind, HostSlice, HostSliceMut};
+use crate::device::Device;
+use crate::error::{byte_len, check_with, Result};
+use crate::sys;
+
+/// Flags for `cudaHostRegister`; combine with `|`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostRegister(u32);
+
+impl HostRegister {
+    pub const DEFAULT: HostRegister = HostRegister(sys::cudaHostRegisterDefault);
+    /// Treated as pinned by every device.
+    pub const PORTABLE: HostRegister = HostRegister(sys::cudaHostRegisterPortable);
+    /// Also mapped into the device address space.
+    pub const MAPPED: HostRegister = HostRegister(sys::cudaHostRegisterMapped);
+    /// The GPU only reads it: copies into it are refused with `Error::InvalidArgument`.
+    pub const READ_ONLY: HostRegister = HostRegister(sys::cudaHostRegisterReadOnly);
+
+    /// The raw flag bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether every flag in `other` is set.
+    pub fn contains(self, other: HostRegister) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for HostRegister {
+    type Output = HostRegister;
+    fn bitor(self, rhs: HostRegister) -> HostRegister {
+        HostRegister(self.0 | rhs.0)
+    }
+}
+
+impl Default for HostRegister {
+    fn default() -> Self {
+        HostRegister::DEFAULT
+    }
+}
+
+/// A borrowed `&'a mut [T]`, page-locked with `cudaHostRegister` for the length of
+/// `Registered::scope`. Copies from and to it are tracked like those of a `PinnedBuffer`;
+/// `as_slice` / `as_mut_slice` wait for the GPU first, and at the end of the scope it waits for
+/// the GPU's last use and unregisters.
+///
+/// Why a scope rather than a constructor: a value could be leaked with `mem::forget`, which
+/// would end the borrow of the slice while a copy into it may still be running. Inside the scope
+/// the closure only ever holds `&mut Registered`, so the wait at the end always happens.
+#[derive(Debug)]
+pub struct Registered<'a, T: Pod> {
+    ptr: *mut T,
+    len: usize,
+    flags: HostRegister,
+    device: Device,
+    tracker: Tracker,
+    registered: bool,
+    _borrow: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: it stands for a `&mut [T]` (Send when T is); the tracker is thread-safe.
+unsafe impl<T: Pod> Send for Registered<'_, T> {}
+// SAFETY: shared access only reads, after the tracker's wait.
+unsafe impl<T: Pod> Sync for Registered<'_, T> {}
+
+impl<'a, T: Pod> Registered<'a, T> {
+    /// Registers `data` with `flags` (on `device`), runs `f` with it, then waits for the GPU to
+    /// finish with it and unregisters. Returns what `f` returns; registration and
+    /// unregistration errors come back as `Err`.
+    pub fn scope<R>(
+        device: &Device,
+        data: &'a mut [T],
+        flags: HostRegister,
+        f: impl FnOnce(&mut Registered<'a, T>) -> R,
+    ) -> Result<R> {
+        let mut reg = Registered::register(device, data, flags)?;
+        let out = f(&mut reg);
+        reg.release()?;
+        Ok(out)
+    }
+
+    fn register(device: &Device, data: &'a mut [T], flags: HostRegister) -> Result<Self> {
+        let bytes = byte_len::<T>("Registered::scope", data.len())?;
+        let mut reg = Registered {
+            ptr: data.as_mut_ptr(),
+            len: data.len(),
+            flags,
+            device: *device,
+            tracker: Tracker::new(),
+            registered: false,
+            _borrow: PhantomData,
+        };
+        if bytes > 0 {
+            device.make_current()?;
+            // SAFETY: `ptr` addresses `bytes` bytes the caller lent us mutably for 'a; it stays
+            // registered no longer than that (unregistered in `release` or `Drop`).
+            check_with(
+                unsafe { sys::cudaHostRegister(reg.ptr.cast(), bytes, flags.bits()) },
+                "cudaHostRegister",
+                || format!("{bytes} bytes, flags {:#x}", flags.bits()),
+            )?;
+            reg.registered = true;
+        }
+        Ok(reg)
+    }
+
+    /// Waits for the GPU, then unregisters; the first error is returned.
+    fn release(&mut self) -> Result<()> {
+        if !self.registered {
+            return Ok(());
+        }
+        let waited = self.tracker.synchronize();
+        // SAFETY: registered by `register` and unregistered once, after the GPU's last use.
+        let err = unsafe { sys::cudaHostUnregister(self.ptr.cast()) };
+        self.registered = false;
+        waited?;
+        check_with(err, "cudaHostUnregister", || {
+            format!("{} elements", self.len)
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The flags it was registered with.
+    pub fn flags(&self) -> HostRegister {
+        self.flags
+    }
+
+    /// The device that was current at registration.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Waits for the GPU's last use, then gives read access.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.tracker.synchronize()?;
+        // SAFETY: the memory is the caller's initialised slice, borrowed for 'a; the GPU has
+        // finished with it (wait above) and cannot start writing while `&self` is held.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+
+    /// Waits for the GPU's last use, then gives write access.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.tracker.synchronize()?;
+        // SAFETY: as in `as_slice`; `&mut self` excludes every other access.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+}
+
+impl<T: Pod> Drop for Registered<'_, T> {
+    fn drop(&mut self) {
+        // Reached normally after `release`, or while unwinding out of the scope's closure.
+        let _ = self.release();
+    }
+}
+
+impl<T: Pod> HostMem<T> for Registered<'_, T> {
+    fn host_region(&self) -> HostRegion<'_> {
+        HostRegion {
+            ptr: self.ptr.cast(),
+            len: self.len,
+            kind: HostKind::Registered,
+            tracker: Some(&self.tracker),
+            read_only: self.flags.contains(HostRegister::READ_ONLY),
+        }
+    }
+}
+impl<T: Pod> HostSlice<T> for Registered<'_, T> {}
+impl<T: Pod> HostSliceMut<T> for Registered<'_, T> {}

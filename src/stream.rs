@@ -1,0 +1,167 @@
+//! `Stream`: an ordered queue of GPU work on one device; non-blocking by default.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::device::Device;
+use crate::error::{check, check_with, Error, Result};
+use crate::event::AnyEvent;
+use crate::sys;
+
+/// A CUDA stream created with `cudaStreamNonBlocking`, so it never synchronises with the legacy
+/// default stream. Cloning is cheap and shares the stream; it is destroyed with the last clone
+/// (work already queued still completes).
+#[derive(Clone, Debug)]
+pub struct Stream {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    raw: sys::cudaStream_t,
+    device: Device,
+    priority: i32,
+}
+
+// SAFETY: CUDA streams may be used from any thread; the runtime synchronises internally.
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: the stream is live and destroyed once. Queued work still completes; the buffers
+        // it touches keep their own events, so nothing is freed under it.
+        unsafe {
+            let _ = sys::cudaSetDevice(self.device.raw());
+            let _ = sys::cudaStreamDestroy(self.raw);
+        }
+    }
+}
+
+impl Stream {
+    /// A non-blocking stream on `device` at the default priority.
+    pub fn new(device: &Device) -> Result<Stream> {
+        Stream::create(device, 0)
+    }
+
+    /// A non-blocking stream with `priority`, which must lie in
+    /// `device.stream_priority_range()` (lower numbers run first).
+    pub fn with_priority(device: &Device, priority: i32) -> Result<Stream> {
+        let (least, greatest) = device.stream_priority_range()?;
+        if priority > least || priority < greatest {
+            return Err(Error::invalid(
+                "Stream::with_priority",
+                format!("priority {priority} is outside the device's range {greatest}..={least}"),
+            ));
+        }
+        Stream::create(device, priority)
+    }
+
+    fn create(device: &Device, priority: i32) -> Result<Stream> {
+        device.make_current()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer; the flag is a valid stream flag.
+        check_with(
+            unsafe {
+                sys::cudaStreamCreateWithPriority(&mut raw, sys::cudaStreamNonBlocking, priority)
+            },
+            "cudaStreamCreateWithPriority",
+            || format!("device {}, priority {priority}", device.raw()),
+        )?;
+        Ok(Stream {
+            inner: Arc::new(Inner {
+                raw,
+                device: *device,
+                priority,
+            }),
+        })
+    }
+
+    /// The device the stream runs on.
+    pub fn device(&self) -> Device {
+        self.inner.device
+    }
+
+    /// The priority it was created with.
+    pub fn priority(&self) -> i32 {
+        self.inner.priority
+    }
+
+    /// The raw handle, for use with other CUDA libraries. It stays owned by the `Stream`.
+    pub fn as_raw(&self) -> sys::cudaStream_t {
+        self.inner.raw
+    }
+
+    /// Makes the stream's device current on this thread; every operation does this first.
+    pub(crate) fn enter(&self) -> Result<()> {
+        self.inner.device.make_current()
+    }
+
+    pub(crate) fn same_device(&self, op: &'static str, device: Device) -> Result<()> {
+        if device != self.inner.device {
+            return Err(Error::WrongDevice {
+                op,
+                expected: self.inner.device.raw(),
+                found: device.raw(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Blocks until all work queued on the stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.enter()?;
+        // SAFETY: the stream is live.
+        check(
+            unsafe { sys::cudaStreamSynchronize(self.inner.raw) },
+            "cudaStreamSynchronize",
+        )
+    }
+
+    /// Whether all queued work has finished, without blocking.
+    pub fn is_idle(&self) -> Result<bool> {
+        self.enter()?;
+        // SAFETY: the stream is live.
+        let err = unsafe { sys::cudaStreamQuery(self.inner.raw) };
+        if err == sys::cudaError::cudaErrorNotReady {
+            return Ok(false);
+        }
+        check(err, "cudaStreamQuery").map(|()| true)
+    }
+
+    /// Records `event` at this point of the stream. The event must be on the stream's device.
+    pub fn record<E: AnyEvent>(&self, event: &E) -> Result<()> {
+        self.same_device("Stream::record", event.event_device())?;
+        self.enter()?;
+        // SAFETY: event and stream are live and on the same device.
+        check(
+            unsafe { sys::cudaEventRecord(event.raw_event(), self.inner.raw) },
+            "cudaEventRecord",
+        )
+    }
+
+    /// Makes all later work on this stream wait for `event` (which may be on another device).
+    /// Waiting for an event never recorded is a no-op.
+    pub fn wait<E: AnyEvent>(&self, event: &E) -> Result<()> {
+        self.enter()?;
+        // SAFETY: event and stream are live; cross-device waits are allowed.
+        check(
+            unsafe { sys::cudaStreamWaitEvent(self.inner.raw, event.raw_event(), 0) },
+            "cudaStreamWaitEvent",
+        )
+    }
+
+    /// Queues a kernel that keeps the stream busy for `duration` of GPU time (for tests and
+    /// benchmarks that need work in flight).
+    pub fn spin(&self, duration: Duration) -> Result<()> {
+        self.enter()?;
+        let ns = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        // SAFETY: the launcher only reads its arguments; the stream is live and current.
+        check_with(
+            unsafe { sys::pinstream_spin(ns, self.inner.raw) },
+            "pinstream_spin",
+            || format!("{ns} ns"),
+        )
+    }
+}
