@@ -35,6 +35,7 @@ cudaError_t launch_fill(void* dst, size_t n, uint64_t pattern, cudaStream_t stre
   T value;
   memcpy(&value, &pattern, sizeof(T));
   const unsigned threads = 256;
+  pinstream::before_launch();
   fill_kernel<T><<<pinstream::grid_for(n, threads), threads, 0, stream>>>((T*)dst, n, value);
   return pinstream::launched();
 }
@@ -58,12 +59,14 @@ PINSTREAM_API cudaError_t pinstream_iota_u32(uint32_t* dst, size_t n, uint32_t s
                                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const unsigned threads = 256;
+  pinstream::before_launch();
   iota_u32_kernel<<<pinstream::grid_for(n, threads), threads, 0, stream>>>(dst, n, start, step);
   return pinstream::launched();
 }
 
 // One thread that keeps the stream busy for `ns` nanoseconds of GPU time.
 PINSTREAM_API cudaError_t pinstream_spin(uint64_t ns, cudaStream_t stream) {
+  pinstream::before_launch();
   spin_kernel<<<1, 1, 0, stream>>>(ns);
   return pinstream::launched();
 }

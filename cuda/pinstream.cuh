@@ -17,6 +17,10 @@ inline unsigned grid_for(size_t n, unsigned threads) {
   return (unsigned)(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
 }
 
+// Launchers call this right before a launch, so that the check after it sees only the launch's
+// own error, not one left behind by an earlier, unrelated call.
+inline void before_launch() { (void)cudaGetLastError(); }
+
 // Every launcher returns this: the launch's own error, if any.
 inline cudaError_t launched() { return cudaGetLastError(); }
 

@@ -183,6 +183,7 @@ pub(crate) fn check_with(
     if err == sys::cudaError::cudaSuccess {
         return Ok(());
     }
+    clear_last_error();
     let cuda = CudaError::from_raw(err);
     if is_no_device(err) {
         return Err(Error::NoDevice { call, cuda });
@@ -194,6 +195,15 @@ pub(crate) fn check_with(
     })
 }
 
+/// A failed call also leaves its error as the thread's "last error", where the next kernel
+/// launch check would find it again: it has been reported, so clear it. (Sticky errors stay.)
+fn clear_last_error() {
+    // SAFETY: plain call without arguments.
+    unsafe {
+        let _ = sys::cudaGetLastError();
+    }
+}
+
 /// `check_with` without details.
 pub(crate) fn check(err: sys::cudaError_t, call: &'static str) -> Result<()> {
     check_with(err, call, String::new)
@@ -202,6 +212,7 @@ pub(crate) fn check(err: sys::cudaError_t, call: &'static str) -> Result<()> {
 /// For allocations: out of memory becomes `Error::OutOfMemory` with the size asked for.
 pub(crate) fn check_alloc(err: sys::cudaError_t, call: &'static str, bytes: usize) -> Result<()> {
     if err == sys::cudaError::cudaErrorMemoryAllocation {
+        clear_last_error();
         return Err(Error::OutOfMemory {
             call,
             bytes,

@@ -1,1 +1,822 @@
+//! GPU trials. Each one is marked ignored at run time when the machine has no CUDA device, so a
+//! machine without a GPU reports them as ignored, never as passed.
 
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytemuck::Pod;
+use common::{ensure, random_bytes, rng, same, R};
+use libtest_mimic::{Arguments, Trial};
+use pinstream::{
+    bf16, f16, kernels, Device, DeviceBuffer, Error, Event, HostAlloc, HostRegister, PinnedBuffer,
+    Registered, Stream, TimingEvent,
+};
+use rand::Rng;
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Pageable,
+    Pinned(HostAlloc),
+    Registered(HostRegister),
+}
+
+const KINDS: &[(&str, Kind)] = &[
+    ("pageable", Kind::Pageable),
+    ("pinned-default", Kind::Pinned(HostAlloc::DEFAULT)),
+    ("pinned-portable", Kind::Pinned(HostAlloc::PORTABLE)),
+    ("pinned-mapped", Kind::Pinned(HostAlloc::MAPPED)),
+    (
+        "pinned-write-combined",
+        Kind::Pinned(HostAlloc::WRITE_COMBINED),
+    ),
+    (
+        "registered-default",
+        Kind::Registered(HostRegister::DEFAULT),
+    ),
+    (
+        "registered-portable",
+        Kind::Registered(HostRegister::PORTABLE),
+    ),
+];
+
+const SIZES: &[usize] = &[
+    1,
+    3,
+    4095,
+    65_537,
+    (1 << 20) + 13,
+    (16 << 20) - 7,
+    256 << 20,
+];
+
+fn main() {
+    let mut args = Arguments::from_args();
+    // One trial at a time unless asked otherwise: implicit device-wide synchronisations (cudaFree,
+    // cudaHostAlloc) in one trial would stall the timing-sensitive checks of another.
+    args.test_threads.get_or_insert(1);
+    let no_gpu = !pinstream::available();
+    let two_gpus = Device::count().is_ok_and(|n| n >= 2);
+    let mut trials = Vec::new();
+    let mut gpu = |name: String, f: fn() -> R| {
+        trials.push(Trial::test(name, f).with_ignored_flag(no_gpu));
+    };
+    gpu("device_info".into(), device_info);
+    gpu("typed_roundtrips".into(), typed_roundtrips);
+    gpu(
+        "views_memset_fill_iota_d2d".into(),
+        views_memset_fill_iota_d2d,
+    );
+    gpu(
+        "event_ordering_across_streams".into(),
+        event_ordering_across_streams,
+    );
+    gpu("event_timing".into(), event_timing);
+    gpu("stream_priorities".into(), stream_priorities);
+    gpu("two_streams_copy_at_once".into(), two_streams_copy_at_once);
+    gpu(
+        "buffer_used_on_two_streams_is_ordered".into(),
+        buffer_used_on_two_streams_is_ordered,
+    );
+    gpu(
+        "drop_buffers_while_in_flight".into(),
+        drop_buffers_while_in_flight,
+    );
+    gpu("drop_and_forget_pending".into(), drop_and_forget_pending);
+    gpu(
+        "async_alloc_across_streams".into(),
+        async_alloc_across_streams,
+    );
+    gpu("threads_share_one_device".into(), threads_share_one_device);
+    gpu(
+        "errors_are_typed_and_lose_nothing".into(),
+        errors_are_typed_and_lose_nothing,
+    );
+    gpu("registered_read_only".into(), registered_read_only);
+    gpu(
+        "pageable_slice_of_pinned_memory".into(),
+        pageable_slice_of_pinned_memory,
+    );
+    for &(name, kind) in KINDS {
+        for &size in SIZES {
+            trials.push(
+                Trial::test(format!("roundtrip/{name}/{size}"), move || {
+                    roundtrip(kind, size)
+                })
+                .with_ignored_flag(no_gpu),
+            );
+        }
+    }
+    trials.push(
+        Trial::test("wrong_device_is_an_error", wrong_device_is_an_error)
+            .with_ignored_flag(!two_gpus),
+    );
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn dev0() -> Result<Device, Error> {
+    Device::get(0)
+}
+
+/// H2D then D2H of random bytes through one kind of host memory, with both the device buffer and
+/// the host destination poisoned first.
+fn roundtrip(kind: Kind, size: usize) -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let (data, seed) = random_bytes(size);
+    let poison: Vec<u8> = data.iter().map(|b| !b).collect();
+    let mut d = DeviceBuffer::<u8>::new(&dev, size)?;
+    stream.memset(&mut d, 0x5A)?;
+    let what = format!("{kind:?} round trip of {size} bytes");
+    match kind {
+        Kind::Pageable => {
+            stream.copy_h2d(&data[..], &mut d)?;
+            let mut back = poison;
+            let got = stream.copy_d2h(&d, &mut back[..])?.wait()?;
+            same(&what, got, &data, seed)
+        }
+        Kind::Pinned(flags) => {
+            let src = PinnedBuffer::from_slice(&dev, &data, flags)?;
+            stream.copy_h2d(&src, &mut d)?;
+            let mut dst = PinnedBuffer::from_slice(&dev, &poison, flags)?;
+            let got = stream.copy_d2h(&d, &mut dst)?.wait()?;
+            same(&what, got, &data, seed)
+        }
+        Kind::Registered(flags) => {
+            let mut src = data.clone();
+            let mut dst = poison;
+            let out = Registered::scope(&dev, &mut src, flags, |rs| -> R {
+                Registered::scope(&dev, &mut dst, flags, |rd| -> R {
+                    stream.copy_h2d(rs, &mut d)?;
+                    let got = stream.copy_d2h(&d, rd)?.wait()?;
+                    same(&what, got, &data, seed)
+                })?
+            })?;
+            out?;
+            // After the scope: unregistered, and the data is in the caller's vector.
+            same(&format!("{what}, after the scope"), &dst, &data, seed)
+        }
+    }
+}
+
+fn typed_roundtrip<T: Pod + PartialEq + std::fmt::Debug>(
+    dev: &Device,
+    stream: &Stream,
+    n: usize,
+) -> R {
+    let (bytes, seed) = random_bytes(n * std::mem::size_of::<T>());
+    let data: Vec<T> = bytemuck::pod_collect_to_vec(&bytes);
+    let src = PinnedBuffer::from_slice(dev, &data, HostAlloc::DEFAULT)?;
+    let mut d = DeviceBuffer::<T>::new(dev, n)?;
+    stream.memset(&mut d, 0xEE)?;
+    stream.copy_h2d(&src, &mut d)?;
+    let mut dst = PinnedBuffer::<T>::new(dev, n, HostAlloc::DEFAULT)?;
+    let got = stream.copy_d2h(&d, &mut dst)?.wait()?;
+    // Compare bit patterns: random f32/f16 bytes include NaNs, which never compare equal.
+    same(
+        &format!("{} x {}", n, std::any::type_name::<T>()),
+        bytemuck::cast_slice::<T, u8>(got),
+        &bytes,
+        seed,
+    )
+}
+
+fn typed_roundtrips() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    typed_roundtrip::<f32>(&dev, &stream, 1_000_003)?;
+    typed_roundtrip::<f16>(&dev, &stream, 4097)?;
+    typed_roundtrip::<bf16>(&dev, &stream, 333)?;
+    typed_roundtrip::<u64>(&dev, &stream, 7)?;
+    typed_roundtrip::<[u8; 3]>(&dev, &stream, 100_001)?;
+    Ok(())
+}
+
+fn device_info() -> R {
+    let n = Device::count()?;
+    ensure(n >= 1, || format!("count {n}"))?;
+    for dev in Device::all()? {
+        let name = dev.name()?;
+        let (major, minor) = dev.compute_capability()?;
+        let sms = dev.multiprocessor_count()?;
+        let mem = dev.total_memory()?;
+        let info = dev.memory_info()?;
+        let engines = dev.async_engine_count()?;
+        let pci = dev.pci_bus_id()?;
+        println!(
+            "{dev}: {name}, sm_{major}{minor}, {sms} SMs, {mem} bytes ({} free), {engines} copy engines, {pci}, link {:?}, numa {:?}",
+            info.free,
+            dev.pcie_link(),
+            dev.numa_node()
+        );
+        ensure(!name.is_empty(), || "empty name".into())?;
+        ensure(major >= 7, || format!("compute capability {major}.{minor}"))?;
+        ensure(sms > 0 && mem > (1 << 30) && info.total == mem, || {
+            format!("sms {sms}, total {mem}, memory_info {info:?}")
+        })?;
+        ensure(info.free <= info.total, || format!("{info:?}"))?;
+        ensure(engines >= 1, || format!("{engines} copy engines"))?;
+        let parts: Vec<&str> = pci.split([':', '.']).collect();
+        ensure(parts.len() == 4 && pci == pci.to_lowercase(), || {
+            format!("pci bus id {pci}")
+        })?;
+    }
+    let rt = Device::runtime_version()?;
+    let drv = Device::driver_version()?.ok_or("no driver version on a machine with a device")?;
+    println!("runtime {rt}, driver {drv}");
+    ensure(rt.major >= 12 && drv.major >= 12, || {
+        format!("runtime {rt}, driver {drv}")
+    })
+}
+
+fn views_memset_fill_iota_d2d() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 100_003;
+    let mut host = PinnedBuffer::<u32>::new(&dev, n, HostAlloc::DEFAULT)?;
+
+    // iota
+    let mut a = DeviceBuffer::<u32>::new(&dev, n)?;
+    kernels::iota(&s, &mut a, 17, 3)?;
+    let want: Vec<u32> = (0..n as u32).map(|i| 17 + 3 * i).collect();
+    same("iota", s.copy_d2h(&a, &mut host)?.wait()?, &want, 0)?;
+
+    // fill of every supported width, on odd lengths
+    let mut b8 = DeviceBuffer::<u8>::new(&dev, 12_345)?;
+    kernels::fill(&s, &mut b8, 0xC3u8)?;
+    let mut h8 = vec![0u8; 12_345];
+    same(
+        "fill u8",
+        s.copy_d2h(&b8, &mut h8[..])?.wait()?,
+        &vec![0xC3u8; 12_345],
+        0,
+    )?;
+    let mut b16 = DeviceBuffer::<f16>::new(&dev, 777)?;
+    kernels::fill(&s, &mut b16, f16::from_f32(-2.5))?;
+    let mut h16 = vec![f16::ZERO; 777];
+    same(
+        "fill f16",
+        s.copy_d2h(&b16, &mut h16[..])?.wait()?,
+        &vec![f16::from_f32(-2.5); 777],
+        0,
+    )?;
+    let mut b64 = DeviceBuffer::<u64>::new(&dev, 9)?;
+    kernels::fill(&s, &mut b64, 0x0123_4567_89AB_CDEFu64)?;
+    let mut h64 = vec![0u64; 9];
+    same(
+        "fill u64",
+        s.copy_d2h(&b64, &mut h64[..])?.wait()?,
+        &[0x0123_4567_89AB_CDEFu64; 9],
+        0,
+    )?;
+    ensure(
+        matches!(
+            kernels::fill(&s, &mut DeviceBuffer::<[u8; 3]>::new(&dev, 4)?, [1, 2, 3]),
+            Err(Error::InvalidArgument { .. })
+        ),
+        || "fill of 3-byte elements must be refused".into(),
+    )?;
+
+    // memset of a view leaves the rest alone
+    let mut c = DeviceBuffer::<u32>::new(&dev, n)?;
+    kernels::fill(&s, &mut c, 0x1111_1111u32)?;
+    s.memset(&mut c.slice_mut(10..20)?, 0xFF)?;
+    let got = s.copy_d2h(&c, &mut host)?.wait()?;
+    let mut want = vec![0x1111_1111u32; n];
+    want[10..20].fill(u32::MAX);
+    same("memset of a view", got, &want, 0)?;
+
+    // device-to-device, whole and between views
+    let mut d = DeviceBuffer::<u32>::new(&dev, n)?;
+    s.copy_d2d(&a, &mut d)?;
+    let got = s.copy_d2h(&d, &mut host)?.wait()?.to_vec();
+    same(
+        "d2d",
+        &got,
+        &(0..n as u32).map(|i| 17 + 3 * i).collect::<Vec<_>>(),
+        0,
+    )?;
+    s.copy_d2d(&a.slice(0..1000)?, &mut d.slice_mut(n - 1000..)?)?;
+    let got = s.copy_d2h(&d, &mut host)?.wait()?;
+    let mut want: Vec<u32> = (0..n as u32).map(|i| 17 + 3 * i).collect();
+    for i in 0..1000 {
+        want[n - 1000 + i] = 17 + 3 * i as u32;
+    }
+    same("d2d between views", got, &want, 0)?;
+
+    // H2D into a view, D2H from a view
+    let (bytes, seed) = random_bytes(4 * 513);
+    let part: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+    s.copy_h2d(&part[..], &mut d.slice_mut(1..514)?)?;
+    let mut back = vec![0u32; 513];
+    same(
+        "h2d into a view",
+        s.copy_d2h(&d.slice(1..514)?, &mut back[..])?.wait()?,
+        &part,
+        seed,
+    )?;
+    Ok(())
+}
+
+fn event_ordering_across_streams() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let spun = Event::new(&dev)?;
+    let after_wait = Event::new(&dev)?;
+    let independent = Event::new(&dev)?;
+
+    // Without a wait, b runs on while a spins.
+    a.spin(Duration::from_millis(200))?;
+    a.record(&spun)?;
+    b.record(&independent)?;
+    independent.synchronize()?;
+    ensure(!spun.is_complete()?, || {
+        "a's spin finished before an idle stream's event".into()
+    })?;
+
+    // With a wait, b's later work runs after a's.
+    b.wait(&spun)?;
+    b.record(&after_wait)?;
+    ensure(!after_wait.is_complete()?, || {
+        "b's event completed before the event it waits for".into()
+    })?;
+    after_wait.synchronize()?;
+    ensure(spun.is_complete()?, || {
+        "b passed its wait before a's spin finished".into()
+    })?;
+
+    // Timing across the wait: at least the spin.
+    let (t0, t1) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
+    a.record(&t0)?;
+    a.spin(Duration::from_millis(30))?;
+    a.record(&spun)?;
+    b.wait(&spun)?;
+    b.record(&t1)?;
+    t1.synchronize()?;
+    let ms = t0.elapsed_ms(&t1)?;
+    ensure(ms >= 29.0, || {
+        format!("b waited only {ms} ms for a 30 ms spin")
+    })
+}
+
+fn event_timing() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let (start, end) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
+    // Timing before either event was recorded is an error, not garbage.
+    ensure(start.elapsed_ms(&end).is_err(), || {
+        "elapsed time of unrecorded events".into()
+    })?;
+    s.record(&start)?;
+    s.spin(Duration::from_millis(20))?;
+    s.record(&end)?;
+    let host = Instant::now();
+    end.synchronize()?;
+    ensure(end.is_complete()?, || {
+        "end not complete after synchronize".into()
+    })?;
+    let ms = start.elapsed_ms(&end)?;
+    let d = start.elapsed(&end)?;
+    println!(
+        "20 ms spin: {ms:.3} ms on the GPU, host waited {:?}",
+        host.elapsed()
+    );
+    ensure((19.5..200.0).contains(&ms), || {
+        format!("a 20 ms spin took {ms} ms")
+    })?;
+    ensure((d.as_secs_f64() * 1e3 - f64::from(ms)).abs() < 0.01, || {
+        format!("{d:?} vs {ms} ms")
+    })?;
+    // Events of two devices, or timing through plain events, cannot be mixed up: the types differ.
+    Ok(())
+}
+
+fn stream_priorities() -> R {
+    let dev = dev0()?;
+    let (least, greatest) = dev.stream_priority_range()?;
+    let hi = Stream::with_priority(&dev, greatest)?;
+    let lo = Stream::with_priority(&dev, least)?;
+    ensure(hi.priority() == greatest && lo.priority() == least, || {
+        "priorities".into()
+    })?;
+    let bad = Stream::with_priority(&dev, greatest - 1);
+    ensure(matches!(bad, Err(Error::InvalidArgument { .. })), || {
+        format!("{bad:?}")
+    })?;
+    let mut d = DeviceBuffer::<u32>::new(&dev, 1000)?;
+    kernels::fill(&hi, &mut d, 9u32)?;
+    let mut h = vec![0u32; 1000];
+    same(
+        "fill on a high-priority stream, read on a low one",
+        lo.copy_d2h(&d, &mut h[..])?.wait()?,
+        &[9u32; 1000],
+        0,
+    )?;
+    ensure(hi.is_idle()? && lo.is_idle()?, || {
+        "streams busy after the wait".into()
+    })
+}
+
+fn two_streams_copy_at_once() -> R {
+    let dev = dev0()?;
+    let (up, down) = (dev.stream()?, dev.stream()?);
+    let n = 64 << 20;
+    let (data_up, seed_up) = random_bytes(n);
+    let (data_down, seed_down) = random_bytes(n);
+    let src = PinnedBuffer::from_slice(&dev, &data_up, HostAlloc::DEFAULT)?;
+    let mut d_up = DeviceBuffer::<u8>::new(&dev, n)?;
+    let mut d_down = DeviceBuffer::<u8>::new(&dev, n)?;
+    up.copy_h2d(&data_down[..], &mut d_down)?;
+    let mut dst = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
+    up.synchronize()?;
+
+    // Hold both streams on one event so that both copies start together.
+    let gate = Event::new(&dev)?;
+    let gate_stream = dev.stream()?;
+    gate_stream.spin(Duration::from_millis(20))?;
+    gate_stream.record(&gate)?;
+    up.wait(&gate)?;
+    down.wait(&gate)?;
+    let (t0, t1, t2) = (
+        TimingEvent::new(&dev)?,
+        TimingEvent::new(&dev)?,
+        TimingEvent::new(&dev)?,
+    );
+    up.record(&t0)?;
+    let h2d = up.copy_h2d(&src, &mut d_up)?;
+    let d2h = down.copy_d2h(&d_down, &mut dst)?;
+    up.record(&t1)?;
+    down.record(&t2)?;
+    let got = d2h.wait()?;
+    h2d.wait()?;
+    same("d2h while h2d", got, &data_down, seed_down)?;
+    let mut back = vec![0u8; n];
+    same(
+        "h2d while d2h",
+        up.copy_d2h(&d_up, &mut back[..])?.wait()?,
+        &data_up,
+        seed_up,
+    )?;
+    let (ms_up, ms_down) = (t0.elapsed_ms(&t1)?, t0.elapsed_ms(&t2)?);
+    println!(
+        "64 MiB each way at once: h2d {:.1} GB/s, d2h {:.1} GB/s",
+        n as f64 / ms_up as f64 / 1e6,
+        n as f64 / ms_down as f64 / 1e6
+    );
+    Ok(())
+}
+
+/// Writes on one stream and reads on another need no manual event: the buffer orders them.
+fn buffer_used_on_two_streams_is_ordered() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let n = 4 << 20;
+    let mut d = DeviceBuffer::<u32>::new(&dev, n)?;
+    let mut host = PinnedBuffer::<u32>::new(&dev, n, HostAlloc::DEFAULT)?;
+    for round in 1..=5u32 {
+        a.spin(Duration::from_millis(10))?;
+        kernels::fill(&a, &mut d, round)?;
+        let got = b.copy_d2h(&d, &mut host)?.wait()?;
+        ensure(got.iter().all(|&v| v == round), || {
+            format!(
+                "round {round}: read on stream b saw {} before a's fill",
+                got[0]
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn drop_buffers_while_in_flight() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 32 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    {
+        let src = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+        s.spin(Duration::from_millis(30))?;
+        s.copy_h2d(&src, &mut d)?;
+        // `src` is dropped here with its copy still queued behind the spin: Drop waits.
+    }
+    let mut back = vec![0u8; n];
+    same(
+        "after dropping the pinned source",
+        s.copy_d2h(&d, &mut back[..])?.wait()?,
+        &data,
+        seed,
+    )?;
+
+    // A device buffer dropped while a copy into it waits behind a spin.
+    {
+        let mut d2 = DeviceBuffer::<u8>::new(&dev, n)?;
+        s.spin(Duration::from_millis(30))?;
+        s.copy_d2d(&d, &mut d2)?;
+    }
+    // A stream dropped while its work is queued; the buffers outlive it.
+    {
+        let s2 = dev.stream()?;
+        s2.spin(Duration::from_millis(30))?;
+        kernels::fill(&s2, &mut d, 0x42u8)?;
+    }
+    let got = s.copy_d2h(&d, &mut back[..])?.wait()?;
+    ensure(got.iter().all(|&b| b == 0x42), || {
+        "fill on a dropped stream lost".into()
+    })?;
+    // Registered memory whose scope ends with a copy still queued.
+    let mut reg = data.clone();
+    Registered::scope(&dev, &mut reg, HostRegister::DEFAULT, |r| -> R {
+        s.spin(Duration::from_millis(30))?;
+        s.copy_h2d(r, &mut d)?;
+        Ok(())
+    })??;
+    let got = s.copy_d2h(&d, &mut back[..])?.wait()?;
+    same(
+        "h2d from registered memory, scope ended in flight",
+        got,
+        &data,
+        seed,
+    )
+}
+
+fn drop_and_forget_pending() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 16 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    s.copy_h2d(&data[..], &mut d)?;
+    let poison: Vec<u8> = data.iter().map(|b| !b).collect();
+
+    // is_ready is false behind a spin, then wait gives the data.
+    let mut dst = PinnedBuffer::from_slice(&dev, &poison, HostAlloc::DEFAULT)?;
+    s.spin(Duration::from_millis(50))?;
+    let p = s.copy_d2h(&d, &mut dst)?;
+    ensure(!p.is_ready()?, || {
+        "pending copy ready behind a 50 ms spin".into()
+    })?;
+    same("wait", p.wait()?, &data, seed)?;
+
+    // Dropped without waiting: the drop waits.
+    let mut dst = PinnedBuffer::from_slice(&dev, &poison, HostAlloc::DEFAULT)?;
+    s.spin(Duration::from_millis(30))?;
+    drop(s.copy_d2h(&d, &mut dst)?);
+    same("after dropping a Pending", dst.as_slice()?, &data, seed)?;
+
+    // Leaked: the pinned buffer's own event still makes host access wait.
+    let mut dst = PinnedBuffer::from_slice(&dev, &poison, HostAlloc::DEFAULT)?;
+    s.spin(Duration::from_millis(30))?;
+    std::mem::forget(s.copy_d2h(&d, &mut dst)?);
+    same("after forgetting a Pending", dst.as_slice()?, &data, seed)?;
+
+    // Leaked into registered memory: the end of the scope waits.
+    let mut dst = poison.clone();
+    Registered::scope(&dev, &mut dst, HostRegister::DEFAULT, |r| -> R {
+        s.spin(Duration::from_millis(30))?;
+        std::mem::forget(s.copy_d2h(&d, r)?);
+        same(
+            "registered, forgotten Pending, as_slice",
+            r.as_slice()?,
+            &data,
+            seed,
+        )
+    })??;
+    same(
+        "registered, forgotten Pending, after the scope",
+        &dst,
+        &data,
+        seed,
+    )
+}
+
+fn async_alloc_across_streams() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let n = 8 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut back = vec![0u8; n];
+    for _ in 0..10 {
+        // Allocated on a (behind a spin), used on b, dropped (freed on a after b's use).
+        a.spin(Duration::from_millis(5))?;
+        let mut buf = DeviceBuffer::<u8>::new_async(&a, n)?;
+        b.copy_h2d(&data[..], &mut buf)?;
+        let got = b.copy_d2h(&buf, &mut back[..])?.wait()?;
+        same(
+            "stream-ordered buffer used on another stream",
+            got,
+            &data,
+            seed,
+        )?;
+    }
+    // The allocating stream handle goes away before the buffer.
+    let c = dev.stream()?;
+    let mut buf = DeviceBuffer::<u8>::new_async(&c, n)?;
+    drop(c);
+    kernels::fill(&b, &mut buf, 7u8)?;
+    let got = b.copy_d2h(&buf, &mut back[..])?.wait()?;
+    ensure(got.iter().all(|&v| v == 7), || {
+        "fill of a stream-ordered buffer".into()
+    })?;
+    drop(buf);
+    let empty = DeviceBuffer::<u8>::new_async(&b, 0)?;
+    ensure(empty.is_empty(), || "empty".into())
+}
+
+fn threads_share_one_device() -> R {
+    let dev = dev0()?;
+    let n = 4 << 20;
+    let (data, seed) = random_bytes(n);
+    let shared = {
+        let s = dev.stream()?;
+        let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+        s.copy_h2d(&data[..], &mut d)?;
+        d
+    };
+    let results: Vec<R> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|t| {
+                let (shared, data) = (&shared, &data);
+                scope.spawn(move || -> R {
+                    let s = dev.stream()?;
+                    let mut own = DeviceBuffer::<u8>::new(&dev, n)?;
+                    let mut host = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
+                    for i in 0..10u8 {
+                        // Everyone reads the shared buffer...
+                        same(
+                            "shared read",
+                            s.copy_d2h(shared, &mut host)?.wait()?,
+                            data,
+                            seed,
+                        )?;
+                        // ...and round-trips its own data.
+                        let v = t as u8 * 16 + i + 1;
+                        host.as_mut_slice()?.fill(v);
+                        s.copy_h2d(&host, &mut own)?;
+                        host.as_mut_slice()?.fill(0);
+                        let got = s.copy_d2h(&own, &mut host)?.wait()?;
+                        ensure(got.iter().all(|&b| b == v), || {
+                            format!("thread {t} round {i}")
+                        })?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("thread panicked".into())))
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+fn errors_are_typed_and_lose_nothing() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 1000;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    s.copy_h2d(&data[..], &mut d)?;
+
+    let long = vec![1u8; n + 1];
+    let e = s.copy_h2d(&long[..], &mut d).err();
+    ensure(
+        matches!(
+            e,
+            Some(Error::LengthMismatch {
+                src: 1001,
+                dst: 1000,
+                ..
+            })
+        ),
+        || format!("{e:?}"),
+    )?;
+    let mut short = vec![9u8; n - 1];
+    let e = s.copy_d2h(&d, &mut short[..]).err();
+    ensure(matches!(e, Some(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    ensure(short.iter().all(|&b| b == 9), || {
+        "refused copy wrote the destination".into()
+    })?;
+    let mut other = DeviceBuffer::<u8>::new(&dev, n + 5)?;
+    let e = s.copy_d2d(&d, &mut other).err();
+    ensure(matches!(e, Some(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let mut back = vec![0u8; n];
+    same(
+        "after refused copies",
+        s.copy_d2h(&d, &mut back[..])?.wait()?,
+        &data,
+        seed,
+    )?;
+
+    let e = DeviceBuffer::<u8>::new(&dev, 1 << 50).err();
+    ensure(
+        matches!(e, Some(Error::OutOfMemory { bytes, .. }) if bytes == 1 << 50),
+        || format!("{e:?}"),
+    )?;
+    println!("{}", e.map(|e| e.to_string()).unwrap_or_default());
+    let e = DeviceBuffer::<u64>::new(&dev, usize::MAX).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+    let e = Device::get(Device::count()?).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+    let e = d.slice(5..n + 1).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+    #[allow(clippy::reversed_empty_ranges)]
+    let e = d.slice(7..3).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+
+    // The context still works after all of that.
+    same(
+        "after errors",
+        s.copy_d2h(&d, &mut back[..])?.wait()?,
+        &data,
+        seed,
+    )?;
+    let (mut rng, _) = rng();
+    let k: u32 = rng.random_range(1..1000);
+    let mut z = DeviceBuffer::<u32>::new(&dev, 10)?;
+    kernels::fill(&s, &mut z, k)?;
+    let mut h = vec![0u32; 10];
+    let got = s.copy_d2h(&z, &mut h[..])?.wait()?;
+    same("kernel after errors", got, &[k; 10], 0)
+}
+
+fn registered_read_only() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 1 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut src = data.clone();
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    let r = Registered::scope(&dev, &mut src, HostRegister::READ_ONLY, |r| -> R {
+        s.copy_h2d(r, &mut d)?;
+        let e = s.copy_d2h(&d, r).err();
+        ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+            format!("{e:?}")
+        })
+    });
+    match r {
+        Ok(inner) => inner?,
+        // Some platforms do not support read-only registration: that must be an error value.
+        Err(e) => {
+            println!("read-only registration refused: {e}");
+            return Ok(());
+        }
+    }
+    let mut back = vec![0u8; n];
+    let got = s.copy_d2h(&d, &mut back[..])?.wait()?;
+    same("h2d from read-only registered memory", got, &data, seed)
+}
+
+/// A plain slice that is in fact pinned memory is still handled safely.
+fn pageable_slice_of_pinned_memory() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 8 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    let mut pinned = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    s.spin(Duration::from_millis(20))?;
+    s.copy_h2d(pinned.as_slice()?, &mut d)?;
+    // The copy is finished when the call returns, so overwriting now cannot change what arrived.
+    pinned.as_mut_slice()?.fill(0);
+    let mut back = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
+    s.spin(Duration::from_millis(20))?;
+    let got = s.copy_d2h(&d, back.as_mut_slice()?)?.wait()?;
+    same("pinned memory passed as plain slices", got, &data, seed)
+}
+
+fn wrong_device_is_an_error() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let s0 = d0.stream()?;
+    let mut b1 = DeviceBuffer::<u8>::new(&d1, 16)?;
+    let src = vec![1u8; 16];
+    let e = s0.copy_h2d(&src[..], &mut b1).err();
+    ensure(
+        matches!(
+            e,
+            Some(Error::WrongDevice {
+                expected: 0,
+                found: 1,
+                ..
+            })
+        ),
+        || format!("{e:?}"),
+    )?;
+    let ev1 = Event::new(&d1)?;
+    let e = s0.record(&ev1).err();
+    ensure(matches!(e, Some(Error::WrongDevice { .. })), || {
+        format!("{e:?}")
+    })
+}

@@ -1,0 +1,57 @@
+//! Helpers shared by the test executables.
+#![allow(dead_code)]
+
+use libtest_mimic::Failed;
+use rand::rngs::SmallRng;
+use rand::{RngCore, SeedableRng};
+
+pub type R = Result<(), Failed>;
+
+/// Fails with `msg` unless `cond`.
+pub fn ensure(cond: bool, msg: impl FnOnce() -> String) -> R {
+    if cond {
+        Ok(())
+    } else {
+        Err(msg().into())
+    }
+}
+
+/// A fresh generator with a seed from the OS; the seed goes into failure messages.
+pub fn rng() -> (SmallRng, u64) {
+    let seed = rand::random::<u64>();
+    (SmallRng::seed_from_u64(seed), seed)
+}
+
+/// `n` random bytes that are never all zero.
+pub fn random_bytes(n: usize) -> (Vec<u8>, u64) {
+    let (mut rng, seed) = rng();
+    let mut v = vec![0u8; n];
+    rng.fill_bytes(&mut v);
+    if n > 0 && v.iter().all(|&b| b == 0) {
+        v[0] = 1;
+    }
+    (v, seed)
+}
+
+/// Compares two slices and names the first difference.
+pub fn same<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T], seed: u64) -> R {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: length {} != {} (seed {seed})",
+            got.len(),
+            want.len()
+        )
+        .into());
+    }
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        let bad = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        return Err(format!(
+            "{what}: {bad} of {} elements differ, first at {i}: got {:?}, want {:?} (seed {seed})",
+            want.len(),
+            got[i],
+            want[i]
+        )
+        .into());
+    }
+    Ok(())
+}
