@@ -269,6 +269,7 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
         )
         .rustified_enum("cudaError|cudaMemcpyKind|cudaDeviceAttr")
         .derive_debug(true)
+        .generate_comments(false)
         .layout_tests(true)
         .generate()
         .map_err(|e| format!("pinstream: bindgen over cuda_runtime_api.h failed: {e}"))?;

@@ -281,7 +281,7 @@ fn pcie_link_parsing() -> R {
         pinstream::parse_link_speed("32.0 GT/s PCIe\n") == Some(32.0),
         || "32 GT/s".into(),
     )?;
-    ensure(pinstream::parse_link_speed("Unknown") == None, || {
+    ensure(pinstream::parse_link_speed("Unknown").is_none(), || {
         "Unknown".into()
     })?;
     ensure(pinstream::parse_link_speed("2.5 GT/s") == Some(2.5), || {

@@ -262,7 +262,7 @@ fn views_memset_fill_iota_d2d() -> R {
     )?;
     let mut b64 = DeviceBuffer::<u64>::new(&dev, 9)?;
     kernels::fill(&s, &mut b64, 0x0123_4567_89AB_CDEFu64)?;
-    let mut h64 = vec![0u64; 9];
+    let mut h64 = [0u64; 9];
     same(
         "fill u64",
         s.copy_d2h(&b64, &mut h64[..])?.wait()?,
@@ -747,7 +747,7 @@ fn errors_are_typed_and_lose_nothing() -> R {
     let k: u32 = rng.random_range(1..1000);
     let mut z = DeviceBuffer::<u32>::new(&dev, 10)?;
     kernels::fill(&s, &mut z, k)?;
-    let mut h = vec![0u32; 10];
+    let mut h = [0u32; 10];
     let got = s.copy_d2h(&z, &mut h[..])?.wait()?;
     same("kernel after errors", got, &[k; 10], 0)
 }
@@ -801,7 +801,7 @@ fn wrong_device_is_an_error() -> R {
     let (d0, d1) = (Device::get(0)?, Device::get(1)?);
     let s0 = d0.stream()?;
     let mut b1 = DeviceBuffer::<u8>::new(&d1, 16)?;
-    let src = vec![1u8; 16];
+    let src = [1u8; 16];
     let e = s0.copy_h2d(&src[..], &mut b1).err();
     ensure(
         matches!(

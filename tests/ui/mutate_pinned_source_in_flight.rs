@@ -1,0 +1,13 @@
+// A pinned source borrowed by an in-flight upload cannot be written.
+use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer};
+
+fn main() -> pinstream::Result<()> {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, 16)?;
+    let mut host = PinnedBuffer::<u8>::new(&dev, 16, HostAlloc::DEFAULT)?;
+    let upload = stream.copy_h2d(&host, &mut d)?;
+    host.as_mut_slice()?.fill(1);
+    upload.wait()?;
+    Ok(())
+}
