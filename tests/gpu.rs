@@ -93,6 +93,7 @@ fn main() {
         errors_are_typed_and_lose_nothing,
     );
     gpu("registered_read_only".into(), registered_read_only);
+    gpu("deliberate_api_errors".into(), deliberate_api_errors);
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
@@ -750,6 +751,29 @@ fn errors_are_typed_and_lose_nothing() -> R {
     let mut h = [0u32; 10];
     let got = s.copy_d2h(&z, &mut h[..])?.wait()?;
     same("kernel after errors", got, &[k; 10], 0)
+}
+
+/// Errors that the CUDA runtime itself reports, on purpose. compute-sanitizer lists each such
+/// API error; this is the only trial that makes them (see BENCHMARKS.md for how it is run).
+fn deliberate_api_errors() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let e = DeviceBuffer::<u8>::new(&dev, 1 << 50).err();
+    ensure(
+        matches!(e, Some(Error::OutOfMemory { bytes, .. }) if bytes == 1 << 50),
+        || format!("{e:?}"),
+    )?;
+    println!("{}", e.map(|e| e.to_string()).unwrap_or_default());
+    // Timing before either event was recorded is an error, not garbage.
+    let (start, end) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
+    let e = start.elapsed_ms(&end).err();
+    ensure(matches!(e, Some(Error::Cuda { .. })), || format!("{e:?}"))?;
+    // The reported errors do not resurface in the next launch's check.
+    let mut d = DeviceBuffer::<u32>::new(&dev, 100)?;
+    kernels::fill(&s, &mut d, 5u32)?;
+    let mut h = [0u32; 100];
+    let got = s.copy_d2h(&d, &mut h[..])?.wait()?;
+    same("fill after API errors", got, &[5u32; 100], 0)
 }
 
 fn registered_read_only() -> R {
