@@ -2,11 +2,6 @@
 //! `Registered<'a, T>` (`cudaHostRegister` over a borrowed slice), plus the traits that say
 //! which of them a copy accepts on each side.
 
-mod device;
-mod pinned;
-mod registered;
-pub(crate) mod tracker;
-
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
 pub use pinned::{HostAlloc, PinnedBuffer};
 pub use registered::{HostRegister, Registered};
@@ -17,6 +12,43 @@ use bytemuck::Pod;
 
 use crate::device::Device;
 use tracker::Tracker;
+
+/// A newtype over `cudaHostAlloc` / `cudaHostRegister` flag bits: constants, `bits`,
+/// `contains`, `|`, and `Default` (no flags).
+macro_rules! flag_set {
+    ($(#[$doc:meta])* $name:ident { $($(#[$cdoc:meta])* $flag:ident = $value:expr;)* }) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+        pub struct $name(u32);
+
+        impl $name {
+            $($(#[$cdoc])* pub const $flag: $name = $name($value);)*
+
+            /// The raw flag bits.
+            pub fn bits(self) -> u32 {
+                self.0
+            }
+
+            /// Whether every flag in `other` is set.
+            pub fn contains(self, other: $name) -> bool {
+                self.0 & other.0 == other.0
+            }
+        }
+
+        impl std::ops::BitOr for $name {
+            type Output = $name;
+            fn bitor(self, rhs: $name) -> $name {
+                $name(self.0 | rhs.0)
+            }
+        }
+    };
+}
+pub(crate) use flag_set;
+
+mod device;
+mod pinned;
+mod registered;
+pub(crate) mod tracker;
 
 /// What kind of host memory a copy reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,7 +1,6 @@
 //! `PinnedBuffer<T>`: page-locked host memory from `cudaHostAlloc`, which the copy engines read
 //! and write directly (no staging), so copies run at link speed and overlap with compute.
 
-use std::ops::BitOr;
 use std::os::raw::c_void;
 
 use bytemuck::Pod;
@@ -13,42 +12,18 @@ use crate::device::Device;
 use crate::error::{byte_len, check_alloc, Result};
 use crate::sys;
 
-/// Flags for `cudaHostAlloc`; combine with `|`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct HostAlloc(u32);
-
-impl HostAlloc {
-    /// Page-locked, cacheable, usable by the device it was allocated on.
-    pub const DEFAULT: HostAlloc = HostAlloc(sys::cudaHostAllocDefault);
-    /// Treated as pinned by every device, not only the allocating one.
-    pub const PORTABLE: HostAlloc = HostAlloc(sys::cudaHostAllocPortable);
-    /// Also mapped into the device address space (zero-copy access from kernels).
-    pub const MAPPED: HostAlloc = HostAlloc(sys::cudaHostAllocMapped);
-    /// Write-combined: faster for the host to write and the GPU to read over PCIe, but very slow
-    /// for the host to read. For upload buffers only.
-    pub const WRITE_COMBINED: HostAlloc = HostAlloc(sys::cudaHostAllocWriteCombined);
-
-    /// The raw flag bits.
-    pub fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether every flag in `other` is set.
-    pub fn contains(self, other: HostAlloc) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl BitOr for HostAlloc {
-    type Output = HostAlloc;
-    fn bitor(self, rhs: HostAlloc) -> HostAlloc {
-        HostAlloc(self.0 | rhs.0)
-    }
-}
-
-impl Default for HostAlloc {
-    fn default() -> Self {
-        HostAlloc::DEFAULT
+super::flag_set! {
+    /// Flags for `cudaHostAlloc`; combine with `|`. `Default` is `DEFAULT`.
+    HostAlloc {
+        /// Page-locked, cacheable, usable by the device it was allocated on.
+        DEFAULT = sys::cudaHostAllocDefault;
+        /// Treated as pinned by every device, not only the allocating one.
+        PORTABLE = sys::cudaHostAllocPortable;
+        /// Also mapped into the device address space (zero-copy access from kernels).
+        MAPPED = sys::cudaHostAllocMapped;
+        /// Write-combined: faster for the host to write and the GPU to read over PCIe, but very
+        /// slow for the host to read. For upload buffers only.
+        WRITE_COMBINED = sys::cudaHostAllocWriteCombined;
     }
 }
 

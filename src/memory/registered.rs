@@ -2,7 +2,6 @@
 //! length of a scope, so copies from and to it run like pinned ones without a second buffer.
 
 use std::marker::PhantomData;
-use std::ops::BitOr;
 
 use bytemuck::Pod;
 
@@ -13,40 +12,17 @@ use crate::device::Device;
 use crate::error::{byte_len, check_with, Result};
 use crate::sys;
 
-/// Flags for `cudaHostRegister`; combine with `|`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct HostRegister(u32);
-
-impl HostRegister {
-    pub const DEFAULT: HostRegister = HostRegister(sys::cudaHostRegisterDefault);
-    /// Treated as pinned by every device.
-    pub const PORTABLE: HostRegister = HostRegister(sys::cudaHostRegisterPortable);
-    /// Also mapped into the device address space.
-    pub const MAPPED: HostRegister = HostRegister(sys::cudaHostRegisterMapped);
-    /// The GPU only reads it: copies into it are refused with `Error::InvalidArgument`.
-    pub const READ_ONLY: HostRegister = HostRegister(sys::cudaHostRegisterReadOnly);
-
-    /// The raw flag bits.
-    pub fn bits(self) -> u32 {
-        self.0
-    }
-
-    /// Whether every flag in `other` is set.
-    pub fn contains(self, other: HostRegister) -> bool {
-        self.0 & other.0 == other.0
-    }
-}
-
-impl BitOr for HostRegister {
-    type Output = HostRegister;
-    fn bitor(self, rhs: HostRegister) -> HostRegister {
-        HostRegister(self.0 | rhs.0)
-    }
-}
-
-impl Default for HostRegister {
-    fn default() -> Self {
-        HostRegister::DEFAULT
+super::flag_set! {
+    /// Flags for `cudaHostRegister`; combine with `|`. `Default` is `DEFAULT`.
+    HostRegister {
+        /// Page-locked for the current device.
+        DEFAULT = sys::cudaHostRegisterDefault;
+        /// Treated as pinned by every device.
+        PORTABLE = sys::cudaHostRegisterPortable;
+        /// Also mapped into the device address space.
+        MAPPED = sys::cudaHostRegisterMapped;
+        /// The GPU only reads it: copies into it are refused with `Error::InvalidArgument`.
+        READ_ONLY = sys::cudaHostRegisterReadOnly;
     }
 }
 
