@@ -70,3 +70,24 @@ PINSTREAM_API cudaError_t pinstream_spin(uint64_t ns, cudaStream_t stream) {
   spin_kernel<<<1, 1, 0, stream>>>(ns);
   return pinstream::launched();
 }
+
+namespace {
+__global__ void gate_kernel(const volatile uint32_t* flag, uint32_t* timed_out, uint64_t timeout_ns) {
+  uint64_t start = global_ns();
+  while (*flag == 0) {
+    if (global_ns() - start > timeout_ns) {
+      *timed_out = 1;
+      return;
+    }
+    __nanosleep(200);
+  }
+}
+}  // namespace
+
+// Holds the stream until the host writes a non-zero value to flag[0] (mapped pinned memory), or
+// until `timeout_ns` has passed, in which case it sets flag[1] = 1 so the host can tell.
+PINSTREAM_API cudaError_t pinstream_gate(uint32_t* flag, uint64_t timeout_ns, cudaStream_t stream) {
+  pinstream::before_launch();
+  gate_kernel<<<1, 1, 0, stream>>>(flag, flag + 1, timeout_ns);
+  return pinstream::launched();
+}

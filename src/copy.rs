@@ -112,7 +112,7 @@ fn runtime_pinned(ptr: *const c_void) -> bool {
     attr.type_ == sys::cudaMemoryType_cudaMemoryTypeHost
 }
 
-fn memcpy(
+pub(crate) fn memcpy(
     stream: &Stream,
     dst: *mut c_void,
     src: *const c_void,

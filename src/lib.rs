@@ -26,6 +26,7 @@
 
 pub mod sys;
 
+pub mod bench;
 mod copy;
 mod device;
 mod error;

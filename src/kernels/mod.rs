@@ -66,3 +66,17 @@ pub fn iota<D: DeviceSliceMut<u32> + ?Sized>(
     })
     .map(|_| ())
 }
+
+/// Queues the gate kernel: it holds `stream` until the host stores a non-zero value at
+/// `flag[0]` (mapped pinned memory, device address `flag`), or `timeout` passes, which sets
+/// `flag[1]`. The caller keeps the flag memory alive until the stream has passed the gate.
+pub(crate) fn gate(stream: &Stream, flag: *mut u32, timeout: std::time::Duration) -> Result<()> {
+    stream.enter()?;
+    let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+    // SAFETY: `flag` is the device address of two live mapped u32 words (see above).
+    check_with(
+        unsafe { sys::pinstream_gate(flag, ns, stream.as_raw()) },
+        "pinstream_gate",
+        || format!("timeout {ns} ns"),
+    )
+}

@@ -3,7 +3,9 @@
 //! which of them a copy accepts on each side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer};
+pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 
 use std::os::raw::c_void;
@@ -92,6 +94,10 @@ pub(crate) mod sealed {
 
     pub trait HostMem<T> {
         fn host_region(&self) -> HostRegion<'_>;
+        /// Host access after the GPU's last use (used by the measurement code to check data).
+        fn host_read(&self) -> crate::Result<&[T]>;
+        /// Write access after the GPU's last use.
+        fn host_write(&mut self) -> crate::Result<&mut [T]>;
     }
 }
 
@@ -114,6 +120,12 @@ impl<T: Pod> sealed::HostMem<T> for [T] {
             read_only: false,
         }
     }
+    fn host_read(&self) -> crate::Result<&[T]> {
+        Ok(self)
+    }
+    fn host_write(&mut self) -> crate::Result<&mut [T]> {
+        Ok(self)
+    }
 }
 impl<T: Pod> HostSlice<T> for [T] {}
 impl<T: Pod> HostSliceMut<T> for [T] {}
@@ -121,6 +133,12 @@ impl<T: Pod> HostSliceMut<T> for [T] {}
 impl<T: Pod> sealed::HostMem<T> for Vec<T> {
     fn host_region(&self) -> sealed::HostRegion<'_> {
         self.as_slice().host_region()
+    }
+    fn host_read(&self) -> crate::Result<&[T]> {
+        Ok(self)
+    }
+    fn host_write(&mut self) -> crate::Result<&mut [T]> {
+        Ok(self)
     }
 }
 impl<T: Pod> HostSlice<T> for Vec<T> {}

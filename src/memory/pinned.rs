@@ -154,6 +154,78 @@ impl<T: Pod> HostMem<T> for PinnedBuffer<T> {
             read_only: false,
         }
     }
+    fn host_read(&self) -> Result<&[T]> {
+        self.as_slice()
+    }
+    fn host_write(&mut self) -> Result<&mut [T]> {
+        self.as_mut_slice()
+    }
 }
 impl<T: Pod> HostSlice<T> for PinnedBuffer<T> {}
 impl<T: Pod> HostSliceMut<T> for PinnedBuffer<T> {}
+
+impl<T: Pod> PinnedBuffer<T> {
+    /// The device address of a `MAPPED` buffer (`cudaHostGetDevicePointer`).
+    pub(crate) fn mapped_device_ptr(&self) -> Result<*mut T> {
+        if !self.flags.contains(HostAlloc::MAPPED) || self.len == 0 {
+            return Err(crate::Error::invalid(
+                "PinnedBuffer::mapped_device_ptr",
+                "the buffer is empty or not allocated with HostAlloc::MAPPED",
+            ));
+        }
+        self.device.make_current()?;
+        let mut dptr = std::ptr::null_mut::<c_void>();
+        // SAFETY: `ptr` is a live mapped allocation; `dptr` is a valid out-pointer.
+        crate::error::check(
+            unsafe { sys::cudaHostGetDevicePointer(&mut dptr, self.ptr.cast(), 0) },
+            "cudaHostGetDevicePointer",
+        )?;
+        Ok(dptr.cast())
+    }
+
+    /// Volatile store to element `i`, bypassing the tracker: for flags a running kernel polls.
+    /// Out-of-range indices are ignored.
+    pub(crate) fn store_volatile(&self, i: usize, value: T) {
+        if i < self.len {
+            // SAFETY: in bounds of a live allocation; volatile, so the write is not elided or
+            // reordered away, and `T: Pod` has no drop glue. Concurrent device reads of a
+            // word-sized flag are the intended use.
+            unsafe { std::ptr::write_volatile(self.ptr.add(i), value) };
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Volatile load of element `i` (zeroed value when out of range).
+    pub(crate) fn load_volatile(&self, i: usize) -> T {
+        if i < self.len {
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            // SAFETY: in bounds of a live, initialised allocation.
+            unsafe { std::ptr::read_volatile(self.ptr.add(i)) }
+        } else {
+            T::zeroed()
+        }
+    }
+}
+
+/// Times `cudaHostAlloc(bytes, flags)` and the matching `cudaFreeHost`, touching nothing in
+/// between (the measurement behind `pinstream bandwidth`'s pinning cost).
+pub(crate) fn time_alloc_free(
+    device: &Device,
+    bytes: usize,
+    flags: HostAlloc,
+) -> Result<(std::time::Duration, std::time::Duration)> {
+    device.make_current()?;
+    let mut ptr = std::ptr::null_mut::<c_void>();
+    let t = std::time::Instant::now();
+    // SAFETY: valid out-pointer and flags.
+    check_alloc(
+        unsafe { sys::cudaHostAlloc(&mut ptr, bytes, flags.bits()) },
+        "cudaHostAlloc",
+        bytes,
+    )?;
+    let alloc = t.elapsed();
+    let t = std::time::Instant::now();
+    // SAFETY: allocated just above, never shared, freed once.
+    crate::error::check(unsafe { sys::cudaFreeHost(ptr) }, "cudaFreeHost")?;
+    Ok((alloc, t.elapsed()))
+}

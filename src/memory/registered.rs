@@ -159,6 +159,39 @@ impl<T: Pod> HostMem<T> for Registered<'_, T> {
             read_only: self.flags.contains(HostRegister::READ_ONLY),
         }
     }
+    fn host_read(&self) -> Result<&[T]> {
+        self.as_slice()
+    }
+    fn host_write(&mut self) -> Result<&mut [T]> {
+        self.as_mut_slice()
+    }
 }
 impl<T: Pod> HostSlice<T> for Registered<'_, T> {}
 impl<T: Pod> HostSliceMut<T> for Registered<'_, T> {}
+
+/// Times `cudaHostRegister(data, flags)` and the matching `cudaHostUnregister`.
+pub(crate) fn time_register<T: Pod>(
+    device: &Device,
+    data: &mut [T],
+    flags: HostRegister,
+) -> Result<(std::time::Duration, std::time::Duration)> {
+    let bytes = byte_len::<T>("time_register", data.len())?;
+    device.make_current()?;
+    let t = std::time::Instant::now();
+    // SAFETY: `data` is borrowed mutably for the whole function and unregistered before it
+    // returns; nothing uses it in between.
+    check_with(
+        unsafe { sys::cudaHostRegister(data.as_mut_ptr().cast(), bytes, flags.bits()) },
+        "cudaHostRegister",
+        || format!("{bytes} bytes"),
+    )?;
+    let register = t.elapsed();
+    let t = std::time::Instant::now();
+    // SAFETY: registered just above.
+    check_with(
+        unsafe { sys::cudaHostUnregister(data.as_mut_ptr().cast()) },
+        "cudaHostUnregister",
+        || format!("{bytes} bytes"),
+    )?;
+    Ok((register, t.elapsed()))
+}

@@ -42,4 +42,7 @@ extern "C" {
     ) -> cudaError_t;
     /// `cuda/fill.cu`: one thread that holds the stream for `ns` nanoseconds.
     pub fn pinstream_spin(ns: u64, stream: cudaStream_t) -> cudaError_t;
+    /// `cuda/fill.cu`: holds the stream until `flag[0] != 0` (mapped host memory) or the
+    /// timeout, which sets `flag[1] = 1`.
+    pub fn pinstream_gate(flag: *mut u32, timeout_ns: u64, stream: cudaStream_t) -> cudaError_t;
 }

@@ -1,5 +1,6 @@
 //! `pinstream`: the command-line front end. Thin over the library.
 
+mod bandwidth;
 mod info;
 
 use std::process::ExitCode;
@@ -21,15 +22,28 @@ struct Cli {
 enum Command {
     /// Devices, driver and runtime, PCI id, PCIe link, SMs, memory, copy engines.
     Info,
+    /// Transfer bandwidth: memory kinds x directions x sizes, latency, pinning cost, scenarios.
+    Bandwidth(bandwidth::BandwidthArgs),
 }
 
 /// Exit status when the machine has no usable CUDA device or driver.
 pub const EXIT_NO_DEVICE: u8 = 2;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version print as usual; argument errors are one line and status 1.
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("bad arguments");
+            eprintln!("pinstream: {}", first.trim_start_matches("error: "));
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Info => info::run(),
+        Command::Bandwidth(args) => bandwidth::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,100 @@
+//! Measurement code behind `pinstream bandwidth` and the criterion benches: a gate kernel that
+//! holds a stream while copies are queued, statistics, the transfer sweep, and the experiments
+//! of PyTorch's pin_memory / non_blocking guide.
+
+mod gate;
+pub mod scenarios;
+pub mod sweep;
+
+pub use gate::Gate;
+
+use std::time::{Duration, Instant};
+
+/// Summary of repeated samples.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Stats {
+    pub samples: Vec<f64>,
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    /// Coefficient of variation: standard deviation over mean.
+    pub cv: f64,
+}
+
+impl Stats {
+    /// `None` for no samples.
+    pub fn new(samples: Vec<f64>) -> Option<Stats> {
+        if samples.is_empty() {
+            return None;
+        }
+        let mut sorted = samples.clone();
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len();
+        let median = if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+        let mean = sorted.iter().sum::<f64>() / n as f64;
+        let var = sorted.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        let cv = if mean != 0.0 { var.sqrt() / mean } else { 0.0 };
+        Some(Stats {
+            median,
+            min: sorted[0],
+            max: sorted[n - 1],
+            cv,
+            samples,
+        })
+    }
+}
+
+/// Decimal GB/s for `bytes` moved in `secs`.
+pub fn gbps(bytes: f64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes / secs / 1e9
+    } else {
+        0.0
+    }
+}
+
+/// `n` bytes of a random pattern in which no byte is zero (xorshift, seeded from the clock).
+pub fn pattern(n: usize) -> Vec<u8> {
+    let mut x = Instant::now().elapsed().as_nanos() as u64
+        ^ 0x9E37_79B9_7F4A_7C15
+        ^ (n as u64).rotate_left(17);
+    let mut out = Vec::with_capacity(n);
+    let mut chunk = [0u8; 8];
+    while out.len() < n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+        for b in chunk.iter_mut() {
+            *b |= (*b == 0) as u8;
+        }
+        let take = (n - out.len()).min(8);
+        out.extend_from_slice(&chunk[..take]);
+    }
+    out
+}
+
+/// Single-threaded host memcpy bandwidth (decimal GB/s, bytes counted once) over `bytes`:
+/// the ceiling of any copy that stages through pageable memory on one thread.
+pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
+    let src = pattern(bytes);
+    let mut dst = vec![0u8; bytes];
+    dst.copy_from_slice(&src); // touch every page first
+    let mut out = Vec::new();
+    for _ in 0..samples.max(1) {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&mut dst);
+        out.push(gbps(bytes as f64, t.elapsed().as_secs_f64()));
+    }
+    Stats::new(out)
+}
+
+/// Seconds of a `Duration`.
+pub(crate) fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}

@@ -1,0 +1,618 @@
+//! `pinstream bandwidth`: the transfer benchmark (sweep, latency, pinning cost, host memcpy,
+//! optional scenarios), printed as a table, CSV or JSON, optionally plotted.
+
+use std::fmt::Write as _;
+use std::io::IsTerminal;
+use std::time::Duration;
+
+use clap::Args;
+use pinstream::bench::scenarios::{self, Case};
+use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
+use pinstream::bench::{host_memcpy_gbps, Stats};
+use pinstream::{Device, Error, Result};
+
+#[derive(Args, Debug)]
+pub struct BandwidthArgs {
+    /// Device ordinal, or `all` (each device alone, then all at once).
+    #[arg(long, default_value = "0")]
+    device: String,
+    /// Sizes, e.g. 4K,1M,256M (binary units); default: every power of two from 4K to 1G.
+    #[arg(long, value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<usize>,
+    /// Memory kinds: pageable, pinned, write-combined (wc), portable, registered.
+    #[arg(long, value_delimiter = ',', value_parser = parse_kind)]
+    kinds: Vec<MemKind>,
+    /// Directions: h2d, d2h, d2d, bidir.
+    #[arg(long, value_delimiter = ',', value_parser = parse_direction)]
+    directions: Vec<Direction>,
+    /// Samples per point (at least 5 are taken).
+    #[arg(long, default_value_t = 5)]
+    samples: usize,
+    /// Minimum length of one sample in milliseconds (at least 20).
+    #[arg(long, default_value_t = 20)]
+    min_sample_ms: u64,
+    /// Output format.
+    #[arg(long, value_parser = ["table", "csv", "json"], default_value = "table")]
+    format: String,
+    /// Draw GB/s against size to this SVG file.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
+    /// Also reproduce the experiments of PyTorch's non_blocking / pin_memory guide.
+    #[arg(long)]
+    scenarios: bool,
+    /// Only the scenarios, no sweep.
+    #[arg(long)]
+    scenarios_only: bool,
+    /// Size used for the pinning-cost measurement.
+    #[arg(long, value_parser = parse_size, default_value = "1G")]
+    pin_size: usize,
+}
+
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((i, _)) => {
+            let unit = t[i..].to_ascii_uppercase();
+            let m: usize = match unit.trim_end_matches("IB").trim_end_matches('B') {
+                "" => 1,
+                "K" => 1 << 10,
+                "M" => 1 << 20,
+                "G" => 1 << 30,
+                _ => return Err(format!("`{s}`: unknown unit (use K, M or G)")),
+            };
+            (&t[..i], m)
+        }
+        None => (t, 1),
+    };
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size like 4K, 1M or 256M"))?;
+    n.checked_mul(mult)
+        .filter(|&b| b > 0)
+        .ok_or_else(|| format!("`{s}`: size must be between 1 byte and usize::MAX"))
+}
+
+fn parse_kind(s: &str) -> std::result::Result<MemKind, String> {
+    MemKind::parse(s).ok_or_else(|| {
+        format!(
+            "`{s}` is not a memory kind (pageable, pinned, write-combined, portable, registered)"
+        )
+    })
+}
+
+fn parse_direction(s: &str) -> std::result::Result<Direction, String> {
+    Direction::parse(s).ok_or_else(|| format!("`{s}` is not a direction (h2d, d2h, d2d, bidir)"))
+}
+
+fn bad(op: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: reason.into(),
+    }
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+struct Report {
+    context: Vec<(String, String)>,
+    rows: Vec<Row>,
+    latency: Vec<Latency>,
+    pinning: Vec<PinCost>,
+    scenarios: Vec<Case>,
+    warnings: Vec<String>,
+}
+
+pub fn run(args: BandwidthArgs) -> Result<()> {
+    let devices = if args.device == "all" {
+        Device::all()?
+    } else {
+        let i: usize = args.device.parse().map_err(|_| {
+            bad(
+                "bandwidth",
+                format!("--device `{}`: give an ordinal or `all`", args.device),
+            )
+        })?;
+        vec![Device::get(i)?]
+    };
+    let mut opts = Options {
+        min_samples: args.samples.max(5),
+        min_sample_time: Duration::from_millis(args.min_sample_ms.max(20)),
+        ..Options::default()
+    };
+    if !args.sizes.is_empty() {
+        opts.sizes = args.sizes.clone();
+        opts.sizes.sort_unstable();
+        opts.sizes.dedup();
+    }
+    if !args.kinds.is_empty() {
+        opts.kinds = args.kinds.clone();
+    }
+    if !args.directions.is_empty() {
+        opts.directions = args.directions.clone();
+    }
+
+    let mut report = Report {
+        context: Vec::new(),
+        rows: Vec::new(),
+        latency: Vec::new(),
+        pinning: Vec::new(),
+        scenarios: Vec::new(),
+        warnings: Vec::new(),
+    };
+    let ctx = &mut report.context;
+    ctx.push(("runtime".into(), Device::runtime_version()?.to_string()));
+    ctx.push((
+        "driver".into(),
+        Device::driver_version()?.map_or("none".into(), |v| v.to_string()),
+    ));
+    let mut link_gbps = None;
+    for dev in &devices {
+        let link = dev.pcie_link();
+        link_gbps = link_gbps.or(link.and_then(|l| l.current_gbps()));
+        ctx.push((
+            format!("device {}", dev.ordinal()),
+            format!(
+                "{}, {} copy engines, PCIe {}, NUMA node {}, bus {}",
+                dev.name()?,
+                dev.async_engine_count()?,
+                link.map_or("link unknown".into(), |l| {
+                    format!(
+                        "{l}, {:.1} GB/s theoretical",
+                        l.current_gbps().unwrap_or(0.0)
+                    )
+                }),
+                dev.numa_node().map_or("unknown".into(), |n| n.to_string()),
+                dev.pci_bus_id()?
+            ),
+        ));
+    }
+    let memcpy = host_memcpy_gbps(256 << 20, 5);
+    if let Some(m) = &memcpy {
+        ctx.push((
+            "host memcpy, 1 thread".into(),
+            format!(
+                "{:.1} GB/s (what caps pageable copies staged on one thread)",
+                m.median
+            ),
+        ));
+    }
+    if args.format == "table" {
+        for (k, v) in &report.context {
+            println!("{k:>22}: {v}");
+        }
+    }
+
+    if !args.scenarios_only {
+        for dev in &devices {
+            let total = opts.row_count();
+            let bar = progress_bar(total as u64);
+            let rows = sweep::run(dev, &opts, &mut |r| {
+                if let Some(b) = &bar {
+                    b.inc(1);
+                    b.set_message(format!("{} {} {}", r.kind, r.direction, human(r.bytes)));
+                }
+            })?;
+            if let Some(b) = bar {
+                b.finish_and_clear();
+            }
+            report.rows.extend(rows);
+            report
+                .latency
+                .extend(sweep::latency(dev, 200)?.into_iter().map(|mut l| {
+                    l.what = format!("device {}: {}", dev.ordinal(), l.what);
+                    l
+                }));
+        }
+        if devices.len() > 1 {
+            let size = opts
+                .sizes
+                .iter()
+                .copied()
+                .max()
+                .unwrap_or(1 << 28)
+                .min(1 << 28);
+            report
+                .rows
+                .extend(sweep::all_devices(&devices, size, &opts)?);
+        }
+        report.pinning = sweep::pinning_cost(&devices[0], args.pin_size, 3)?;
+        warn_slow(&mut report, link_gbps);
+    }
+    if args.scenarios || args.scenarios_only {
+        report.scenarios = scenarios::run(&devices[0])?;
+    }
+
+    match args.format.as_str() {
+        "csv" => print!("{}", csv(&report)),
+        "json" => println!("{}", json(&report)),
+        _ => print!("{}", table(&report)),
+    }
+    for w in &report.warnings {
+        eprintln!("warning: {w}");
+    }
+    if let Some(path) = &args.plot {
+        plot(&report.rows, link_gbps, path).map_err(|e| bad("bandwidth --plot", e))?;
+        eprintln!("plot written to {}", path.display());
+    }
+    if report.rows.iter().any(|r| !r.verified) {
+        return Err(bad(
+            "bandwidth",
+            "some copies did not deliver the data (column ok = no)",
+        ));
+    }
+    Ok(())
+}
+
+fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}") {
+        bar.set_style(style);
+    }
+    Some(bar)
+}
+
+/// Pinned results under 80 % of the link's theoretical rate deserve a word.
+fn warn_slow(report: &mut Report, link: Option<f64>) {
+    let Some(link) = link else { return };
+    let largest = report.rows.iter().map(|r| r.bytes).max().unwrap_or(0);
+    if largest < (64 << 20) {
+        return;
+    }
+    for r in &report.rows {
+        let pinned = r.kind != "pageable" && r.kind != "device";
+        if pinned
+            && r.bytes == largest
+            && (r.direction == "h2d" || r.direction == "d2h")
+            && r.gbps.median < 0.8 * link
+        {
+            report.warnings.push(format!(
+                "{} {} at {}: {:.1} GB/s is under 80% of the link's {:.1} GB/s",
+                r.kind,
+                r.direction,
+                human(r.bytes),
+                r.gbps.median,
+                link
+            ));
+        }
+    }
+    for r in &report.rows {
+        if r.gate_timed_out {
+            report.warnings.push(format!(
+                "{} {} {}: the gate timed out; enqueue time is in this figure",
+                r.kind,
+                r.direction,
+                human(r.bytes)
+            ));
+        }
+    }
+}
+
+fn table(r: &Report) -> String {
+    let mut s = String::new();
+    if !r.rows.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n{:<6} {:<14} {:<10} {:>6} {:>9} {:>8} {:>8} {:>6} {:>10} {:>3}",
+            "device", "kind", "direction", "size", "GB/s", "min", "max", "cv%", "host GB/s", "ok"
+        );
+        for row in &r.rows {
+            let host = row
+                .host_gbps
+                .as_ref()
+                .map_or("-".to_string(), |h| format!("{:.2}", h.median));
+            let _ = writeln!(
+                s,
+                "{:<6} {:<14} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>3}",
+                row.device,
+                row.kind,
+                row.direction,
+                human(row.bytes),
+                row.gbps.median,
+                row.gbps.min,
+                row.gbps.max,
+                row.gbps.cv * 100.0,
+                host,
+                if row.verified { "yes" } else { "NO" }
+            );
+        }
+        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only)");
+    }
+    if !r.latency.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nlatency (host-observed, copy + synchronize)      median      min      max"
+        );
+        for l in &r.latency {
+            let m = &l.micros;
+            let _ = writeln!(
+                s,
+                "  {:<44} {:>7.1} µs {:>6.1} {:>8.1}",
+                l.what, m.median, m.min, m.max
+            );
+        }
+    }
+    if !r.pinning.is_empty() {
+        let _ = writeln!(
+            s,
+            "\npinning cost                       size      pin s/GiB   unpin s/GiB"
+        );
+        for p in &r.pinning {
+            let _ = writeln!(
+                s,
+                "  {:<32} {:>6} {:>12.4} {:>13.4}",
+                p.what,
+                human(p.bytes),
+                p.pin_s_per_gib.median,
+                p.unpin_s_per_gib.median
+            );
+        }
+    }
+    if !r.scenarios.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nscenarios (PyTorch non_blocking/pin_memory guide), median wall ms"
+        );
+        for c in &r.scenarios {
+            let _ = writeln!(
+                s,
+                "  ({}) {:<52} {:>9.3}  {}",
+                c.scenario, c.case, c.ms, c.note
+            );
+        }
+    }
+    s
+}
+
+fn stats_fields(st: &Stats) -> String {
+    format!("{:.4},{:.4},{:.4},{:.5}", st.median, st.min, st.max, st.cv)
+}
+
+fn csv(r: &Report) -> String {
+    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,verified,gate_timed_out\n");
+    for row in &r.rows {
+        let _ = writeln!(
+            s,
+            "{},{},{},{},{},{},{},{},{}",
+            row.device,
+            row.kind,
+            row.direction,
+            row.bytes,
+            row.copies_per_sample,
+            stats_fields(&row.gbps),
+            row.host_gbps
+                .as_ref()
+                .map_or(String::new(), |h| format!("{:.4}", h.median)),
+            row.verified,
+            row.gate_timed_out
+        );
+    }
+    for c in &r.scenarios {
+        let _ = writeln!(
+            s,
+            "scenario,{},\"{}\",,,{:.4},,,,,,",
+            c.scenario,
+            c.case.replace('"', "'"),
+            c.ms
+        );
+    }
+    s
+}
+
+fn json_str(v: &str) -> String {
+    let mut out = String::from("\"");
+    for ch in v.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn json_stats(st: &Stats) -> String {
+    let samples: Vec<String> = st.samples.iter().map(|x| format!("{x:.4}")).collect();
+    format!(
+        "{{\"median\":{:.4},\"min\":{:.4},\"max\":{:.4},\"cv\":{:.5},\"samples\":[{}]}}",
+        st.median,
+        st.min,
+        st.max,
+        st.cv,
+        samples.join(",")
+    )
+}
+
+fn json(r: &Report) -> String {
+    let ctx: Vec<String> = r
+        .context
+        .iter()
+        .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
+        .collect();
+    let rows: Vec<String> = r
+        .rows
+        .iter()
+        .map(|row| {
+            format!(
+                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"verified\":{},\"gate_timed_out\":{}}}",
+                json_str(&row.device),
+                json_str(row.kind),
+                json_str(row.direction),
+                row.bytes,
+                row.copies_per_sample,
+                json_stats(&row.gbps),
+                row.host_gbps.as_ref().map_or("null".to_string(), json_stats),
+                row.verified,
+                row.gate_timed_out
+            )
+        })
+        .collect();
+    let lat: Vec<String> = r
+        .latency
+        .iter()
+        .map(|l| {
+            format!(
+                "{{\"what\":{},\"micros\":{}}}",
+                json_str(&l.what),
+                json_stats(&l.micros)
+            )
+        })
+        .collect();
+    let pin: Vec<String> = r
+        .pinning
+        .iter()
+        .map(|p| {
+            format!(
+                "{{\"what\":{},\"bytes\":{},\"pin_s_per_gib\":{},\"unpin_s_per_gib\":{}}}",
+                json_str(p.what),
+                p.bytes,
+                json_stats(&p.pin_s_per_gib),
+                json_stats(&p.unpin_s_per_gib)
+            )
+        })
+        .collect();
+    let sc: Vec<String> = r
+        .scenarios
+        .iter()
+        .map(|c| {
+            format!(
+                "{{\"scenario\":{},\"case\":{},\"ms\":{:.4},\"note\":{}}}",
+                json_str(c.scenario),
+                json_str(&c.case),
+                c.ms,
+                json_str(&c.note)
+            )
+        })
+        .collect();
+    format!(
+        "{{\"context\":{{{}}},\"rows\":[{}],\"latency\":[{}],\"pinning\":[{}],\"scenarios\":[{}]}}",
+        ctx.join(","),
+        rows.join(","),
+        lat.join(","),
+        pin.join(","),
+        sc.join(",")
+    )
+}
+
+fn plot(
+    rows: &[Row],
+    link: Option<f64>,
+    path: &std::path::Path,
+) -> std::result::Result<(), String> {
+    use plotters::prelude::*;
+    let series: Vec<(String, Vec<(f64, f64)>)> = {
+        let mut keys: Vec<(String, &str, &str)> = Vec::new();
+        for r in rows {
+            let k = (
+                format!("{} {} {}", r.device, r.kind, r.direction),
+                r.kind,
+                r.direction,
+            );
+            if r.device != "all" && !keys.iter().any(|x| x.0 == k.0) {
+                keys.push(k);
+            }
+        }
+        keys.into_iter()
+            .map(|(label, kind, dir)| {
+                let pts = rows
+                    .iter()
+                    .filter(|r| r.kind == kind && r.direction == dir && r.device != "all")
+                    .map(|r| (r.bytes as f64, r.gbps.median))
+                    .collect();
+                (label, pts)
+            })
+            .collect()
+    };
+    let xmin = rows.iter().map(|r| r.bytes).min().unwrap_or(4096) as f64;
+    let xmax = (rows.iter().map(|r| r.bytes).max().unwrap_or(1 << 30) as f64).max(xmin * 2.0);
+    let ymax = rows
+        .iter()
+        .map(|r| r.gbps.median)
+        .fold(link.unwrap_or(10.0), f64::max)
+        * 1.1;
+    let root = SVGBackend::new(path, (1200, 800)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| e.to_string())?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "pinstream bandwidth (decimal GB/s, median)",
+            ("sans-serif", 24),
+        )
+        .margin(20)
+        .x_label_area_size(50)
+        .y_label_area_size(60)
+        .build_cartesian_2d((xmin..xmax).log_scale(), 0f64..ymax)
+        .map_err(|e| e.to_string())?;
+    chart
+        .configure_mesh()
+        .x_desc("bytes per copy")
+        .y_desc("GB/s")
+        .x_label_formatter(&|x| human(*x as usize))
+        .draw()
+        .map_err(|e| e.to_string())?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| e.to_string())?
+            .label(label.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    if let Some(l) = link {
+        chart
+            .draw_series(LineSeries::new(
+                vec![(xmin, l), (xmax, l)],
+                BLACK.stroke_width(1),
+            ))
+            .map_err(|e| e.to_string())?
+            .label(format!("PCIe link, theoretical ({l:.1} GB/s)"))
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| e.to_string())?;
+    root.present().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        assert_eq!(parse_size("1000"), Ok(1000));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("K").is_err());
+        assert_eq!(human(4096), "4K");
+        assert_eq!(human(1 << 30), "1G");
+        assert_eq!(human(1000), "1000");
+    }
+
+    #[test]
+    fn json_escapes() {
+        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+    }
+}
