@@ -46,6 +46,7 @@ fn main() {
         t("device/version_decoding", version_decoding),
         t("error/formatting", error_formatting),
         t("memory/flags", memory_flags),
+        t("bench/stats_and_pattern", stats_and_pattern),
         // On a machine with a GPU these have nothing to check: ignored there, not passed.
         Trial::test(
             "no_device/every_entry_point_reports_it",
@@ -450,4 +451,28 @@ fn info_exits_with_status_2() -> R {
     ensure(out.stdout.is_empty(), || {
         String::from_utf8_lossy(&out.stdout).to_string()
     })
+}
+
+fn stats_and_pattern() -> R {
+    use pinstream::bench::{gbps, pattern, Stats};
+    let s = Stats::new(vec![3.0, 1.0, 2.0, 10.0]).ok_or("no stats")?;
+    ensure(s.median == 2.5 && s.min == 1.0 && s.max == 10.0, || {
+        format!("{s:?}")
+    })?;
+    ensure((s.cv - 0.8839).abs() < 1e-3, || format!("cv {}", s.cv))?;
+    ensure(Stats::new(vec![]).is_none(), || "stats of nothing".into())?;
+    ensure(
+        Stats::new(vec![7.0]).is_some_and(|s| s.median == 7.0 && s.cv == 0.0),
+        || "one sample".into(),
+    )?;
+    ensure(
+        (gbps(2e9, 0.5) - 4.0).abs() < 1e-12 && gbps(1.0, 0.0) == 0.0,
+        || "gbps".into(),
+    )?;
+    let p = pattern(100_003);
+    ensure(p.len() == 100_003 && p.iter().all(|&b| b != 0), || {
+        "pattern has zeros".into()
+    })?;
+    let distinct = p.iter().collect::<std::collections::HashSet<_>>().len();
+    ensure(distinct > 200, || format!("{distinct} distinct bytes"))
 }

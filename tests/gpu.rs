@@ -94,6 +94,7 @@ fn main() {
     );
     gpu("registered_read_only".into(), registered_read_only);
     gpu("deliberate_api_errors".into(), deliberate_api_errors);
+    gpu("bandwidth_sweep_small".into(), bandwidth_sweep_small);
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
@@ -833,4 +834,46 @@ fn wrong_device_is_an_error() -> R {
     ensure(matches!(e, Some(Error::WrongDevice { .. })), || {
         format!("{e:?}")
     })
+}
+
+/// A small bandwidth sweep: every kind and direction, every row verified and plausible, and as
+/// many rows as `Options::row_count` promises.
+fn bandwidth_sweep_small() -> R {
+    use pinstream::bench::sweep::{self, Options};
+    let dev = dev0()?;
+    let opts = Options {
+        sizes: vec![4096, 1 << 20],
+        ..Options::default()
+    };
+    let mut seen = 0;
+    let rows = sweep::run(&dev, &opts, &mut |_| seen += 1)?;
+    ensure(rows.len() == opts.row_count() && seen == rows.len(), || {
+        format!(
+            "{} rows, {} promised, {seen} reported",
+            rows.len(),
+            opts.row_count()
+        )
+    })?;
+    for r in &rows {
+        ensure(r.verified, || {
+            format!("{} {} {}: data not delivered", r.kind, r.direction, r.bytes)
+        })?;
+        ensure(
+            r.gbps.samples.len() >= 5 && r.gbps.median > 0.01 && r.gbps.median < 10_000.0,
+            || format!("{} {} {}: {:?}", r.kind, r.direction, r.bytes, r.gbps),
+        )?;
+    }
+    let lat = sweep::latency(&dev, 20)?;
+    ensure(
+        lat.len() == 4
+            && lat
+                .iter()
+                .all(|l| l.micros.median > 0.1 && l.micros.median < 10_000.0),
+        || format!("{lat:?}"),
+    )?;
+    let pin = sweep::pinning_cost(&dev, 16 << 20, 1)?;
+    ensure(
+        pin.len() == 3 && pin.iter().all(|p| p.pin_s_per_gib.median > 0.0),
+        || format!("{pin:?}"),
+    )
 }
