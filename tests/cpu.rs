@@ -175,9 +175,9 @@ fn first_usable_candidate_wins() -> R {
 
 fn provisioned_dirs_and_target_dir() -> R {
     let dir = scratch("target");
-    // target/ (with CACHEDIR.TAG) / tests/trybuild (with its own) / debug/build/pkg-hash/out
+    // target/ (with CACHEDIR.TAG) / tests/nested (a nested target dir with its own) / debug/build/pkg-hash/out
     let target = dir.join("target");
-    let nested = target.join("tests/trybuild");
+    let nested = target.join("tests/nested");
     let out = nested.join("debug/build/pinstream-abc/out");
     std::fs::create_dir_all(&out).expect("mkdir");
     touch(&target.join("CACHEDIR.TAG"));
