@@ -20,9 +20,6 @@ use crate::sys::cudaMemcpyKind as Kind;
 /// a full queue behind the gate could only wait for the gate's timeout.
 const GATE_DEPTH: usize = 128;
 
-/// Bidirectional copies larger than this are issued as interleaved pieces of this size.
-const BIDIR_PIECE: usize = 16 << 20;
-
 /// A kind of host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MemKind {
@@ -503,53 +500,19 @@ impl Ctx<'_> {
             let reps = ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize)
                 .clamp(1, 100_000);
             let [t0u, t1u, t0d, t1d] = &self.ev;
-            // Copies above BIDIR_PIECE go as interleaved pieces on the two streams: the link
-            // keeps both directions busy better that way (measured: 99 GB/s at 16 MiB copies,
-            // 91 at 256 MiB issued whole).
-            let pieces: Vec<(usize, usize)> = (0..b)
-                .step_by(BIDIR_PIECE)
-                .map(|o| (o, BIDIR_PIECE.min(b - o)))
-                .collect();
-            let at =
-                |p: *mut std::os::raw::c_void, off: usize| p.cast::<u8>().wrapping_add(off).cast();
             let rounds = |n: usize| -> Result<()> {
-                if pieces.len() == 1 {
-                    up_op(n)?;
-                    return Self::queue(
-                        &self.down,
-                        &down_tr,
-                        h_dst.ptr,
-                        d_b.ptr,
-                        b,
-                        Kind::cudaMemcpyDeviceToHost,
-                        n,
-                    );
-                }
-                for _ in 0..n {
-                    for &(off, len) in &pieces {
-                        Self::queue(
-                            &self.up,
-                            &up_tr,
-                            at(d_a.ptr, off),
-                            at(h_src.ptr, off),
-                            len,
-                            Kind::cudaMemcpyHostToDevice,
-                            1,
-                        )?;
-                        Self::queue(
-                            &self.down,
-                            &down_tr,
-                            at(h_dst.ptr, off),
-                            at(d_b.ptr, off),
-                            len,
-                            Kind::cudaMemcpyDeviceToHost,
-                            1,
-                        )?;
-                    }
-                }
-                Ok(())
+                up_op(n)?;
+                Self::queue(
+                    &self.down,
+                    &down_tr,
+                    h_dst.ptr,
+                    d_b.ptr,
+                    b,
+                    Kind::cudaMemcpyDeviceToHost,
+                    n,
+                )
             };
-            let first = (GATE_DEPTH / pieces.len()).clamp(1, reps);
+            let first = reps.min(GATE_DEPTH);
             let mut times = Vec::new();
             let mut timed_out = false;
             for i in 0..self.opts.warmup_samples + self.opts.min_samples.max(1) {
