@@ -249,6 +249,7 @@ fn builtin_header_args() -> Vec<String> {
 fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Result<(), String> {
     let bindings = bindgen::Builder::default()
         .header("cuda/bindings.h")
+        .clang_arg("-Icuda")
         .clang_arg(format!("-I{}", tk.include.display()))
         .clang_args(clang_args)
         .allowlist_function(
@@ -262,6 +263,9 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
              |HostAlloc|FreeHost|HostRegister|HostUnregister|HostGetDevicePointer|PointerGetAttributes)",
         )
         .allowlist_type("cudaError|cudaMemcpyKind|cudaDeviceAttr|cudaDeviceProp|cudaPointerAttributes|cudaMemoryType")
+        .allowlist_type("pinstream_.*")
+        .allowlist_function("pinstream_(normalize|denormalize)")
+        .allowlist_var("PINSTREAM_.*")
         .allowlist_var(
             "cuda(StreamNonBlocking|EventDefault|EventDisableTiming|EventBlockingSync\
              |HostAlloc(Default|Portable|Mapped|WriteCombined)\

@@ -1,4 +1,13 @@
-//! Safe launchers for pinstream's CUDA kernels.
+//! Safe launchers for pinstream's CUDA kernels: the fused normalize / cast
+//! (`normalize`, `denormalize`), its CPU reference (`cpu`), and small utilities (`fill`, `iota`).
+
+pub mod cpu;
+mod normalize;
+mod spec;
+
+pub use cpu::{DenormInput, OutputElement, PerSample};
+pub use normalize::{denormalize, normalize, DevicePerSample};
+pub use spec::{Crop, Layout, Normalize, Sample, Spec};
 
 use bytemuck::Pod;
 

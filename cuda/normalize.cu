@@ -1,0 +1,380 @@
+// Fused normalize / cast: out = k[c] * (x - mean[c]) + shift (k = scale / std), u8 in, f32 / f16 /
+// bf16 / u8 / i8 out, NCHW or NHWC in and out, one launch per batch.
+//
+// Three kernels, chosen by the launcher:
+//  - same_layout: NCHW->NCHW or NHWC->NHWC of a uniform batch. A warp moves 512 input bytes per
+//    step: lane l loads words l, l+32, l+64, l+96 (four coalesced 128-byte loads in flight) and
+//    stores each as four outputs (float4 / 8-byte / 4-byte), so every store instruction of a warp
+//    writes one contiguous span.
+//  - nhwc_to_nchw<C>: the fused transpose. A block stages 512 pixels x C bytes of input in shared
+//    memory with 16-byte loads, then each thread writes 4 pixels of every channel plane as one
+//    vector store per plane.
+//  - general: one thread per output pixel; variable-size samples, crops, mirror, channel padding,
+//    any layout pair, per-sample mean/std.
+#include "normalize.h"
+#include "pinstream.cuh"
+
+namespace {
+
+// ---- conversions ---------------------------------------------------------------------------
+// f16 / bf16 as raw bits: no dependency on cuda_fp16.h (which needs CCCL headers that the PyPI
+// toolkit packages pinned here do not ship).
+
+struct half_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
+
+__device__ __forceinline__ uint16_t f32_to_f16_bits(float v) {
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+__device__ __forceinline__ float f16_bits_to_f32(uint16_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+// Round to nearest even on the bit pattern (exact on every architecture); NaN stays NaN.
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) {
+  uint32_t u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+__device__ __forceinline__ float bf16_bits_to_f32(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+template <typename T>
+struct Conv;
+template <>
+struct Conv<float> {
+  static __device__ __forceinline__ float from(float v) { return v; }
+};
+template <>
+struct Conv<half_t> {
+  static __device__ __forceinline__ half_t from(float v) { return half_t{f32_to_f16_bits(v)}; }
+};
+template <>
+struct Conv<bf16_t> {
+  static __device__ __forceinline__ bf16_t from(float v) { return bf16_t{f32_to_bf16_bits(v)}; }
+};
+template <>
+struct Conv<uint8_t> {
+  static __device__ __forceinline__ uint8_t from(float v) {
+    int i = __float2int_rn(v);  // round half to even; NaN -> 0
+    return (uint8_t)min(max(i, 0), 255);
+  }
+};
+template <>
+struct Conv<int8_t> {
+  static __device__ __forceinline__ int8_t from(float v) {
+    int i = __float2int_rn(v);
+    return (int8_t)min(max(i, -128), 127);
+  }
+};
+
+// Four outputs as one vector store.
+template <typename T>
+struct Vec4;
+template <>
+struct Vec4<float> {
+  static __device__ __forceinline__ void store(float* p, float a, float b, float c, float d) {
+    *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+  }
+};
+template <>
+struct Vec4<half_t> {
+  static __device__ __forceinline__ void store(half_t* p, float a, float b, float c, float d) {
+    uint2 v;
+    v.x = (uint32_t)f32_to_f16_bits(a) | ((uint32_t)f32_to_f16_bits(b) << 16);
+    v.y = (uint32_t)f32_to_f16_bits(c) | ((uint32_t)f32_to_f16_bits(d) << 16);
+    *reinterpret_cast<uint2*>(p) = v;
+  }
+};
+template <>
+struct Vec4<bf16_t> {
+  static __device__ __forceinline__ void store(bf16_t* p, float a, float b, float c, float d) {
+    uint2 v;
+    v.x = (uint32_t)f32_to_bf16_bits(a) | ((uint32_t)f32_to_bf16_bits(b) << 16);
+    v.y = (uint32_t)f32_to_bf16_bits(c) | ((uint32_t)f32_to_bf16_bits(d) << 16);
+    *reinterpret_cast<uint2*>(p) = v;
+  }
+};
+template <typename I>
+__device__ __forceinline__ void store4_int(I* p, float a, float b, float c, float d) {
+  uint32_t v = (uint32_t)(uint8_t)Conv<I>::from(a) | ((uint32_t)(uint8_t)Conv<I>::from(b) << 8) |
+               ((uint32_t)(uint8_t)Conv<I>::from(c) << 16) | ((uint32_t)(uint8_t)Conv<I>::from(d) << 24);
+  *reinterpret_cast<uint32_t*>(p) = v;
+}
+template <>
+struct Vec4<uint8_t> {
+  static __device__ __forceinline__ void store(uint8_t* p, float a, float b, float c, float d) {
+    store4_int(p, a, b, c, d);
+  }
+};
+template <>
+struct Vec4<int8_t> {
+  static __device__ __forceinline__ void store(int8_t* p, float a, float b, float c, float d) {
+    store4_int(p, a, b, c, d);
+  }
+};
+
+// Picks element c (0..3) of a 4-array held in registers or kernel parameters without a dynamic
+// index (which would put the array in local memory).
+__device__ __forceinline__ float pick(const float (&v)[4], int c) {
+  return c == 0 ? v[0] : c == 1 ? v[1] : c == 2 ? v[2] : v[3];
+}
+
+// Mean and k of channel c of sample s.
+__device__ __forceinline__ void params(const pinstream_norm_args& a, int s, int c, float& mean, float& k) {
+  if (a.sample_mean) {
+    mean = __ldg(a.sample_mean + (size_t)s * a.c_in + c);
+    k = a.scale / __ldg(a.sample_std + (size_t)s * a.c_in + c);
+  } else {
+    mean = pick(a.mean, c);
+    k = pick(a.k, c);
+  }
+}
+
+__device__ __forceinline__ float norm(uint32_t x, float mean, float k, float shift) {
+  return ((float)x - mean) * k + shift;
+}
+
+// ---- same layout, uniform batch ------------------------------------------------------------
+
+// Elements 4*w .. 4*w+3 share one channel (NCHW, h*w % 4 == 0) or cycle through channels (NHWC).
+template <typename Out, bool NHWC>
+__global__ void __launch_bounds__(256) same_layout(pinstream_norm_args a, uint32_t words) {
+  const uint32_t* in = reinterpret_cast<const uint32_t*>(a.in);
+  Out* out = reinterpret_cast<Out*>(a.out);
+  const uint32_t hw = (uint32_t)a.h * (uint32_t)a.w;
+  const uint32_t C = (uint32_t)a.c_in;
+  const uint32_t lane = threadIdx.x & 31;
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const uint32_t warps = (gridDim.x * blockDim.x) >> 5;
+  for (uint32_t base = warp * 128; base < words; base += warps * 128) {
+    uint32_t v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t wi = base + lane + 32 * j;
+      v[j] = wi < words ? __ldg(in + wi) : 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t wi = base + lane + 32 * j;
+      if (wi >= words) break;
+      uint32_t e = wi * 4;  // first element
+      float r[4];
+      if (NHWC) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t ei = e + i, pix = ei / C, c = ei - pix * C;
+          float mean, k;
+          params(a, a.sample_mean ? (int)(pix / hw) : 0, (int)c, mean, k);
+          r[i] = norm((v[j] >> (8 * i)) & 0xFF, mean, k, a.shift);
+        }
+      } else {
+        uint32_t plane = e / hw;
+        uint32_t c = plane % C;
+        float mean, k;
+        params(a, (int)(plane / C), (int)c, mean, k);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r[i] = norm((v[j] >> (8 * i)) & 0xFF, mean, k, a.shift);
+      }
+      Vec4<Out>::store(out + e, r[0], r[1], r[2], r[3]);
+    }
+  }
+}
+
+// ---- NHWC -> NCHW, uniform batch -----------------------------------------------------------
+
+constexpr int TP = 512;  // pixels per block
+constexpr int TT = 128;  // threads per block: 4 pixels each
+
+template <typename Out, int C>
+__global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32_t tiles_per_sample) {
+  __shared__ __align__(16) uint8_t tile[TP * C];
+  const uint32_t hw = (uint32_t)a.h * (uint32_t)a.w;
+  const uint32_t s = blockIdx.x / tiles_per_sample;
+  const uint32_t p0 = (blockIdx.x - s * tiles_per_sample) * TP;
+  const uint32_t npix = min((uint32_t)TP, hw - p0);
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(a.in) + ((size_t)s * hw + p0) * C;
+  // Stage: 16-byte loads where the whole tile is there, bytes for the last one.
+  if (npix == TP) {
+    const uint4* s16 = reinterpret_cast<const uint4*>(src);
+    uint4* t16 = reinterpret_cast<uint4*>(tile);
+    for (int i = threadIdx.x; i < TP * C / 16; i += TT) t16[i] = __ldg(s16 + i);
+  } else {
+    for (uint32_t i = threadIdx.x; i < npix * C; i += TT) tile[i] = __ldg(src + i);
+  }
+  __syncthreads();
+  const uint32_t p = threadIdx.x * 4;
+  if (p >= npix) return;
+  Out* dst = reinterpret_cast<Out*>(a.out) + (size_t)s * C * hw + p0 + p;
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    float mean, k;
+    params(a, (int)s, c, mean, k);
+    float r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = norm(tile[(p + i) * C + c], mean, k, a.shift);
+    if (p + 4 <= npix) {
+      Vec4<Out>::store(dst + (size_t)c * hw, r[0], r[1], r[2], r[3]);
+    } else {
+      for (uint32_t i = 0; i < npix - p; ++i) dst[(size_t)c * hw + i] = Conv<Out>::from(r[i]);
+    }
+  }
+}
+
+// ---- general ---------------------------------------------------------------------------------
+
+template <typename Out>
+__global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
+  Out* out = reinterpret_cast<Out*>(a.out);
+  for (int s = blockIdx.y; s < a.n; s += gridDim.y) {
+    pinstream_norm_sample d;
+    if (a.samples) {
+      d = a.samples[s];
+    } else {
+      const size_t hw = (size_t)a.h * a.w;
+      d.in_offset = (uint64_t)s * a.c_in * hw;
+      d.out_offset = (uint64_t)s * a.c_out * hw;
+      d.src_h = d.out_h = a.h;
+      d.src_w = d.out_w = a.w;
+      d.crop_x = d.crop_y = 0;
+      d.mirror = 0;
+    }
+    const uint32_t npix = (uint32_t)d.out_h * (uint32_t)d.out_w;
+    const size_t src_hw = (size_t)d.src_h * d.src_w;
+    float mean[4], k[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (c < a.c_in) {
+        params(a, s, c, mean[c], k[c]);
+      } else {
+        mean[c] = 0.f;
+        k[c] = 0.f;
+      }
+    }
+    for (uint32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < npix; p += gridDim.x * blockDim.x) {
+      const uint32_t oy = p / (uint32_t)d.out_w, ox = p - oy * (uint32_t)d.out_w;
+      const uint32_t sx = d.crop_x + (d.mirror ? d.out_w - 1 - ox : ox);
+      const uint32_t sy = d.crop_y + oy;
+      const size_t spix = (size_t)sy * d.src_w + sx;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (c >= a.c_out) break;
+        float v;
+        if (c < a.c_in) {
+          const size_t ii = a.in_layout == PINSTREAM_NCHW ? d.in_offset + (size_t)c * src_hw + spix
+                                                          : d.in_offset + spix * a.c_in + c;
+          v = norm(__ldg(in + ii), mean[c], k[c], a.shift);
+        } else {
+          v = a.fill;
+        }
+        const size_t oi = a.out_layout == PINSTREAM_NCHW ? d.out_offset + (size_t)c * npix + p
+                                                         : d.out_offset + (size_t)p * a.c_out + c;
+        out[oi] = Conv<Out>::from(v);
+      }
+    }
+  }
+}
+
+// ---- denormalize -----------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<half_t>(half_t v) { return f16_bits_to_f32(v.bits); }
+template <>
+__device__ __forceinline__ float to_f32<bf16_t>(bf16_t v) { return bf16_bits_to_f32(v.bits); }
+
+template <typename In>
+__global__ void __launch_bounds__(256) denormalize(pinstream_norm_args a, size_t total) {
+  const In* in = reinterpret_cast<const In*>(a.in);
+  uint8_t* out = reinterpret_cast<uint8_t*>(a.out);
+  const size_t hw = (size_t)a.h * a.w;
+  for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
+    const int c = a.in_layout == PINSTREAM_NCHW ? (int)((e / hw) % a.c_in) : (int)(e % a.c_in);
+    // x = (y - shift) / k + mean
+    const float y = to_f32(in[e]);
+    out[e] = Conv<uint8_t>::from((y - a.shift) / pick(a.k, c) + pick(a.mean, c));
+  }
+}
+
+inline size_t cap(size_t a, size_t b) { return a < b ? a : b; }
+
+template <typename Out>
+cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
+  const bool uniform = a.samples == nullptr && a.c_out == a.c_in;
+  const size_t hw = (size_t)a.h * a.w;
+  const size_t total = (size_t)a.n * a.c_in * hw;
+  const uintptr_t in_addr = (uintptr_t)a.in, out_addr = (uintptr_t)a.out;
+  const bool aligned = in_addr % 16 == 0 && out_addr % (4 * sizeof(Out)) == 0;
+  pinstream::before_launch();
+  if (uniform && aligned && a.in_layout == a.out_layout && total < (1ull << 32) && total % 4 == 0 &&
+      (a.in_layout == PINSTREAM_NHWC || hw % 4 == 0)) {
+    const uint32_t words = (uint32_t)(total / 4);
+    const unsigned blocks = (unsigned)cap((words + 1023) / 1024, 132 * 16);
+    if (a.in_layout == PINSTREAM_NHWC)
+      same_layout<Out, true><<<blocks, 256, 0, stream>>>(a, words);
+    else
+      same_layout<Out, false><<<blocks, 256, 0, stream>>>(a, words);
+    return pinstream::launched();
+  }
+  if (uniform && aligned && a.in_layout == PINSTREAM_NHWC && a.out_layout == PINSTREAM_NCHW && hw % 4 == 0 &&
+      (hw * a.c_in) % 16 == 0 && total < (1ull << 32)) {
+    const uint32_t tiles = (uint32_t)((hw + TP - 1) / TP);
+    const size_t blocks = (size_t)tiles * a.n;
+    if (blocks < (1u << 31)) {
+      switch (a.c_in) {
+        case 1: nhwc_to_nchw<Out, 1><<<(unsigned)blocks, TT, 0, stream>>>(a, tiles); return pinstream::launched();
+        case 2: nhwc_to_nchw<Out, 2><<<(unsigned)blocks, TT, 0, stream>>>(a, tiles); return pinstream::launched();
+        case 3: nhwc_to_nchw<Out, 3><<<(unsigned)blocks, TT, 0, stream>>>(a, tiles); return pinstream::launched();
+        case 4: nhwc_to_nchw<Out, 4><<<(unsigned)blocks, TT, 0, stream>>>(a, tiles); return pinstream::launched();
+        default: break;
+      }
+    }
+  }
+  const size_t max_pix = (size_t)a.h * a.w;
+  dim3 grid((unsigned)cap((max_pix + 255) / 256, 4096), (unsigned)cap((size_t)a.n, 65535));
+  general<Out><<<grid, 256, 0, stream>>>(a);
+  return pinstream::launched();
+}
+
+}  // namespace
+
+PINSTREAM_API cudaError_t pinstream_normalize(const pinstream_norm_args* args, int32_t out_dtype,
+                                              cudaStream_t stream) {
+  if (!args || args->n <= 0 || args->c_in < 1 || args->c_in > 4 || args->c_out < args->c_in || args->c_out > 4)
+    return cudaErrorInvalidValue;
+  switch (out_dtype) {
+    case PINSTREAM_F32: return launch<float>(*args, stream);
+    case PINSTREAM_F16: return launch<half_t>(*args, stream);
+    case PINSTREAM_BF16: return launch<bf16_t>(*args, stream);
+    case PINSTREAM_U8: return launch<uint8_t>(*args, stream);
+    case PINSTREAM_I8: return launch<int8_t>(*args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+PINSTREAM_API cudaError_t pinstream_denormalize(const pinstream_norm_args* args, int32_t in_dtype,
+                                                cudaStream_t stream) {
+  if (!args || args->n <= 0 || args->c_in < 1 || args->c_in > 4) return cudaErrorInvalidValue;
+  const size_t total = (size_t)args->n * args->c_in * args->h * args->w;
+  if (total == 0) return cudaSuccess;
+  const unsigned blocks = (unsigned)cap((total + 255) / 256, 132 * 32);
+  pinstream::before_launch();
+  switch (in_dtype) {
+    case PINSTREAM_F32: denormalize<float><<<blocks, 256, 0, stream>>>(*args, total); break;
+    case PINSTREAM_F16: denormalize<half_t><<<blocks, 256, 0, stream>>>(*args, total); break;
+    case PINSTREAM_BF16: denormalize<bf16_t><<<blocks, 256, 0, stream>>>(*args, total); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return pinstream::launched();
+}

@@ -1,0 +1,232 @@
+//! The GPU launcher of the fused normalize / cast kernels (`cuda/normalize.cu`).
+
+use super::cpu::{DenormInput, OutputElement};
+use super::spec::Spec;
+use crate::error::{check_with, Error, Result};
+use crate::memory::sealed::DeviceMem;
+use crate::memory::{tracker, DeviceBuffer, DeviceSlice, DeviceSliceMut};
+use crate::stream::Stream;
+use crate::sys;
+
+// SAFETY: plain C struct of integers (48 bytes, no padding: two u64 then eight i32), any bit
+// pattern is valid.
+unsafe impl bytemuck::Zeroable for sys::pinstream_norm_sample {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for sys::pinstream_norm_sample {}
+
+/// Per-sample mean and std on the device: `n * channels` f32 each, sample-major. Their values
+/// are not checked on the host (a zero std gives inf / NaN, as division does).
+#[derive(Clone, Copy, Debug)]
+pub struct DevicePerSample<'a> {
+    pub mean: &'a DeviceBuffer<f32>,
+    pub std: &'a DeviceBuffer<f32>,
+}
+
+fn base_args(spec: &Spec) -> sys::pinstream_norm_args {
+    let n = &spec.norm;
+    let mut mean = [0f32; 4];
+    let mut k = [0f32; 4];
+    for c in 0..spec.channels {
+        mean[c] = n.mean[c];
+        k[c] = n.k(c);
+    }
+    let (h, w) = spec
+        .samples
+        .iter()
+        .map(|s| s.out_hw())
+        .fold((0, 0), |(h, w), (sh, sw)| (h.max(sh), w.max(sw)));
+    sys::pinstream_norm_args {
+        in_: std::ptr::null(),
+        out: std::ptr::null_mut(),
+        samples: std::ptr::null(),
+        sample_mean: std::ptr::null(),
+        sample_std: std::ptr::null(),
+        mean,
+        k,
+        scale: n.scale,
+        shift: n.shift,
+        fill: spec.pad_to_4.unwrap_or(0.0),
+        n: spec.samples.len() as i32,
+        c_in: spec.channels as i32,
+        c_out: spec.out_channels() as i32,
+        h: h as i32,
+        w: w as i32,
+        in_layout: spec.in_layout.code(),
+        out_layout: spec.out_layout.code(),
+        reserved: 0,
+    }
+}
+
+/// The per-sample table for the general kernel.
+fn sample_table(spec: &Spec) -> Vec<sys::pinstream_norm_sample> {
+    spec.samples
+        .iter()
+        .zip(spec.offsets())
+        .map(|(s, (i, o))| {
+            let (oh, ow) = s.out_hw();
+            let (cx, cy) = s.crop.map_or((0, 0), |c| (c.x, c.y));
+            sys::pinstream_norm_sample {
+                in_offset: i as u64,
+                out_offset: o as u64,
+                src_h: s.h as i32,
+                src_w: s.w as i32,
+                crop_x: cx as i32,
+                crop_y: cy as i32,
+                out_h: oh as i32,
+                out_w: ow as i32,
+                mirror: i32::from(s.mirror),
+                reserved: 0,
+            }
+        })
+        .collect()
+}
+
+/// Normalizes `input` (u8, laid out as `spec` says) into `output` in one launch on `stream`:
+/// `out = scale * (x - mean[c]) / std[c] + shift`, f32 arithmetic, converted to `O` with round to
+/// nearest even (integers saturate). `per_sample` replaces the per-channel mean/std of `spec`.
+///
+/// Every argument is checked before anything is queued; a batch with crops, mirrors or samples
+/// of different sizes uploads a small per-sample table first (ordered on the same stream).
+pub fn normalize<O, I, D>(
+    stream: &Stream,
+    input: &I,
+    spec: &Spec,
+    output: &mut D,
+    per_sample: Option<DevicePerSample<'_>>,
+) -> Result<()>
+where
+    O: OutputElement,
+    I: DeviceSlice<u8> + ?Sized,
+    D: DeviceSliceMut<O> + ?Sized,
+{
+    const OP: &str = "kernels::normalize";
+    spec.validate(OP)?;
+    let (i, o) = (input.device_region(), output.device_region());
+    if i.len != spec.input_len() {
+        return Err(Error::LengthMismatch {
+            op: OP,
+            src: i.len,
+            dst: spec.input_len(),
+        });
+    }
+    if o.len != spec.output_len() {
+        return Err(Error::LengthMismatch {
+            op: OP,
+            src: spec.output_len(),
+            dst: o.len,
+        });
+    }
+    stream.same_device(OP, i.device)?;
+    stream.same_device(OP, o.device)?;
+    let mut args = base_args(spec);
+    args.in_ = i.ptr;
+    args.out = o.ptr;
+    let mut trackers = vec![i.tracker, o.tracker];
+    if let Some(p) = per_sample {
+        let want = spec.samples.len() * spec.channels;
+        for b in [p.mean, p.std] {
+            stream.same_device(OP, b.device())?;
+            if b.len() != want {
+                return Err(Error::LengthMismatch {
+                    op: OP,
+                    src: b.len(),
+                    dst: want,
+                });
+            }
+        }
+        args.sample_mean = p.mean.as_device_ptr();
+        args.sample_std = p.std.as_device_ptr();
+    }
+    let per = per_sample.map(|p| (p.mean.device_region(), p.std.device_region()));
+    if let Some((m, s)) = &per {
+        trackers.push(m.tracker);
+        trackers.push(s.tracker);
+    }
+    // The per-sample table, when the batch needs one. Uploaded on `stream` (stream-ordered
+    // allocation, freed after the launch) from pageable memory.
+    let table = if spec.is_uniform() {
+        None
+    } else {
+        let rows = sample_table(spec);
+        let mut t = DeviceBuffer::<sys::pinstream_norm_sample>::new_async(stream, rows.len())?;
+        stream.copy_h2d(&rows[..], &mut t)?;
+        Some(t)
+    };
+    if let Some(t) = &table {
+        args.samples = t.as_device_ptr();
+    }
+    let table_region = table.as_ref().map(|t| t.device_region());
+    if let Some(r) = &table_region {
+        trackers.push(r.tracker);
+    }
+    stream.enter()?;
+    tracker::ordered(stream, &trackers, || {
+        // SAFETY: every pointer in `args` addresses device memory of the checked size on this
+        // stream's device, kept alive by the borrows and, afterwards, by the trackers.
+        check_with(
+            unsafe { sys::pinstream_normalize(&args, O::CODE, stream.as_raw()) },
+            "pinstream_normalize",
+            || {
+                format!(
+                    "{} samples x {} channels, {:?} -> {:?}, {}",
+                    spec.samples.len(),
+                    spec.channels,
+                    spec.in_layout,
+                    spec.out_layout,
+                    O::NAME
+                )
+            },
+        )
+    })
+    .map(|_| ())
+}
+
+/// Checks that `spec` is something `denormalize` handles: a uniform batch, one layout, no pad.
+pub(crate) fn check_denormalize_spec(op: &'static str, spec: &Spec) -> Result<()> {
+    spec.validate(op)?;
+    if !spec.is_uniform() || spec.in_layout != spec.out_layout || spec.pad_to_4.is_some() {
+        return Err(Error::invalid(
+            op,
+            "denormalize takes a uniform batch in one layout, without crops, mirrors or padding",
+        ));
+    }
+    Ok(())
+}
+
+/// The inverse for looking at results: `x = (y - shift) * std[c] / scale + mean[c]`, rounded and
+/// saturated to u8, same layout in and out (a uniform batch described by `spec`).
+pub fn denormalize<T, I, D>(stream: &Stream, input: &I, spec: &Spec, output: &mut D) -> Result<()>
+where
+    T: DenormInput,
+    I: DeviceSlice<T> + ?Sized,
+    D: DeviceSliceMut<u8> + ?Sized,
+{
+    const OP: &str = "kernels::denormalize";
+    check_denormalize_spec(OP, spec)?;
+    let (i, o) = (input.device_region(), output.device_region());
+    let len = spec.input_len();
+    for got in [i.len, o.len] {
+        if got != len {
+            return Err(Error::LengthMismatch {
+                op: OP,
+                src: got,
+                dst: len,
+            });
+        }
+    }
+    stream.same_device(OP, i.device)?;
+    stream.same_device(OP, o.device)?;
+    let mut args = base_args(spec);
+    args.in_ = i.ptr;
+    args.out = o.ptr;
+    stream.enter()?;
+    tracker::ordered(stream, &[i.tracker, o.tracker], || {
+        // SAFETY: as in `normalize`.
+        check_with(
+            unsafe { sys::pinstream_denormalize(&args, T::CODE, stream.as_raw()) },
+            "pinstream_denormalize",
+            || format!("{len} elements"),
+        )
+    })
+    .map(|_| ())
+}
