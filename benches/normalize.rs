@@ -1,1 +1,157 @@
-fn main() {}
+//! Criterion bench of the fused normalize kernels on the batch, 256 x 3 x 224 x 224 u8,
+//! timed with CUDA events (20 launches per sample), plus a summary printed at the end: median of
+//! 20 samples, effective GB/s, and the ratio to a device-to-device copy of the same bytes measured
+//! in the same run. Without a device it prints one line and measures nothing.
+//!
+//! `cargo bench --bench normalize`, or on the GPU machine `.gpu/bench/normalize --bench`.
+
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use pinstream::kernels::{self, Layout, Normalize, OutputElement, Spec};
+use pinstream::{bf16, f16, Device, DeviceBuffer, Stream, TimingEvent};
+
+const N: usize = 256;
+const C: usize = 3;
+const H: usize = 224;
+const W: usize = 224;
+const LAUNCHES: u32 = 20;
+
+fn input(stream: &Stream) -> DeviceBuffer<u8> {
+    let n = N * C * H * W;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let host: Vec<u8> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 32) as u8
+        })
+        .collect();
+    let mut d = DeviceBuffer::<u8>::new(&stream.device(), n).unwrap();
+    stream.copy_h2d(&host[..], &mut d).unwrap();
+    d
+}
+
+/// GPU seconds per launch of `op`, over `LAUNCHES` launches.
+fn per_launch(stream: &Stream, mut op: impl FnMut()) -> f64 {
+    let dev = stream.device();
+    let (a, b) = (
+        TimingEvent::new(&dev).unwrap(),
+        TimingEvent::new(&dev).unwrap(),
+    );
+    stream.record(&a).unwrap();
+    for _ in 0..LAUNCHES {
+        op();
+    }
+    stream.record(&b).unwrap();
+    b.synchronize().unwrap();
+    f64::from(a.elapsed_ms(&b).unwrap()) / 1e3 / f64::from(LAUNCHES)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Case {
+    name: &'static str,
+    bytes_per_elem: usize,
+    run: Box<dyn FnMut()>,
+}
+
+fn case<O: OutputElement>(
+    name: &'static str,
+    stream: &Stream,
+    d_in: &'static DeviceBuffer<u8>,
+    il: Layout,
+) -> Case {
+    let spec = Spec::uniform(N, C, H, W, Normalize::imagenet()).layouts(il, Layout::Nchw);
+    let mut out = DeviceBuffer::<O>::new(&stream.device(), spec.output_len()).unwrap();
+    let s = stream.clone();
+    Case {
+        name,
+        bytes_per_elem: 1 + std::mem::size_of::<O>(),
+        run: Box::new(move || {
+            kernels::normalize::<O, _, _>(&s, d_in, &spec, &mut out, None).unwrap()
+        }),
+    }
+}
+
+fn normalize(c: &mut Criterion) {
+    let dev = match Device::get(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("normalize bench skipped: {e}");
+            return;
+        }
+    };
+    let stream = dev.stream().unwrap();
+    let d_in: &'static DeviceBuffer<u8> = Box::leak(Box::new(input(&stream)));
+    let elems = N * C * H * W;
+    let mut cases = [
+        case::<f32>("nchw_to_nchw_f32", &stream, d_in, Layout::Nchw),
+        case::<f16>("nchw_to_nchw_f16", &stream, d_in, Layout::Nchw),
+        case::<bf16>("nchw_to_nchw_bf16", &stream, d_in, Layout::Nchw),
+        case::<f32>("nhwc_to_nchw_f32", &stream, d_in, Layout::Nhwc),
+        case::<f16>("nhwc_to_nchw_f16", &stream, d_in, Layout::Nhwc),
+    ];
+
+    let mut g = c.benchmark_group("normalize_256x3x224x224");
+    g.sample_size(20);
+    g.measurement_time(Duration::from_secs(3));
+    for cs in cases.iter_mut() {
+        g.throughput(Throughput::Bytes((elems * cs.bytes_per_elem) as u64));
+        g.bench_function(cs.name, |b| {
+            b.iter_custom(|iters| {
+                let batches = iters.div_ceil(u64::from(LAUNCHES));
+                let per: f64 = (0..batches)
+                    .map(|_| per_launch(&stream, &mut cs.run))
+                    .sum::<f64>()
+                    / batches as f64;
+                Duration::from_secs_f64(per * iters as f64)
+            })
+        });
+    }
+    g.finish();
+
+    // Summary against a device-to-device copy moving the same bytes (read + write).
+    let copy_bytes = |bpe: usize| elems * bpe / 2;
+    let mut copy_src = DeviceBuffer::<u8>::new(&dev, copy_bytes(5)).unwrap();
+    let mut copy_dst = DeviceBuffer::<u8>::new(&dev, copy_bytes(5)).unwrap();
+    kernels::fill(&stream, &mut copy_src, 0x5Au8).unwrap();
+    println!(
+        "\nsummary: {N}x{C}x{H}x{W} u8, median of 20 samples x {LAUNCHES} launches, CUDA events"
+    );
+    for cs in cases.iter_mut() {
+        let bytes = elems * cs.bytes_per_elem;
+        let half = copy_bytes(cs.bytes_per_elem);
+        let src = copy_src.slice(..half).unwrap();
+        let copy: Vec<f64> = (0..20)
+            .map(|_| {
+                per_launch(&stream, || {
+                    let mut dst = copy_dst.slice_mut(..half).unwrap();
+                    stream.copy_d2d(&src, &mut dst).unwrap();
+                })
+            })
+            .collect();
+        for _ in 0..3 {
+            per_launch(&stream, &mut cs.run);
+        }
+        let t = median((0..20).map(|_| per_launch(&stream, &mut cs.run)).collect());
+        let tc = median(copy);
+        println!(
+            "  {:<20} {:>8.4} ms  {:>7.1} GB/s   d2d copy of the same {} MB: {:>8.4} ms {:>7.1} GB/s   {:>5.1} %",
+            cs.name,
+            t * 1e3,
+            bytes as f64 / t / 1e9,
+            bytes / 1_000_000,
+            tc * 1e3,
+            bytes as f64 / tc / 1e9,
+            100.0 * tc / t
+        );
+    }
+}
+
+criterion_group!(benches, normalize);
+criterion_main!(benches);

@@ -1,0 +1,636 @@
+//! Normalize / denormalize on the GPU against the f64 CPU reference (GPU trials, ignored without
+//! a device), and the reference's own checks (CPU trials).
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{ensure, rng, R};
+use libtest_mimic::{Arguments, Trial};
+use pinstream::kernels::{
+    self, cpu, Crop, DevicePerSample, Layout, Normalize, OutputElement, Spec,
+};
+use pinstream::{bf16, f16, Device, DeviceBuffer, Error, Stream};
+use rand::rngs::SmallRng;
+use rand::{Rng, RngCore};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Variant {
+    Plain,
+    Mirror,
+    Crop,
+    Pad,
+    PerSample,
+    All,
+}
+
+const VARIANTS: [Variant; 6] = [
+    Variant::Plain,
+    Variant::Mirror,
+    Variant::Crop,
+    Variant::Pad,
+    Variant::PerSample,
+    Variant::All,
+];
+const LAYOUTS: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
+
+fn main() {
+    let mut args = Arguments::from_args();
+    args.test_threads.get_or_insert(1);
+    let no_gpu = !pinstream::available();
+    let mut trials = Vec::new();
+    for il in LAYOUTS {
+        for ol in LAYOUTS {
+            for v in VARIANTS {
+                for dtype in ["f32", "f16", "bf16", "u8", "i8"] {
+                    let name = format!("matrix/{il:?}-{ol:?}/{dtype}/{v:?}").to_lowercase();
+                    let f = move || match dtype {
+                        "f32" => matrix::<f32>(il, ol, v),
+                        "f16" => matrix::<f16>(il, ol, v),
+                        "bf16" => matrix::<bf16>(il, ol, v),
+                        "u8" => matrix::<u8>(il, ol, v),
+                        _ => matrix::<i8>(il, ol, v),
+                    };
+                    trials.push(Trial::test(name, f).with_ignored_flag(no_gpu));
+                }
+            }
+        }
+    }
+    type Case = (&'static str, fn() -> R);
+    let gpu: [Case; 6] = [
+        ("fast_paths_uniform", fast_paths_uniform),
+        ("misaligned_views_fall_back", misaligned_views_fall_back),
+        ("many_samples", many_samples),
+        ("real_images", real_images),
+        ("denormalize_round_trip", denormalize_round_trip),
+        (
+            "bad_input_is_refused_before_launch",
+            bad_input_is_refused_before_launch,
+        ),
+    ];
+    for (name, f) in gpu {
+        trials.push(Trial::test(name, f).with_ignored_flag(no_gpu));
+    }
+    trials.push(Trial::test("cpu/reference_checks", cpu_reference_checks));
+    trials.push(Trial::test("cpu/reference_values", cpu_reference_values));
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn random_u8(rng: &mut SmallRng, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rng.fill_bytes(&mut v);
+    v
+}
+
+fn random_norm(rng: &mut SmallRng, c: usize, scaled: bool) -> Normalize {
+    let mean: Vec<f32> = (0..c).map(|_| rng.random_range(0.0..255.0)).collect();
+    let std: Vec<f32> = (0..c).map(|_| rng.random_range(1.0..90.0)).collect();
+    let n = Normalize::new(&mean, &std);
+    if scaled {
+        n.with_scale_shift(rng.random_range(0.25..4.0), rng.random_range(-2.0..2.0))
+    } else {
+        n
+    }
+}
+
+/// Compares GPU output with the exact reference: f32 within 1e-6 relative (to |ref| + |shift|),
+/// 16-bit floats and integers within one unit of rounding.
+fn compare<O: OutputElement + std::fmt::Debug>(
+    what: &str,
+    got: &[O],
+    exact: &[f64],
+    shift: f32,
+    seed: u64,
+) -> R {
+    ensure(got.len() == exact.len(), || {
+        format!("{what}: {} vs {} elements", got.len(), exact.len())
+    })?;
+    let mut worst = (0usize, 0f64);
+    for (i, (g, &e)) in got.iter().zip(exact).enumerate() {
+        let gv = g.to_f64();
+        let (err, tol) = if O::NAME == "f32" {
+            (
+                (gv - e).abs(),
+                1e-6 * (e.abs() + f64::from(shift.abs())) + 1e-30,
+            )
+        } else if O::NAME == "u8" || O::NAME == "i8" {
+            ((gv - O::from_f64(e).to_f64()).abs(), 1.0)
+        } else {
+            ((gv - e).abs(), O::unit_at(e))
+        };
+        // NaN errors (an unwritten, poisoned element) fail too.
+        if err.is_nan() || err > tol {
+            return Err(format!(
+                "{what}: element {i}: got {g:?} ({gv}), exact {e}, error {err:e} > {tol:e} (seed {seed})"
+            )
+            .into());
+        }
+        if err / tol > worst.1 {
+            worst = (i, err / tol);
+        }
+    }
+    Ok(())
+}
+
+/// Runs `spec` on the GPU (output poisoned first) and compares with the reference.
+fn run_and_compare<O: OutputElement + std::fmt::Debug>(
+    stream: &Stream,
+    input: &[u8],
+    spec: &Spec,
+    per: Option<(&[f32], &[f32])>,
+    what: &str,
+    seed: u64,
+) -> R {
+    let dev = stream.device();
+    let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
+    stream.copy_h2d(input, &mut d_in)?;
+    let mut d_out = DeviceBuffer::<O>::new(&dev, spec.output_len())?;
+    kernels::fill(stream, &mut d_out, O::poison())?;
+    let per_dev = match per {
+        Some((m, s)) => {
+            let mut dm = DeviceBuffer::<f32>::new(&dev, m.len())?;
+            let mut ds = DeviceBuffer::<f32>::new(&dev, s.len())?;
+            stream.copy_h2d(m, &mut dm)?;
+            stream.copy_h2d(s, &mut ds)?;
+            Some((dm, ds))
+        }
+        None => None,
+    };
+    let p = per_dev
+        .as_ref()
+        .map(|(m, s)| DevicePerSample { mean: m, std: s });
+    kernels::normalize::<O, _, _>(stream, &d_in, spec, &mut d_out, p)?;
+    let mut got = vec![O::poison(); spec.output_len()];
+    let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
+    let exact = cpu::normalize_exact(
+        input,
+        spec,
+        per.map(|(mean, std)| cpu::PerSample { mean, std }),
+    )?;
+    compare(what, got, &exact, spec.norm.shift, seed)?;
+    // The CPU path gives the same converted values as the reference rounding.
+    let mut cpu_out = vec![O::poison(); spec.output_len()];
+    cpu::normalize(
+        input,
+        spec,
+        per.map(|(mean, std)| cpu::PerSample { mean, std }),
+        &mut cpu_out,
+    )?;
+    compare(
+        &format!("{what} (cpu path)"),
+        &cpu_out,
+        &exact,
+        spec.norm.shift,
+        seed,
+    )
+}
+
+fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant) -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    let channel_counts: &[usize] = match v {
+        Variant::Pad => &[1, 2, 3],
+        _ => &[1, 2, 3, 4],
+    };
+    // Awkward shapes: 1x1, 7x13, widths not multiples of 4 or 16, one sample and several.
+    let batches: [&[(usize, usize)]; 4] = [
+        &[(1, 1)],
+        &[(7, 13)],
+        &[(7, 13), (1, 1), (5, 9), (16, 17)],
+        &[(24, 24); 3],
+    ];
+    for &c in channel_counts {
+        for sizes in batches {
+            let scaled = matches!(v, Variant::All | Variant::PerSample);
+            let mut spec =
+                Spec::variable(c, sizes, random_norm(&mut rng, c, scaled)).layouts(il, ol);
+            if matches!(v, Variant::Mirror | Variant::All) {
+                for (i, s) in spec.samples.iter_mut().enumerate() {
+                    s.mirror = i % 2 == 0 || rng.random_bool(0.5);
+                }
+            }
+            if matches!(v, Variant::Crop | Variant::All) {
+                for s in spec.samples.iter_mut() {
+                    let w = rng.random_range(1..=s.w);
+                    let h = rng.random_range(1..=s.h);
+                    s.crop = Some(Crop {
+                        x: rng.random_range(0..=s.w - w),
+                        y: rng.random_range(0..=s.h - h),
+                        w,
+                        h,
+                    });
+                }
+            }
+            if matches!(v, Variant::Pad | Variant::All) && c < 4 {
+                spec = spec.pad_to_4(rng.random_range(-3.0..3.0));
+            }
+            let per = matches!(v, Variant::PerSample | Variant::All).then(|| {
+                let n = spec.samples.len() * c;
+                let m: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..255.0)).collect();
+                let s: Vec<f32> = (0..n).map(|_| rng.random_range(1.0..90.0)).collect();
+                (m, s)
+            });
+            let input = random_u8(&mut rng, spec.input_len());
+            let what = format!("{il:?}->{ol:?} {} {v:?} C={c} sizes {sizes:?}", O::NAME);
+            run_and_compare::<O>(
+                &stream,
+                &input,
+                &spec,
+                per.as_ref().map(|(m, s)| (&m[..], &s[..])),
+                &what,
+                seed,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Uniform batches that take the vectorised kernels (h*w a multiple of 4, aligned buffers),
+/// including a last transpose tile that is only partly full, for every type and layout pair.
+fn fast_paths_uniform() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    for &(n, h, w) in &[
+        (4usize, 32usize, 40usize),
+        (2, 24, 24),
+        (3, 1, 4),
+        (1, 64, 64),
+    ] {
+        for c in 1..=4 {
+            for il in LAYOUTS {
+                for ol in LAYOUTS {
+                    let spec =
+                        Spec::uniform(n, c, h, w, random_norm(&mut rng, c, false)).layouts(il, ol);
+                    let input = random_u8(&mut rng, spec.input_len());
+                    let what = format!("uniform {n}x{c}x{h}x{w} {il:?}->{ol:?}");
+                    run_and_compare::<f32>(&stream, &input, &spec, None, &what, seed)?;
+                    run_and_compare::<f16>(&stream, &input, &spec, None, &what, seed)?;
+                    run_and_compare::<bf16>(&stream, &input, &spec, None, &what, seed)?;
+                    run_and_compare::<u8>(&stream, &input, &spec, None, &what, seed)?;
+                    run_and_compare::<i8>(&stream, &input, &spec, None, &what, seed)?;
+                }
+            }
+        }
+    }
+    // Per-sample statistics through the fast kernels.
+    let spec = Spec::uniform(3, 3, 32, 32, Normalize::imagenet());
+    let m: Vec<f32> = (0..9).map(|_| rng.random_range(0.0..255.0)).collect();
+    let s: Vec<f32> = (0..9).map(|_| rng.random_range(1.0..90.0)).collect();
+    for (il, ol) in [
+        (Layout::Nchw, Layout::Nchw),
+        (Layout::Nhwc, Layout::Nchw),
+        (Layout::Nhwc, Layout::Nhwc),
+    ] {
+        let spec = spec.clone().layouts(il, ol);
+        let input = random_u8(&mut rng, spec.input_len());
+        run_and_compare::<f32>(
+            &stream,
+            &input,
+            &spec,
+            Some((&m, &s)),
+            "uniform per-sample",
+            seed,
+        )?;
+    }
+    Ok(())
+}
+
+/// Views that start at odd offsets cannot take the vectorised kernels: still right.
+fn misaligned_views_fall_back() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    let spec =
+        Spec::uniform(2, 3, 16, 16, Normalize::imagenet()).layouts(Layout::Nhwc, Layout::Nchw);
+    let input = random_u8(&mut rng, spec.input_len());
+    let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len() + 1)?;
+    stream.copy_h2d(&input[..], &mut d_in.slice_mut(1..)?)?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    kernels::fill(&stream, &mut d_out, f32::NAN)?;
+    kernels::normalize::<f32, _, _>(
+        &stream,
+        &d_in.slice(1..)?,
+        &spec,
+        &mut d_out.slice_mut(1..)?,
+        None,
+    )?;
+    let mut got = vec![0f32; spec.output_len() + 1];
+    let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
+    ensure(got[0].is_nan(), || {
+        "the element before the view was written".into()
+    })?;
+    let exact = cpu::normalize_exact(&input, &spec, None)?;
+    compare("misaligned views", &got[1..], &exact, 0.0, seed)
+}
+
+fn many_samples() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    let sizes: Vec<(usize, usize)> = (0..300)
+        .map(|_| (rng.random_range(1..20), rng.random_range(1..20)))
+        .collect();
+    let mut spec =
+        Spec::variable(3, &sizes, Normalize::imagenet()).layouts(Layout::Nhwc, Layout::Nchw);
+    for s in spec.samples.iter_mut() {
+        s.mirror = rng.random_bool(0.5);
+    }
+    let input = random_u8(&mut rng, spec.input_len());
+    run_and_compare::<f16>(&stream, &input, &spec, None, "300 variable samples", seed)
+}
+
+/// The directory of the sample images, found at run time.
+fn images_dir() -> Result<PathBuf, String> {
+    let roots = [
+        std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from),
+        std::env::current_dir().ok(),
+    ];
+    roots
+        .into_iter()
+        .flatten()
+        .map(|r| r.join("tests/data/images"))
+        .find(|p| p.join("astronaut.png").is_file())
+        .ok_or_else(|| "tests/data/images not found (run from the repository root)".to_string())
+}
+
+/// A variable-size batch of the real images, one batch per channel count (1, 3 and 4).
+fn real_images() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let dir = images_dir()?;
+    let groups: [(usize, &[&str]); 3] = [
+        (1, &["camera.png"]),
+        (
+            3,
+            &["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"],
+        ),
+        (4, &["logo.png"]),
+    ];
+    for (c, files) in groups {
+        let mut pixels = Vec::new();
+        let mut sizes = Vec::new();
+        for f in files {
+            let img = image::open(dir.join(f)).map_err(|e| format!("{f}: {e}"))?;
+            let (w, h) = (img.width() as usize, img.height() as usize);
+            let raw = match c {
+                1 => img.to_luma8().into_raw(),
+                3 => img.to_rgb8().into_raw(),
+                _ => img.to_rgba8().into_raw(),
+            };
+            ensure(raw.len() == w * h * c, || {
+                format!("{f}: decoded {} bytes", raw.len())
+            })?;
+            pixels.extend_from_slice(&raw);
+            sizes.push((h, w));
+        }
+        let mean = vec![120.0f32; c];
+        let std = vec![60.0f32; c];
+        let spec = Spec::variable(c, &sizes, Normalize::new(&mean, &std))
+            .layouts(Layout::Nhwc, Layout::Nchw);
+        run_and_compare::<f32>(
+            &stream,
+            &pixels,
+            &spec,
+            None,
+            &format!("images {files:?}"),
+            0,
+        )?;
+        run_and_compare::<bf16>(
+            &stream,
+            &pixels,
+            &spec,
+            None,
+            &format!("images {files:?}"),
+            0,
+        )?;
+    }
+    Ok(())
+}
+
+fn denormalize_round_trip() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    for layout in LAYOUTS {
+        let spec = Spec::uniform(2, 3, 9, 11, Normalize::imagenet()).layouts(layout, layout);
+        let input = random_u8(&mut rng, spec.input_len());
+        let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
+        stream.copy_h2d(&input[..], &mut d_in)?;
+        let mut norm32 = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
+        let mut norm16 = DeviceBuffer::<bf16>::new(&dev, spec.output_len())?;
+        kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut norm32, None)?;
+        kernels::normalize::<bf16, _, _>(&stream, &d_in, &spec, &mut norm16, None)?;
+        let mut back = DeviceBuffer::<u8>::new(&dev, input.len())?;
+        for (name, exact) in [("f32", true), ("bf16", false)] {
+            kernels::fill(&stream, &mut back, 0xABu8)?;
+            if exact {
+                kernels::denormalize::<f32, _, _>(&stream, &norm32, &spec, &mut back)?;
+            } else {
+                kernels::denormalize::<bf16, _, _>(&stream, &norm16, &spec, &mut back)?;
+            }
+            let mut got = vec![0u8; input.len()];
+            let got = stream.copy_d2h(&back, &mut got[..])?.wait()?;
+            for (i, (&g, &x)) in got.iter().zip(&input).enumerate() {
+                let tol = if exact { 0 } else { 1 };
+                ensure((i32::from(g) - i32::from(x)).abs() <= tol, || {
+                    format!("{layout:?} {name}: element {i}: {x} came back as {g} (seed {seed})")
+                })?;
+            }
+        }
+        // The reference inverse agrees.
+        let mut host32 = vec![0f32; spec.output_len()];
+        cpu::normalize(&input, &spec, None, &mut host32)?;
+        let mut back_cpu = vec![0u8; input.len()];
+        cpu::denormalize(&host32, &spec, &mut back_cpu)?;
+        ensure(back_cpu == input, || {
+            format!("{layout:?}: cpu round trip differs")
+        })?;
+    }
+    Ok(())
+}
+
+fn bad_input_is_refused_before_launch() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
+    let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len())?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
+    kernels::fill(&stream, &mut d_out, 7.0f32)?;
+    let invalid = |e: Result<(), Error>| matches!(e, Err(Error::InvalidArgument { .. }));
+    let mut bad = spec.clone();
+    bad.norm.std[1] = 0.0;
+    ensure(
+        invalid(kernels::normalize::<f32, _, _>(
+            &stream, &d_in, &bad, &mut d_out, None,
+        )),
+        || "std 0".into(),
+    )?;
+    bad.norm.std[1] = f32::NAN;
+    ensure(
+        invalid(kernels::normalize::<f32, _, _>(
+            &stream, &d_in, &bad, &mut d_out, None,
+        )),
+        || "std NaN".into(),
+    )?;
+    let mut bad = spec.clone();
+    bad.channels = 5;
+    ensure(
+        invalid(kernels::normalize::<f32, _, _>(
+            &stream, &d_in, &bad, &mut d_out, None,
+        )),
+        || "5 channels".into(),
+    )?;
+    let mut bad = spec.clone();
+    bad.samples.clear();
+    ensure(
+        invalid(kernels::normalize::<f32, _, _>(
+            &stream, &d_in, &bad, &mut d_out, None,
+        )),
+        || "no samples".into(),
+    )?;
+    let mut bad = spec.clone();
+    bad.samples[1].crop = Some(Crop {
+        x: 2,
+        y: 0,
+        w: 3,
+        h: 4,
+    });
+    ensure(
+        invalid(kernels::normalize::<f32, _, _>(
+            &stream, &d_in, &bad, &mut d_out, None,
+        )),
+        || "crop outside".into(),
+    )?;
+    let short = DeviceBuffer::<u8>::new(&dev, spec.input_len() - 1)?;
+    let e = kernels::normalize::<f32, _, _>(&stream, &short, &spec, &mut d_out, None);
+    ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let mut wrong_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    let e = kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut wrong_out, None);
+    ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let short_stats = DeviceBuffer::<f32>::new(&dev, 5)?;
+    let e = kernels::normalize::<f32, _, _>(
+        &stream,
+        &d_in,
+        &spec,
+        &mut d_out,
+        Some(DevicePerSample {
+            mean: &short_stats,
+            std: &short_stats,
+        }),
+    );
+    ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let e = kernels::denormalize::<f32, _, _>(
+        &stream,
+        &d_out,
+        &spec.clone().pad_to_4(0.0),
+        &mut DeviceBuffer::<u8>::new(&dev, spec.input_len())?,
+    );
+    ensure(invalid(e), || "denormalize with padding".into())?;
+    // Nothing was written.
+    let mut got = vec![0f32; spec.output_len()];
+    let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
+    ensure(got.iter().all(|&v| v == 7.0), || {
+        "a refused launch wrote the output".into()
+    })
+}
+
+fn cpu_reference_checks() -> R {
+    let spec = Spec::uniform(1, 3, 2, 2, Normalize::imagenet());
+    let input = vec![1u8; 12];
+    let mut out = vec![0f32; 12];
+    cpu::normalize(&input, &spec, None, &mut out)?;
+    let e = cpu::normalize(&input[..11], &spec, None, &mut out);
+    ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let mut bad = spec.clone();
+    bad.norm.mean.pop();
+    let e = cpu::normalize(&input, &bad, None, &mut out);
+    ensure(matches!(e, Err(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+    let mut bad = spec.clone();
+    bad.samples[0].h = 0;
+    let e = cpu::normalize(&input, &bad, None, &mut out);
+    ensure(matches!(e, Err(Error::InvalidArgument { .. })), || {
+        format!("{e:?}")
+    })?;
+    let e = cpu::normalize(
+        &input,
+        &spec,
+        Some(cpu::PerSample {
+            mean: &[1.0],
+            std: &[1.0],
+        }),
+        &mut out,
+    );
+    ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
+        format!("{e:?}")
+    })?;
+    let msg = Spec::uniform(
+        1,
+        3,
+        2,
+        2,
+        Normalize::new(&[0.0, 0.0, 0.0], &[1.0, 0.0, 1.0]),
+    )
+    .validate("x")
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    ensure(msg.contains("std[1]"), || msg.clone())
+}
+
+/// Hand-computed values: layouts, mirror, crop, pad and conversions.
+fn cpu_reference_values() -> R {
+    // One 2x3 RGB image, NHWC, pixel (y, x) channel c = 10*(3*y + x) + c.
+    let input: Vec<u8> = (0..2 * 3)
+        .flat_map(|p| (0..3).map(move |c| (10 * p + c) as u8))
+        .collect();
+    let norm = Normalize::new(&[1.0, 2.0, 3.0], &[2.0, 4.0, 8.0]);
+    let mut spec = Spec::variable(3, &[(2, 3)], norm).layouts(Layout::Nhwc, Layout::Nchw);
+    spec.samples[0].crop = Some(Crop {
+        x: 1,
+        y: 1,
+        w: 2,
+        h: 1,
+    });
+    spec.samples[0].mirror = true;
+    let spec = spec.pad_to_4(-1.0);
+    let exact = cpu::normalize_exact(&input, &spec, None)?;
+    // Crop row 1, columns 1..3 -> pixels 4 and 5; mirrored -> 5, 4.
+    let want = [
+        (50.0 - 1.0) / 2.0,
+        (40.0 - 1.0) / 2.0,
+        (51.0 - 2.0) / 4.0,
+        (41.0 - 2.0) / 4.0,
+        (52.0 - 3.0) / 8.0,
+        (42.0 - 3.0) / 8.0,
+        -1.0,
+        -1.0,
+    ];
+    ensure(exact == want, || format!("{exact:?} != {want:?}"))?;
+    ensure(
+        u8::from_f64(2.5) == 2
+            && u8::from_f64(3.5) == 4
+            && u8::from_f64(-7.0) == 0
+            && u8::from_f64(300.0) == 255,
+        || "u8 rounding".into(),
+    )?;
+    ensure(
+        i8::from_f64(-200.0) == -128 && i8::from_f64(-0.5) == 0 && i8::from_f64(126.5) == 126,
+        || "i8 rounding".into(),
+    )?;
+    ensure(
+        f16::from_f64(1.0 + 1.0 / 2048.0) == f16::from_f64(1.0),
+        || "f16 ties to even".into(),
+    )
+}
