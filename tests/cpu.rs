@@ -47,6 +47,7 @@ fn main() {
         t("error/formatting", error_formatting),
         t("memory/flags", memory_flags),
         t("bench/stats_and_pattern", stats_and_pattern),
+        t("cli/normalize_cpu_writes_npy", normalize_cpu_writes_npy),
         // On a machine with a GPU these have nothing to check: ignored there, not passed.
         Trial::test(
             "no_device/every_entry_point_reports_it",
@@ -431,14 +432,26 @@ fn every_entry_point_reports_no_device() -> R {
     })
 }
 
+/// The `pinstream` program: next to the test executable's folder (cargo), or in `.gpu/bin`.
+fn pinstream_bin() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut candidates: Vec<PathBuf> = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("pinstream"))
+        .into_iter()
+        .collect();
+    if let Some(root) = std::env::var_os("CARGO_MANIFEST_DIR") {
+        candidates.push(PathBuf::from(root).join(".gpu/bin/pinstream"));
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| "the pinstream program was not found (run via cargo test)".to_string())
+}
+
 fn info_exits_with_status_2() -> R {
-    // The binary cargo built next to this test (found at run time, next to the test executable).
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().and_then(Path::parent).ok_or("no target dir")?;
-    let bin = dir.join("pinstream");
-    ensure(bin.is_file(), || {
-        format!("{} not built (run via cargo test)", bin.display())
-    })?;
+    let bin = pinstream_bin()?;
     let out = std::process::Command::new(&bin).arg("info").output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {
@@ -475,4 +488,85 @@ fn stats_and_pattern() -> R {
     })?;
     let distinct = p.iter().collect::<std::collections::HashSet<_>>().len();
     ensure(distinct > 200, || format!("{distinct} distinct bytes"))
+}
+
+fn normalize_cpu_writes_npy() -> R {
+    let bin = pinstream_bin()?;
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let images = root.join("tests/data/images");
+    let dir = scratch("npy");
+    let out = dir.join("batch.npy");
+    let run = |args: &[&std::ffi::OsStr]| {
+        std::process::Command::new(&bin)
+            .arg("normalize")
+            .args(args)
+            .output()
+    };
+    let a = images.join("astronaut.png");
+    let o = run(&[
+        "--input".as_ref(),
+        a.as_os_str(),
+        a.as_os_str(),
+        "--preset".as_ref(),
+        "imagenet".as_ref(),
+        "--dtype".as_ref(),
+        "f16".as_ref(),
+        "--cpu".as_ref(),
+        "--verify".as_ref(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ])?;
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    ensure(o.status.success(), || {
+        format!("{:?}: {}", o.status, String::from_utf8_lossy(&o.stderr))
+    })?;
+    ensure(stdout.contains("verify: max abs error"), || {
+        stdout.to_string()
+    })?;
+    let bytes = std::fs::read(&out)?;
+    ensure(bytes.starts_with(b"\x93NUMPY\x01\x00"), || {
+        "npy magic".into()
+    })?;
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = String::from_utf8_lossy(&bytes[10..10 + hlen]);
+    ensure((10 + hlen) % 64 == 0 && header.ends_with('\n'), || {
+        format!("header {header:?}")
+    })?;
+    ensure(
+        header.contains("'descr': '<f2'") && header.contains("'shape': (2, 3, 512, 512)"),
+        || header.to_string(),
+    )?;
+    ensure(bytes.len() == 10 + hlen + 2 * 3 * 512 * 512 * 2, || {
+        format!("{} bytes", bytes.len())
+    })?;
+    // First value: (R(0,0) - 0.485*255) / (0.229*255) for the astronaut, as f16.
+    let v = pinstream::f16::from_le_bytes([bytes[10 + hlen], bytes[11 + hlen]]).to_f32();
+    ensure(v > -3.0 && v < 3.0 && v != 0.0, || {
+        format!("first value {v}")
+    })?;
+
+    // Errors: one line, non-zero status, nothing written.
+    let missing = dir.join("missing.png");
+    let out2 = dir.join("never.npy");
+    let c = images.join("camera.png");
+    for (what, args) in [
+        ("missing file", vec![missing.as_os_str(), "--cpu".as_ref()]),
+        (
+            "mixed channels",
+            vec![a.as_os_str(), c.as_os_str(), "--cpu".as_ref()],
+        ),
+    ] {
+        let mut full: Vec<&std::ffi::OsStr> = vec!["--input".as_ref()];
+        full.extend(args);
+        full.extend(["--out".as_ref(), out2.as_os_str()]);
+        let o = run(&full)?;
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        ensure(!o.status.success() && stderr.lines().count() == 1, || {
+            format!("{what}: {:?} {stderr}", o.status)
+        })?;
+        ensure(!out2.exists(), || format!("{what}: a file was written"))?;
+    }
+    Ok(())
 }

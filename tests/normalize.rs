@@ -118,7 +118,10 @@ fn compare<O: OutputElement + std::fmt::Debug>(
         } else if O::NAME == "u8" || O::NAME == "i8" {
             ((gv - O::from_f64(e).to_f64()).abs(), 1.0)
         } else {
-            ((gv - e).abs(), O::unit_at(e) + 1e-6 * (e.abs() + f64::from(shift.abs())))
+            (
+                (gv - e).abs(),
+                O::unit_at(e) + 1e-6 * (e.abs() + f64::from(shift.abs())),
+            )
         };
         // NaN errors (an unwritten, poisoned element) fail too.
         if err.is_nan() || err > tol {

@@ -817,3 +817,129 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn cudaRuntimeGetVersion(runtimeVersion: *mut ::std::os::raw::c_int) -> cudaError_t;
 }
+pub const PINSTREAM_U8: _bindgen_ty_1 = 0;
+pub const PINSTREAM_I8: _bindgen_ty_1 = 1;
+pub const PINSTREAM_F32: _bindgen_ty_1 = 2;
+pub const PINSTREAM_F16: _bindgen_ty_1 = 3;
+pub const PINSTREAM_BF16: _bindgen_ty_1 = 4;
+pub type _bindgen_ty_1 = ::std::os::raw::c_uint;
+pub const PINSTREAM_NCHW: _bindgen_ty_2 = 0;
+pub const PINSTREAM_NHWC: _bindgen_ty_2 = 1;
+pub type _bindgen_ty_2 = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct pinstream_norm_sample {
+    pub in_offset: u64,
+    pub out_offset: u64,
+    pub src_h: i32,
+    pub src_w: i32,
+    pub crop_x: i32,
+    pub crop_y: i32,
+    pub out_h: i32,
+    pub out_w: i32,
+    pub mirror: i32,
+    pub reserved: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of pinstream_norm_sample"][::std::mem::size_of::<pinstream_norm_sample>() - 48usize];
+    ["Alignment of pinstream_norm_sample"]
+        [::std::mem::align_of::<pinstream_norm_sample>() - 8usize];
+    ["Offset of field: pinstream_norm_sample::in_offset"]
+        [::std::mem::offset_of!(pinstream_norm_sample, in_offset) - 0usize];
+    ["Offset of field: pinstream_norm_sample::out_offset"]
+        [::std::mem::offset_of!(pinstream_norm_sample, out_offset) - 8usize];
+    ["Offset of field: pinstream_norm_sample::src_h"]
+        [::std::mem::offset_of!(pinstream_norm_sample, src_h) - 16usize];
+    ["Offset of field: pinstream_norm_sample::src_w"]
+        [::std::mem::offset_of!(pinstream_norm_sample, src_w) - 20usize];
+    ["Offset of field: pinstream_norm_sample::crop_x"]
+        [::std::mem::offset_of!(pinstream_norm_sample, crop_x) - 24usize];
+    ["Offset of field: pinstream_norm_sample::crop_y"]
+        [::std::mem::offset_of!(pinstream_norm_sample, crop_y) - 28usize];
+    ["Offset of field: pinstream_norm_sample::out_h"]
+        [::std::mem::offset_of!(pinstream_norm_sample, out_h) - 32usize];
+    ["Offset of field: pinstream_norm_sample::out_w"]
+        [::std::mem::offset_of!(pinstream_norm_sample, out_w) - 36usize];
+    ["Offset of field: pinstream_norm_sample::mirror"]
+        [::std::mem::offset_of!(pinstream_norm_sample, mirror) - 40usize];
+    ["Offset of field: pinstream_norm_sample::reserved"]
+        [::std::mem::offset_of!(pinstream_norm_sample, reserved) - 44usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct pinstream_norm_args {
+    pub in_: *const ::std::os::raw::c_void,
+    pub out: *mut ::std::os::raw::c_void,
+    pub samples: *const pinstream_norm_sample,
+    pub sample_mean: *const f32,
+    pub sample_std: *const f32,
+    pub mean: [f32; 4usize],
+    pub k: [f32; 4usize],
+    pub scale: f32,
+    pub shift: f32,
+    pub fill: f32,
+    pub n: i32,
+    pub c_in: i32,
+    pub c_out: i32,
+    pub h: i32,
+    pub w: i32,
+    pub in_layout: i32,
+    pub out_layout: i32,
+    pub reserved: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of pinstream_norm_args"][::std::mem::size_of::<pinstream_norm_args>() - 120usize];
+    ["Alignment of pinstream_norm_args"][::std::mem::align_of::<pinstream_norm_args>() - 8usize];
+    ["Offset of field: pinstream_norm_args::in_"]
+        [::std::mem::offset_of!(pinstream_norm_args, in_) - 0usize];
+    ["Offset of field: pinstream_norm_args::out"]
+        [::std::mem::offset_of!(pinstream_norm_args, out) - 8usize];
+    ["Offset of field: pinstream_norm_args::samples"]
+        [::std::mem::offset_of!(pinstream_norm_args, samples) - 16usize];
+    ["Offset of field: pinstream_norm_args::sample_mean"]
+        [::std::mem::offset_of!(pinstream_norm_args, sample_mean) - 24usize];
+    ["Offset of field: pinstream_norm_args::sample_std"]
+        [::std::mem::offset_of!(pinstream_norm_args, sample_std) - 32usize];
+    ["Offset of field: pinstream_norm_args::mean"]
+        [::std::mem::offset_of!(pinstream_norm_args, mean) - 40usize];
+    ["Offset of field: pinstream_norm_args::k"]
+        [::std::mem::offset_of!(pinstream_norm_args, k) - 56usize];
+    ["Offset of field: pinstream_norm_args::scale"]
+        [::std::mem::offset_of!(pinstream_norm_args, scale) - 72usize];
+    ["Offset of field: pinstream_norm_args::shift"]
+        [::std::mem::offset_of!(pinstream_norm_args, shift) - 76usize];
+    ["Offset of field: pinstream_norm_args::fill"]
+        [::std::mem::offset_of!(pinstream_norm_args, fill) - 80usize];
+    ["Offset of field: pinstream_norm_args::n"]
+        [::std::mem::offset_of!(pinstream_norm_args, n) - 84usize];
+    ["Offset of field: pinstream_norm_args::c_in"]
+        [::std::mem::offset_of!(pinstream_norm_args, c_in) - 88usize];
+    ["Offset of field: pinstream_norm_args::c_out"]
+        [::std::mem::offset_of!(pinstream_norm_args, c_out) - 92usize];
+    ["Offset of field: pinstream_norm_args::h"]
+        [::std::mem::offset_of!(pinstream_norm_args, h) - 96usize];
+    ["Offset of field: pinstream_norm_args::w"]
+        [::std::mem::offset_of!(pinstream_norm_args, w) - 100usize];
+    ["Offset of field: pinstream_norm_args::in_layout"]
+        [::std::mem::offset_of!(pinstream_norm_args, in_layout) - 104usize];
+    ["Offset of field: pinstream_norm_args::out_layout"]
+        [::std::mem::offset_of!(pinstream_norm_args, out_layout) - 108usize];
+    ["Offset of field: pinstream_norm_args::reserved"]
+        [::std::mem::offset_of!(pinstream_norm_args, reserved) - 112usize];
+};
+unsafe extern "C" {
+    pub fn pinstream_normalize(
+        args: *const pinstream_norm_args,
+        out_dtype: i32,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn pinstream_denormalize(
+        args: *const pinstream_norm_args,
+        in_dtype: i32,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}

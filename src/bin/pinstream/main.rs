@@ -2,6 +2,7 @@
 
 mod bandwidth;
 mod info;
+mod normalize;
 
 use std::process::ExitCode;
 
@@ -24,6 +25,8 @@ enum Command {
     Info,
     /// Transfer bandwidth: memory kinds x directions x sizes, latency, pinning cost, scenarios.
     Bandwidth(bandwidth::BandwidthArgs),
+    /// Normalize images with the fused kernel (or the CPU reference) into a .npy file.
+    Normalize(normalize::NormalizeArgs),
 }
 
 /// Exit status when the machine has no usable CUDA device or driver.
@@ -44,6 +47,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info => info::run(),
         Command::Bandwidth(args) => bandwidth::run(args),
+        Command::Normalize(args) => normalize::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
