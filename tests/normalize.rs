@@ -14,24 +14,47 @@ use pinstream::{bf16, f16, Device, DeviceBuffer, Error, Stream};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore};
 
+/// Which options a matrix trial turns on: every subset of {mirror, crop, pad, per-sample}.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Variant {
-    Plain,
-    Mirror,
-    Crop,
-    Pad,
-    PerSample,
-    All,
+struct Variant {
+    mirror: bool,
+    crop: bool,
+    pad: bool,
+    per_sample: bool,
 }
 
-const VARIANTS: [Variant; 6] = [
-    Variant::Plain,
-    Variant::Mirror,
-    Variant::Crop,
-    Variant::Pad,
-    Variant::PerSample,
-    Variant::All,
-];
+impl Variant {
+    fn all() -> Vec<Variant> {
+        (0..16u8)
+            .map(|m| Variant {
+                mirror: m & 1 != 0,
+                crop: m & 2 != 0,
+                pad: m & 4 != 0,
+                per_sample: m & 8 != 0,
+            })
+            .collect()
+    }
+
+    fn name(self) -> String {
+        let mut parts = Vec::new();
+        for (on, n) in [
+            (self.mirror, "mirror"),
+            (self.crop, "crop"),
+            (self.pad, "pad"),
+            (self.per_sample, "per-sample"),
+        ] {
+            if on {
+                parts.push(n);
+            }
+        }
+        if parts.is_empty() {
+            "plain".into()
+        } else {
+            parts.join("+")
+        }
+    }
+}
+
 const LAYOUTS: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
 
 fn main() {
@@ -41,9 +64,9 @@ fn main() {
     let mut trials = Vec::new();
     for il in LAYOUTS {
         for ol in LAYOUTS {
-            for v in VARIANTS {
+            for v in Variant::all() {
                 for dtype in ["f32", "f16", "bf16", "u8", "i8"] {
-                    let name = format!("matrix/{il:?}-{ol:?}/{dtype}/{v:?}").to_lowercase();
+                    let name = format!("matrix/{il:?}-{ol:?}/{dtype}/{}", v.name()).to_lowercase();
                     let f = move || match dtype {
                         "f32" => matrix::<f32>(il, ol, v),
                         "f16" => matrix::<f16>(il, ol, v),
@@ -194,10 +217,7 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let (mut rng, seed) = rng();
-    let channel_counts: &[usize] = match v {
-        Variant::Pad => &[1, 2, 3],
-        _ => &[1, 2, 3, 4],
-    };
+    let channel_counts: &[usize] = if v.pad { &[1, 2, 3] } else { &[1, 2, 3, 4] };
     // Awkward shapes: 1x1, 7x13, widths not multiples of 4 or 16, one sample and several.
     let batches: [&[(usize, usize)]; 4] = [
         &[(1, 1)],
@@ -207,15 +227,15 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
     ];
     for &c in channel_counts {
         for sizes in batches {
-            let scaled = matches!(v, Variant::All | Variant::PerSample);
+            let scaled = v.per_sample;
             let mut spec =
                 Spec::variable(c, sizes, random_norm(&mut rng, c, scaled)).layouts(il, ol);
-            if matches!(v, Variant::Mirror | Variant::All) {
+            if v.mirror {
                 for (i, s) in spec.samples.iter_mut().enumerate() {
                     s.mirror = i % 2 == 0 || rng.random_bool(0.5);
                 }
             }
-            if matches!(v, Variant::Crop | Variant::All) {
+            if v.crop {
                 for s in spec.samples.iter_mut() {
                     let w = rng.random_range(1..=s.w);
                     let h = rng.random_range(1..=s.h);
@@ -227,17 +247,21 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
                     });
                 }
             }
-            if matches!(v, Variant::Pad | Variant::All) && c < 4 {
+            if v.pad && c < 4 {
                 spec = spec.pad_to_4(rng.random_range(-3.0..3.0));
             }
-            let per = matches!(v, Variant::PerSample | Variant::All).then(|| {
+            let per = v.per_sample.then(|| {
                 let n = spec.samples.len() * c;
                 let m: Vec<f32> = (0..n).map(|_| rng.random_range(0.0..255.0)).collect();
                 let s: Vec<f32> = (0..n).map(|_| rng.random_range(1.0..90.0)).collect();
                 (m, s)
             });
             let input = random_u8(&mut rng, spec.input_len());
-            let what = format!("{il:?}->{ol:?} {} {v:?} C={c} sizes {sizes:?}", O::NAME);
+            let what = format!(
+                "{il:?}->{ol:?} {} {} C={c} sizes {sizes:?}",
+                O::NAME,
+                v.name()
+            );
             run_and_compare::<O>(
                 &stream,
                 &input,
