@@ -130,7 +130,6 @@ fn compare<O: OutputElement + std::fmt::Debug>(
     ensure(got.len() == exact.len(), || {
         format!("{what}: {} vs {} elements", got.len(), exact.len())
     })?;
-    let mut worst = (0usize, 0f64);
     for (i, (g, &e)) in got.iter().zip(exact).enumerate() {
         let gv = g.to_f64();
         let (err, tol) = if O::NAME == "f32" {
@@ -152,9 +151,6 @@ fn compare<O: OutputElement + std::fmt::Debug>(
                 "{what}: element {i}: got {g:?} ({gv}), exact {e}, error {err:e} > {tol:e} (seed {seed})"
             )
             .into());
-        }
-        if err / tol > worst.1 {
-            worst = (i, err / tol);
         }
     }
     Ok(())
