@@ -136,7 +136,7 @@ fn same_len(op: &'static str, src: usize, dst: usize) -> Result<()> {
     Ok(())
 }
 
-fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tracker> {
+pub(crate) fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tracker> {
     std::iter::once(a).chain(b).collect()
 }
 

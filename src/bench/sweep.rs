@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::{gbps, pattern, secs, Gate, Stats};
-use crate::copy::memcpy;
+use crate::copy::{memcpy, trackers};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::TimingEvent;
@@ -410,8 +410,7 @@ impl Ctx<'_> {
         let gated = kind != MemKind::Pageable;
         let m = {
             let (h, d) = (src.host_region(), self.dev_a.device_region());
-            let trackers: Vec<&tracker::Tracker> =
-                std::iter::once(d.tracker).chain(h.tracker).collect();
+            let trackers = trackers(d.tracker, h.tracker);
             let op = |reps| {
                 Self::queue(
                     &self.up,
@@ -439,8 +438,7 @@ impl Ctx<'_> {
         dst.host_write()?[..b].fill(0);
         let m = {
             let (d, h) = (self.dev_b.device_region(), dst.host_region());
-            let trackers: Vec<&tracker::Tracker> =
-                std::iter::once(d.tracker).chain(h.tracker).collect();
+            let trackers = trackers(d.tracker, h.tracker);
             let op = |reps| {
                 Self::queue(
                     &self.up,
@@ -480,10 +478,8 @@ impl Ctx<'_> {
         let (times, reps, timed_out) = {
             let (h_src, d_a) = (src.host_region(), self.dev_a.device_region());
             let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region());
-            let up_tr: Vec<&tracker::Tracker> =
-                std::iter::once(d_a.tracker).chain(h_src.tracker).collect();
-            let down_tr: Vec<&tracker::Tracker> =
-                std::iter::once(d_b.tracker).chain(h_dst.tracker).collect();
+            let up_tr = trackers(d_a.tracker, h_src.tracker);
+            let down_tr = trackers(d_b.tracker, h_dst.tracker);
             let up_op = |reps| {
                 Self::queue(
                     &self.up,
