@@ -95,6 +95,7 @@ fn main() {
     gpu("registered_read_only".into(), registered_read_only);
     gpu("deliberate_api_errors".into(), deliberate_api_errors);
     gpu("bandwidth_sweep_small".into(), bandwidth_sweep_small);
+    gpu("bandwidth_sweep_chunked".into(), bandwidth_sweep_chunked);
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
@@ -834,6 +835,49 @@ fn wrong_device_is_an_error() -> R {
     ensure(matches!(e, Some(Error::WrongDevice { .. })), || {
         format!("{e:?}")
     })
+}
+
+/// Copies issued in pieces (`Options::chunk`) at sizes that do not divide evenly still deliver
+/// every byte, and bidir-sum is the per-sample sum of the two loaded directions.
+fn bandwidth_sweep_chunked() -> R {
+    use pinstream::bench::sweep::{self, Direction, MemKind, Options};
+    let dev = dev0()?;
+    let opts = Options {
+        sizes: vec![(3 << 20) + 5, 1 << 20],
+        kinds: vec![MemKind::Pinned, MemKind::Registered],
+        directions: vec![Direction::H2D, Direction::D2H, Direction::Bidir],
+        chunk: Some(256 << 10),
+        ..Options::default()
+    };
+    let rows = sweep::run(&dev, &opts, &mut |_| {})?;
+    ensure(rows.len() == opts.row_count(), || {
+        format!("{} rows", rows.len())
+    })?;
+    for r in &rows {
+        ensure(r.verified && r.gbps.samples.len() >= 5, || {
+            format!("{} {} {}: {:?}", r.kind, r.direction, r.bytes, r.gbps)
+        })?;
+    }
+    for sum in rows.iter().filter(|r| r.direction == "bidir-sum") {
+        let find = |d: &str| {
+            rows.iter()
+                .find(|r| r.direction == d && r.kind == sum.kind && r.bytes == sum.bytes)
+                .ok_or_else(|| format!("no {d} row"))
+        };
+        let (up, down) = (find("bidir-h2d")?, find("bidir-d2h")?);
+        for ((s, u), d) in sum
+            .gbps
+            .samples
+            .iter()
+            .zip(&up.gbps.samples)
+            .zip(&down.gbps.samples)
+        {
+            ensure((s - (u + d)).abs() < 1e-9 * s.abs().max(1.0), || {
+                format!("sum {s} != {u} + {d}")
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// A small bandwidth sweep: every kind and direction, every row verified and plausible, and as

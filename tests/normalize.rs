@@ -94,6 +94,11 @@ fn main() {
     for (name, f) in gpu {
         trials.push(Trial::test(name, f).with_ignored_flag(no_gpu));
     }
+    let two_gpus = Device::count().is_ok_and(|n| n >= 2);
+    trials.push(
+        Trial::test("wrong_device_is_refused", wrong_device_is_refused)
+            .with_ignored_flag(!two_gpus),
+    );
     trials.push(Trial::test("cpu/reference_checks", cpu_reference_checks));
     trials.push(Trial::test("cpu/reference_values", cpu_reference_values));
     libtest_mimic::run(&args, trials).exit();
@@ -474,6 +479,39 @@ fn denormalize_round_trip() -> R {
         })?;
     }
     Ok(())
+}
+
+/// Input, output or per-sample table on another device than the stream: a typed error, and the
+/// output is left untouched.
+fn wrong_device_is_refused() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let s0 = d0.stream()?;
+    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
+    let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len())?;
+    let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len())?;
+    let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len())?;
+    let mut out1 = DeviceBuffer::<f32>::new(&d1, spec.output_len())?;
+    kernels::fill(&s0, &mut out0, 7.0f32)?;
+    let wrong = |e: Result<(), Error>| matches!(e, Err(Error::WrongDevice { .. }));
+    ensure(
+        wrong(kernels::normalize::<f32, _, _>(
+            &s0, &in1, &spec, &mut out0, None,
+        )),
+        || "input on device 1".into(),
+    )?;
+    ensure(
+        wrong(kernels::normalize::<f32, _, _>(
+            &s0, &in0, &spec, &mut out1, None,
+        )),
+        || "output on device 1".into(),
+    )?;
+    let back = s0
+        .copy_d2h(&out0, &mut vec![0f32; spec.output_len()][..])?
+        .wait()?
+        .to_vec();
+    ensure(back.iter().all(|&x| x == 7.0), || {
+        "output was touched".into()
+    })
 }
 
 fn bad_input_is_refused_before_launch() -> R {

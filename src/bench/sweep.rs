@@ -1,6 +1,7 @@
 //! The transfer sweep: host memory kinds x directions x sizes, each point gated, warmed up,
 //! sampled at least `min_samples` times for at least `min_sample_time` each, and checked.
 
+use std::os::raw::c_void;
 use std::time::{Duration, Instant};
 
 use super::{gbps, pattern, secs, Gate, Stats};
@@ -19,6 +20,9 @@ use crate::sys::cudaMemcpyKind as Kind;
 /// Copies queued behind a closed gate at most: a stream's queue is finite, and a host blocked on
 /// a full queue behind the gate could only wait for the gate's timeout.
 const GATE_DEPTH: usize = 128;
+
+/// Pieces one copy is split into at most with `Options::chunk`.
+pub const MAX_PIECES: usize = 64;
 
 /// A kind of host memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -104,6 +108,9 @@ pub struct Options {
     pub min_sample_time: Duration,
     pub warmup_samples: usize,
     pub gate_timeout: Duration,
+    /// Issue each copy as consecutive pieces of at most this many bytes (at most
+    /// `MAX_PIECES` per copy; a larger piece is used where needed). `None`: one call per copy.
+    pub chunk: Option<usize>,
 }
 
 impl Default for Options {
@@ -116,11 +123,20 @@ impl Default for Options {
             min_sample_time: Duration::from_millis(20),
             warmup_samples: 1,
             gate_timeout: Duration::from_secs(1),
+            chunk: None,
         }
     }
 }
 
 impl Options {
+    /// The piece size copies of `bytes` are issued in.
+    pub fn piece(&self, bytes: usize) -> usize {
+        match self.chunk {
+            Some(c) => c.max(bytes.div_ceil(MAX_PIECES)).max(1),
+            None => bytes.max(1),
+        }
+    }
+
     /// How many rows `run` produces, for progress reporting.
     pub fn row_count(&self) -> usize {
         let per_size_kind: usize = self
@@ -128,7 +144,7 @@ impl Options {
             .iter()
             .map(|d| match d {
                 Direction::H2D | Direction::D2H => 1,
-                Direction::Bidir => 3,
+                Direction::Bidir => 4,
                 Direction::D2D => 0,
             })
             .sum();
@@ -141,7 +157,7 @@ impl Options {
         };
         self.sizes.len() * (self.kinds.len() * per_size_kind + d2d)
             - if bidir_pageable {
-                3 * self.sizes.len()
+                4 * self.sizes.len()
             } else {
                 0
             }
@@ -155,7 +171,12 @@ pub struct Row {
     pub device: String,
     /// Memory kind name, or "device" for device-to-device.
     pub kind: &'static str,
-    /// h2d, d2h, d2d, d2d-rw, bidir-h2d, bidir-d2h, bidir-sum.
+    /// h2d, d2h, d2d, d2d-rw, bidir-h2d, bidir-d2h, bidir-sum, bidir-pair.
+    ///
+    /// bidir-h2d and bidir-d2h are each direction's rate while the other direction is kept
+    /// busy for the whole sample; bidir-sum is their sum per sample (what the link carries
+    /// with both directions loaded); bidir-pair is `2 x bytes` over the time until both
+    /// directions' copies, started together, have finished.
     pub direction: &'static str,
     pub bytes: usize,
     pub copies_per_sample: usize,
@@ -167,6 +188,16 @@ pub struct Row {
     pub verified: bool,
     /// A gate kernel gave up before the copies were queued (enqueue time is in the numbers).
     pub gate_timed_out: bool,
+    /// bidir rows: in some sample one direction ran partly alone (the other was more than 1.5x
+    /// faster and its extra copies ran out), so that rate is not fully under load.
+    pub partly_alone: bool,
+}
+
+struct BidirSample {
+    up: f64,
+    down: f64,
+    both: f64,
+    partly_alone: bool,
 }
 
 struct Measured {
@@ -186,7 +217,7 @@ struct Ctx<'o> {
     dev_a: DeviceBuffer<u8>,
     dev_b: DeviceBuffer<u8>,
     check: Vec<u8>,
-    ev: [TimingEvent; 4],
+    ev: [TimingEvent; 6],
 }
 
 /// Runs the sweep on `device`; `progress` sees each row as it is measured.
@@ -213,6 +244,8 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
         dev_b,
         check: vec![0u8; max],
         ev: [
+            TimingEvent::new(device)?,
+            TimingEvent::new(device)?,
             TimingEvent::new(device)?,
             TimingEvent::new(device)?,
             TimingEvent::new(device)?,
@@ -326,26 +359,42 @@ impl Ctx<'_> {
             host_gbps: m.host_gbps.clone(),
             verified,
             gate_timed_out: m.timed_out,
+            partly_alone: false,
         }
     }
 
-    /// Queues `reps` copies of `bytes` on `stream` (one tracked batch: one wait, one record).
+    /// Queues `reps` copies of `bytes` on `stream` (one tracked batch: one wait, one record),
+    /// each as consecutive pieces of at most `piece` bytes.
+    #[allow(clippy::too_many_arguments)]
     fn queue(
         stream: &Stream,
         trackers: &[&tracker::Tracker],
-        dst: *mut std::os::raw::c_void,
-        src: *const std::os::raw::c_void,
+        dst: *mut c_void,
+        src: *const c_void,
         bytes: usize,
+        piece: usize,
         kind: Kind,
         reps: usize,
     ) -> Result<()> {
         tracker::ordered(stream, trackers, || {
             for _ in 0..reps {
-                memcpy(stream, dst, src, bytes, kind, "bandwidth")?;
+                let mut off = 0;
+                while off < bytes {
+                    let n = piece.min(bytes - off);
+                    let d = dst.cast::<u8>().wrapping_add(off).cast::<c_void>();
+                    let s = src.cast::<u8>().wrapping_add(off).cast::<c_void>();
+                    memcpy(stream, d, s, n, kind, "bandwidth")?;
+                    off += n;
+                }
             }
             Ok(())
         })
         .map(|_| ())
+    }
+
+    /// Whole copies that fit behind a closed gate.
+    fn gate_reps(&self, bytes: usize) -> usize {
+        (GATE_DEPTH / bytes.div_ceil(self.opts.piece(bytes))).max(1)
     }
 
     /// One sample: (seconds by events, seconds by host clock, gate timed out).
@@ -354,6 +403,7 @@ impl Ctx<'_> {
         gated: bool,
         op: &dyn Fn(usize) -> Result<()>,
         reps: usize,
+        bytes: usize,
     ) -> Result<(f64, f64, bool)> {
         let [t0, t1, ..] = &self.ev;
         if gated {
@@ -365,7 +415,7 @@ impl Ctx<'_> {
         if gated {
             // Pre-queue what the stream's queue holds, then let the GPU go while the rest is
             // queued: more than that would block the host on a full queue behind the gate.
-            let first = reps.min(GATE_DEPTH);
+            let first = reps.min(self.gate_reps(bytes));
             op(first)?;
             timed_out = !self.gate.open();
             op(reps - first)?;
@@ -384,15 +434,15 @@ impl Ctx<'_> {
         bytes: usize,
         op: &dyn Fn(usize) -> Result<()>,
     ) -> Result<Measured> {
-        let (one, _, _) = self.sample(false, op, 1)?;
+        let (one, _, _) = self.sample(false, op, 1, bytes)?;
         let want = secs(self.opts.min_sample_time);
         let reps = ((want / one.max(1e-7)).ceil() as usize).clamp(1, 100_000);
         for _ in 0..self.opts.warmup_samples {
-            self.sample(gated, op, reps)?;
+            self.sample(gated, op, reps, bytes)?;
         }
         let (mut ev, mut host, mut timed_out) = (Vec::new(), Vec::new(), false);
         for _ in 0..self.opts.min_samples.max(1) {
-            let (e, h, t) = self.sample(gated, op, reps)?;
+            let (e, h, t) = self.sample(gated, op, reps, bytes)?;
             let moved = (bytes * reps) as f64;
             ev.push(gbps(moved, e));
             host.push(gbps(moved, h));
@@ -418,6 +468,7 @@ impl Ctx<'_> {
                     d.ptr,
                     h.ptr,
                     b,
+                    self.opts.piece(b),
                     Kind::cudaMemcpyHostToDevice,
                     reps,
                 )
@@ -446,6 +497,7 @@ impl Ctx<'_> {
                     h.ptr,
                     d.ptr,
                     b,
+                    self.opts.piece(b),
                     Kind::cudaMemcpyDeviceToHost,
                     reps,
                 )
@@ -469,13 +521,18 @@ impl Ctx<'_> {
         Ok(matches(got, &self.pattern, b > (256 << 20)))
     }
 
+    /// H2D and D2H of `b` bytes on two streams released by one gate. Two passes: in the first
+    /// each stream keeps copying after its timed copies until the other is done, so each
+    /// direction's rate is taken under load all along (bidir-h2d, bidir-d2h, bidir-sum); the
+    /// second is plain, both directions the same copies, timed to the later end (bidir-pair).
     fn bidir<S, D>(&mut self, kind: MemKind, src: &S, dst: &mut D, b: usize) -> Result<Vec<Row>>
     where
         S: HostSlice<u8> + ?Sized,
         D: HostSliceMut<u8> + ?Sized,
     {
         dst.host_write()?[..b].fill(0);
-        let (times, reps, timed_out) = {
+        let piece = self.opts.piece(b);
+        let (loaded, pair, reps, timed_out) = {
             let (h_src, d_a) = (src.host_region(), self.dev_a.device_region());
             let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region());
             let up_tr = trackers(d_a.tracker, h_src.tracker);
@@ -487,94 +544,120 @@ impl Ctx<'_> {
                     d_a.ptr,
                     h_src.ptr,
                     b,
+                    piece,
                     Kind::cudaMemcpyHostToDevice,
                     reps,
                 )
             };
-            // Calibrate on one direction alone.
-            let (one, _, _) = self.sample(false, &up_op, 1)?;
-            let reps = ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize)
-                .clamp(1, 100_000);
-            let [t0u, t1u, t0d, t1d] = &self.ev;
-            let rounds = |n: usize| -> Result<()> {
-                up_op(n)?;
+            let down_op = |reps| {
                 Self::queue(
                     &self.down,
                     &down_tr,
                     h_dst.ptr,
                     d_b.ptr,
                     b,
+                    piece,
                     Kind::cudaMemcpyDeviceToHost,
-                    n,
+                    reps,
                 )
             };
-            let first = reps.min(GATE_DEPTH);
-            let mut times = Vec::new();
-            let mut timed_out = false;
-            for i in 0..self.opts.warmup_samples + self.opts.min_samples.max(1) {
-                self.gate.close(&self.up)?;
-                self.gate.close(&self.down)?;
-                self.up.record(t0u)?;
-                self.down.record(t0d)?;
-                rounds(first)?;
-                timed_out |= !self.gate.open();
-                let mut left = reps - first;
-                while left > 0 {
-                    let n = left.min(32);
-                    rounds(n)?;
-                    left -= n;
-                }
-                self.up.record(t1u)?;
-                self.down.record(t1d)?;
-                t1u.synchronize()?;
-                t1d.synchronize()?;
-                if i >= self.opts.warmup_samples {
-                    let up_s = f64::from(t0u.elapsed_ms(t1u)?) / 1e3;
-                    let down_s = f64::from(t0d.elapsed_ms(t1d)?) / 1e3;
-                    // The pair started when the gate opened: the sum runs to the later end.
-                    let all_s = f64::from(t0u.elapsed_ms(t1u)?.max(t0u.elapsed_ms(t1d)?)) / 1e3;
-                    times.push((up_s, down_s, all_s));
-                }
-            }
-            (times, reps, timed_out)
+            // Calibrate on one direction alone.
+            let (one, _, _) = self.sample(false, &up_op, 1, b)?;
+            let reps = ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize)
+                .clamp(1, 100_000);
+            let (loaded, t1) = self.bidir_pass(&up_op, &down_op, reps, b, reps.div_ceil(2))?;
+            let (pair, t2) = self.bidir_pass(&up_op, &down_op, reps, b, 0)?;
+            (loaded, pair, reps, t1 || t2)
         };
         let moved = (b * reps) as f64;
-        let stats = |f: &dyn Fn(&(f64, f64, f64)) -> f64, k: f64| {
-            Stats::new(times.iter().map(|t| gbps(k * moved, f(t))).collect())
-                .unwrap_or_else(empty_stats)
-        };
+        let stats = |v: Vec<f64>| Stats::new(v).unwrap_or_else(empty_stats);
         let mk = |s: Stats| Measured {
             gbps: s,
             host_gbps: None,
             reps,
             timed_out,
         };
+        let up: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.up)).collect();
+        let down: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.down)).collect();
+        let sum = up.iter().zip(&down).map(|(u, d)| u + d).collect();
+        let pair = pair.iter().map(|t| gbps(2.0 * moved, t.both)).collect();
+        let alone = loaded.iter().any(|t| t.partly_alone);
         let ok_up = self.check_device(true, b)?;
         let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
         let ok_down = matches(&dst.host_read()?[..b], &self.pattern, sparse);
-        Ok(vec![
-            self.row(
-                kind.name(),
-                "bidir-h2d",
-                b,
-                &mk(stats(&|t| t.0, 1.0)),
-                ok_up,
-            ),
-            self.row(
-                kind.name(),
-                "bidir-d2h",
-                b,
-                &mk(stats(&|t| t.1, 1.0)),
-                ok_down,
-            ),
-            self.row(
-                kind.name(),
-                "bidir-sum",
-                b,
-                &mk(stats(&|t| t.2, 2.0)),
-                ok_up && ok_down,
-            ),
-        ])
+        let name = kind.name();
+        let mut rows = vec![
+            self.row(name, "bidir-h2d", b, &mk(stats(up)), ok_up),
+            self.row(name, "bidir-d2h", b, &mk(stats(down)), ok_down),
+            self.row(name, "bidir-sum", b, &mk(stats(sum)), ok_up && ok_down),
+            self.row(name, "bidir-pair", b, &mk(stats(pair)), ok_up && ok_down),
+        ];
+        for r in &mut rows[..3] {
+            r.partly_alone = alone;
+        }
+        Ok(rows)
+    }
+
+    /// Warm-up plus samples of `reps` copies each way, released together by the gate; then
+    /// `extra` more copies each way, untimed, to keep the link loaded while the slower
+    /// direction finishes. Returns the samples and whether the gate timed out.
+    fn bidir_pass(
+        &self,
+        up_op: &dyn Fn(usize) -> Result<()>,
+        down_op: &dyn Fn(usize) -> Result<()>,
+        reps: usize,
+        bytes: usize,
+        extra: usize,
+    ) -> Result<(Vec<BidirSample>, bool)> {
+        let [t0u, t1u, t2u, t0d, t1d, t2d] = &self.ev;
+        let both = |n: usize| -> Result<()> {
+            up_op(n)?;
+            down_op(n)
+        };
+        let first = reps.min(self.gate_reps(bytes));
+        let ms = |a: &TimingEvent, b: &TimingEvent| -> Result<f64> {
+            Ok(f64::from(a.elapsed_ms(b)?) / 1e3)
+        };
+        let mut out = Vec::new();
+        let mut timed_out = false;
+        for i in 0..self.opts.warmup_samples + self.opts.min_samples.max(1) {
+            self.gate.close(&self.up)?;
+            self.gate.close(&self.down)?;
+            self.up.record(t0u)?;
+            self.down.record(t0d)?;
+            both(first)?;
+            timed_out |= !self.gate.open();
+            let mut left = reps - first;
+            while left > 0 {
+                let n = left.min(32);
+                both(n)?;
+                left -= n;
+            }
+            self.up.record(t1u)?;
+            self.down.record(t1d)?;
+            let mut left = extra;
+            while left > 0 {
+                let n = left.min(32);
+                both(n)?;
+                left -= n;
+            }
+            self.up.record(t2u)?;
+            self.down.record(t2d)?;
+            t2u.synchronize()?;
+            t2d.synchronize()?;
+            if i >= self.opts.warmup_samples {
+                // Both streams left the gate together: time everything from t0u.
+                let (up, down) = (ms(t0u, t1u)?, ms(t0u, t1d)?);
+                let (up_all, down_all) = (ms(t0u, t2u)?, ms(t0u, t2d)?);
+                out.push(BidirSample {
+                    up,
+                    down,
+                    both: up.max(down),
+                    partly_alone: extra > 0 && (down_all < up || up_all < down),
+                });
+            }
+        }
+        Ok((out, timed_out))
     }
 
     fn d2d(&mut self, b: usize, rows: &mut Vec<Row>, progress: &mut dyn FnMut(&Row)) -> Result<()> {
@@ -587,6 +670,7 @@ impl Ctx<'_> {
                     &trackers,
                     d.ptr,
                     s.ptr,
+                    b,
                     b,
                     Kind::cudaMemcpyDeviceToDevice,
                     reps,
@@ -726,9 +810,15 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
             t1: TimingEvent::new(dev)?,
         });
     }
-    let src = PinnedBuffer::from_slice(first, &pattern, HostAlloc::PORTABLE)?;
+    // One source and one destination per device, as when each GPU gets its own shard.
+    let mut srcs = Vec::new();
     let mut dsts = Vec::new();
     for _ in devices {
+        srcs.push(PinnedBuffer::from_slice(
+            first,
+            &pattern,
+            HostAlloc::PORTABLE,
+        )?);
         dsts.push(PinnedBuffer::<u8>::new(first, bytes, HostAlloc::PORTABLE)?);
     }
     let mut rows = Vec::new();
@@ -738,12 +828,12 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
         let mut samples = Vec::new();
         let mut timed_out = false;
         for i in 0..opts.warmup_samples + opts.min_samples.max(1) {
-            for (p, dst) in per.iter_mut().zip(dsts.iter_mut()) {
+            for ((p, dst), src) in per.iter_mut().zip(dsts.iter_mut()).zip(&srcs) {
                 gate.close(&p.s)?;
                 p.s.record(&p.t0)?;
                 for _ in 0..reps {
                     if dir == "h2d" {
-                        drop(p.s.copy_h2d(&src, &mut p.d)?);
+                        drop(p.s.copy_h2d(src, &mut p.d)?);
                     } else {
                         std::mem::forget(p.s.copy_d2h(&p.d, dst)?);
                     }
@@ -784,7 +874,45 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
             host_gbps: None,
             verified,
             gate_timed_out: timed_out,
+            partly_alone: false,
         });
     }
     Ok(rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces() {
+        let whole = Options::default();
+        assert_eq!(whole.piece(256 << 20), 256 << 20);
+        assert_eq!(whole.piece(0), 1);
+        let chunked = Options {
+            chunk: Some(16 << 20),
+            ..Options::default()
+        };
+        assert_eq!(chunked.piece(256 << 20), 16 << 20);
+        assert_eq!(chunked.piece(4096), 16 << 20);
+        // Never more than MAX_PIECES pieces per copy.
+        let tiny = Options {
+            chunk: Some(4096),
+            ..Options::default()
+        };
+        assert_eq!(tiny.piece(1 << 30), (1 << 30) / MAX_PIECES);
+        assert_eq!((1usize << 30).div_ceil(tiny.piece(1 << 30)), MAX_PIECES);
+        assert!(((1usize << 30) + 1).div_ceil(tiny.piece((1 << 30) + 1)) <= MAX_PIECES);
+    }
+
+    #[test]
+    fn row_count_counts_four_bidir_rows() {
+        let opts = Options {
+            sizes: vec![4096],
+            kinds: vec![MemKind::Pinned, MemKind::Pageable],
+            directions: vec![Direction::Bidir],
+            ..Options::default()
+        };
+        assert_eq!(opts.row_count(), 4);
+    }
 }

@@ -43,6 +43,10 @@ pub struct BandwidthArgs {
     /// Only the scenarios, no sweep.
     #[arg(long)]
     scenarios_only: bool,
+    /// Issue each copy as consecutive pieces of at most this size (e.g. 16M; at most 64
+    /// pieces per copy). Default: one call per copy, as other tools do.
+    #[arg(long, value_parser = parse_size)]
+    chunk: Option<usize>,
     /// Size used for the pinning-cost measurement.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     pin_size: usize,
@@ -124,6 +128,7 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
     let mut opts = Options {
         min_samples: args.samples.max(5),
         min_sample_time: Duration::from_millis(args.min_sample_ms.max(20)),
+        chunk: args.chunk,
         ..Options::default()
     };
     if !args.sizes.is_empty() {
@@ -180,6 +185,16 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
             format!(
                 "{:.1} GB/s (what caps pageable copies staged on one thread)",
                 m.median
+            ),
+        ));
+    }
+    if let Some(c) = args.chunk {
+        ctx.push((
+            "copies".into(),
+            format!(
+                "issued as pieces of at most {} (at most {} per copy)",
+                human(c),
+                sweep::MAX_PIECES
             ),
         ));
     }
@@ -286,6 +301,15 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
         }
     }
     for r in &report.rows {
+        if r.partly_alone {
+            report.warnings.push(format!(
+                "{} {} {}: one direction outran the other by over 1.5x, so part of the slower \
+                 one's time ran alone",
+                r.kind,
+                r.direction,
+                human(r.bytes)
+            ));
+        }
         if r.gate_timed_out {
             report.warnings.push(format!(
                 "{} {} {}: the gate timed out; enqueue time is in this figure",
@@ -325,7 +349,7 @@ fn table(r: &Report) -> String {
                 if row.verified { "yes" } else { "NO" }
             );
         }
-        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only)");
+        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
     }
     if !r.latency.is_empty() {
         let _ = writeln!(
@@ -378,11 +402,11 @@ fn stats_fields(st: &Stats) -> String {
 }
 
 fn csv(r: &Report) -> String {
-    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,verified,gate_timed_out\n");
+    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,verified,gate_timed_out,partly_alone\n");
     for row in &r.rows {
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{}",
             row.device,
             row.kind,
             row.direction,
@@ -393,13 +417,14 @@ fn csv(r: &Report) -> String {
                 .as_ref()
                 .map_or(String::new(), |h| format!("{:.4}", h.median)),
             row.verified,
-            row.gate_timed_out
+            row.gate_timed_out,
+            row.partly_alone
         );
     }
     for c in &r.scenarios {
         let _ = writeln!(
             s,
-            "scenario,{},\"{}\",,,{:.4},,,,,,",
+            "scenario,{},\"{}\",,,{:.4},,,,,,,",
             c.scenario,
             c.case.replace('"', "'"),
             c.ms
@@ -447,7 +472,7 @@ fn json(r: &Report) -> String {
         .iter()
         .map(|row| {
             format!(
-                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"verified\":{},\"gate_timed_out\":{}}}",
+                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{}}}",
                 json_str(&row.device),
                 json_str(row.kind),
                 json_str(row.direction),
@@ -456,7 +481,8 @@ fn json(r: &Report) -> String {
                 json_stats(&row.gbps),
                 row.host_gbps.as_ref().map_or("null".to_string(), json_stats),
                 row.verified,
-                row.gate_timed_out
+                row.gate_timed_out,
+                row.partly_alone
             )
         })
         .collect();
