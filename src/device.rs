@@ -323,6 +323,21 @@ impl Device {
         Ok((v > 0).then(|| Version::from_cuda(v)))
     }
 
+    /// The NVIDIA kernel module's release (e.g. "580.159.04"), where sysfs or procfs shows it.
+    pub fn driver_release() -> Option<String> {
+        if let Ok(v) = std::fs::read_to_string("/sys/module/nvidia/version") {
+            let v = v.trim();
+            if !v.is_empty() {
+                return Some(v.to_string());
+            }
+        }
+        // "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  <date>"
+        let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+        let line = text.lines().next()?;
+        let after = line.split("Kernel Module").nth(1)?;
+        after.split_whitespace().next().map(str::to_string)
+    }
+
     /// The version of the CUDA runtime linked into this program.
     pub fn runtime_version() -> Result<Version> {
         let mut v = 0;

@@ -229,7 +229,20 @@ fn device_info() -> R {
     println!("runtime {rt}, driver {drv}");
     ensure(rt.major >= 12 && drv.major >= 12, || {
         format!("runtime {rt}, driver {drv}")
-    })
+    })?;
+    // Where the kernel module shows its release, it is read: digits and dots, e.g. 580.159.04.
+    let shown = ["/sys/module/nvidia/version", "/proc/driver/nvidia/version"]
+        .iter()
+        .any(|p| std::path::Path::new(p).exists());
+    let release = Device::driver_release();
+    println!("kernel module {release:?}");
+    ensure(
+        !shown
+            || release.as_deref().is_some_and(|r| {
+                r.contains('.') && r.chars().all(|c| c.is_ascii_digit() || c == '.')
+            }),
+        || format!("kernel module release {release:?}"),
+    )
 }
 
 fn views_memset_fill_iota_d2d() -> R {
@@ -906,6 +919,17 @@ fn bandwidth_sweep_small() -> R {
             r.gbps.samples.len() >= 5 && r.gbps.median > 0.01 && r.gbps.median < 10_000.0,
             || format!("{} {} {}: {:?}", r.kind, r.direction, r.bytes, r.gbps),
         )?;
+        // The explanation column: host memcpy at the same size, on pageable rows only.
+        let memcpy_ok = match r.host_memcpy_gbps {
+            Some(m) => r.kind == "pageable" && m > 0.1,
+            None => r.kind != "pageable",
+        };
+        ensure(memcpy_ok, || {
+            format!(
+                "{} {}: memcpy {:?}",
+                r.kind, r.direction, r.host_memcpy_gbps
+            )
+        })?;
     }
     let lat = sweep::latency(&dev, 20)?;
     ensure(

@@ -79,17 +79,28 @@ pub fn pattern(n: usize) -> Vec<u8> {
 }
 
 /// Single-threaded host memcpy bandwidth (decimal GB/s, bytes counted once) over `bytes`:
-/// the ceiling of any copy that stages through pageable memory on one thread.
+/// the ceiling of any copy that stages through pageable memory on one thread. Each sample
+/// repeats the copy for at least 5 ms, so small sizes measure the caches they fit in, as a
+/// staged copy of that size would see them.
 pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
+    if bytes == 0 {
+        return None;
+    }
     let src = pattern(bytes);
     let mut dst = vec![0u8; bytes];
     dst.copy_from_slice(&src); // touch every page first
+    let t = Instant::now();
+    dst.copy_from_slice(std::hint::black_box(&src));
+    let one = t.elapsed().as_secs_f64().max(1e-9);
+    let reps = ((5e-3 / one).ceil() as usize).clamp(1, 1_000_000);
     let mut out = Vec::new();
     for _ in 0..samples.max(1) {
         let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(&src));
-        std::hint::black_box(&mut dst);
-        out.push(gbps(bytes as f64, t.elapsed().as_secs_f64()));
+        for _ in 0..reps {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        }
+        out.push(gbps((bytes * reps) as f64, t.elapsed().as_secs_f64()));
     }
     Stats::new(out)
 }

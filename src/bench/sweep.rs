@@ -184,6 +184,9 @@ pub struct Row {
     pub gbps: Stats,
     /// Decimal GB/s per sample from the host clock (pageable copies, which block the host).
     pub host_gbps: Option<Stats>,
+    /// Pageable rows: single-thread host memcpy GB/s (median) at the same size, what a copy
+    /// staged through pinned memory by one thread cannot beat.
+    pub host_memcpy_gbps: Option<f64>,
     /// The copied data matched the random pattern afterwards.
     pub verified: bool,
     /// A gate kernel gave up before the copies were queued (enqueue time is in the numbers).
@@ -323,8 +326,12 @@ impl Ctx<'_> {
     {
         let dirs = self.opts.directions.clone();
         for &b in &self.opts.sizes.clone() {
+            let memcpy = match kind {
+                MemKind::Pageable => super::host_memcpy_gbps(b, 3).map(|m| m.median),
+                _ => None,
+            };
             for &dir in &dirs {
-                let new: Vec<Row> = match dir {
+                let mut new: Vec<Row> = match dir {
                     Direction::H2D => vec![self.h2d(kind, src, b)?],
                     Direction::D2H => vec![self.d2h(kind, dst, b)?],
                     Direction::Bidir if kind != MemKind::Pageable => {
@@ -332,6 +339,9 @@ impl Ctx<'_> {
                     }
                     _ => Vec::new(),
                 };
+                for r in &mut new {
+                    r.host_memcpy_gbps = memcpy;
+                }
                 for r in new {
                     progress(&r);
                     rows.push(r);
@@ -357,6 +367,7 @@ impl Ctx<'_> {
             copies_per_sample: m.reps,
             gbps: m.gbps.clone(),
             host_gbps: m.host_gbps.clone(),
+            host_memcpy_gbps: None,
             verified,
             gate_timed_out: m.timed_out,
             partly_alone: false,
@@ -872,6 +883,7 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
             copies_per_sample: reps,
             gbps: Stats::new(samples).unwrap_or_else(empty_stats),
             host_gbps: None,
+            host_memcpy_gbps: None,
             verified,
             gate_timed_out: timed_out,
             partly_alone: false,

@@ -155,7 +155,11 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
     ctx.push(("runtime".into(), Device::runtime_version()?.to_string()));
     ctx.push((
         "driver".into(),
-        Device::driver_version()?.map_or("none".into(), |v| v.to_string()),
+        match (Device::driver_version()?, Device::driver_release()) {
+            (None, _) => "none".into(),
+            (Some(v), None) => format!("CUDA {v}"),
+            (Some(v), Some(r)) => format!("CUDA {v}, kernel module {r}"),
+        },
     ));
     let mut link_gbps = None;
     for dev in &devices {
@@ -326,8 +330,18 @@ fn table(r: &Report) -> String {
     if !r.rows.is_empty() {
         let _ = writeln!(
             s,
-            "\n{:<6} {:<14} {:<10} {:>6} {:>9} {:>8} {:>8} {:>6} {:>10} {:>3}",
-            "device", "kind", "direction", "size", "GB/s", "min", "max", "cv%", "host GB/s", "ok"
+            "\n{:<6} {:<14} {:<10} {:>6} {:>9} {:>8} {:>8} {:>6} {:>10} {:>7} {:>3}",
+            "device",
+            "kind",
+            "direction",
+            "size",
+            "GB/s",
+            "min",
+            "max",
+            "cv%",
+            "host GB/s",
+            "memcpy",
+            "ok"
         );
         for row in &r.rows {
             let host = row
@@ -336,7 +350,7 @@ fn table(r: &Report) -> String {
                 .map_or("-".to_string(), |h| format!("{:.2}", h.median));
             let _ = writeln!(
                 s,
-                "{:<6} {:<14} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>3}",
+                "{:<6} {:<14} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>7} {:>3}",
                 row.device,
                 row.kind,
                 row.direction,
@@ -346,10 +360,12 @@ fn table(r: &Report) -> String {
                 row.gbps.max,
                 row.gbps.cv * 100.0,
                 host,
+                row.host_memcpy_gbps
+                    .map_or("-".to_string(), |m| format!("{m:.2}")),
                 if row.verified { "yes" } else { "NO" }
             );
         }
-        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
+        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only;\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
     }
     if !r.latency.is_empty() {
         let _ = writeln!(
@@ -402,11 +418,11 @@ fn stats_fields(st: &Stats) -> String {
 }
 
 fn csv(r: &Report) -> String {
-    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,verified,gate_timed_out,partly_alone\n");
+    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,host_memcpy_gbps,verified,gate_timed_out,partly_alone\n");
     for row in &r.rows {
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{}",
             row.device,
             row.kind,
             row.direction,
@@ -416,6 +432,8 @@ fn csv(r: &Report) -> String {
             row.host_gbps
                 .as_ref()
                 .map_or(String::new(), |h| format!("{:.4}", h.median)),
+            row.host_memcpy_gbps
+                .map_or(String::new(), |m| format!("{m:.4}")),
             row.verified,
             row.gate_timed_out,
             row.partly_alone
@@ -424,7 +442,7 @@ fn csv(r: &Report) -> String {
     for c in &r.scenarios {
         let _ = writeln!(
             s,
-            "scenario,{},\"{}\",,,{:.4},,,,,,,",
+            "scenario,{},\"{}\",,,{:.4},,,,,,,,",
             c.scenario,
             c.case.replace('"', "'"),
             c.ms
@@ -472,7 +490,7 @@ fn json(r: &Report) -> String {
         .iter()
         .map(|row| {
             format!(
-                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{}}}",
+                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"host_memcpy_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{}}}",
                 json_str(&row.device),
                 json_str(row.kind),
                 json_str(row.direction),
@@ -480,6 +498,8 @@ fn json(r: &Report) -> String {
                 row.copies_per_sample,
                 json_stats(&row.gbps),
                 row.host_gbps.as_ref().map_or("null".to_string(), json_stats),
+                row.host_memcpy_gbps
+                    .map_or("null".to_string(), |m| format!("{m:.4}")),
                 row.verified,
                 row.gate_timed_out,
                 row.partly_alone
@@ -635,6 +655,48 @@ mod tests {
         assert_eq!(human(4096), "4K");
         assert_eq!(human(1 << 30), "1G");
         assert_eq!(human(1000), "1000");
+    }
+
+    #[test]
+    fn csv_lines_have_the_header_s_columns() {
+        let stats = Stats::new(vec![1.0, 2.0, 3.0]).unwrap();
+        let row = |kind, memcpy| Row {
+            device: "0".into(),
+            kind,
+            direction: "h2d",
+            bytes: 4096,
+            copies_per_sample: 10,
+            gbps: stats.clone(),
+            host_gbps: Some(stats.clone()),
+            host_memcpy_gbps: memcpy,
+            verified: true,
+            gate_timed_out: false,
+            partly_alone: false,
+        };
+        let report = Report {
+            context: Vec::new(),
+            rows: vec![row("pageable", Some(9.5)), row("pinned", None)],
+            latency: Vec::new(),
+            pinning: Vec::new(),
+            scenarios: vec![Case {
+                scenario: "a",
+                case: "4 MB \"pinned\" copy".into(),
+                ms: 0.1,
+                note: String::new(),
+            }],
+            warnings: Vec::new(),
+        };
+        let out = csv(&report);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 4);
+        let want = lines[0].split(',').count();
+        for l in &lines {
+            assert_eq!(l.split(',').count(), want, "{l}");
+        }
+        assert!(lines[1].contains(",9.5000,"));
+        let json = json(&report);
+        assert!(json.contains("\"host_memcpy_gbps\":9.5000"));
+        assert!(json.contains("\"host_memcpy_gbps\":null"));
     }
 
     #[test]

@@ -7,7 +7,11 @@ const GIB: f64 = (1u64 << 30) as f64;
 pub fn run() -> Result<()> {
     let devices = Device::all()?;
     let runtime = Device::runtime_version()?;
-    let driver = Device::driver_version()?.map_or_else(|| "none".to_string(), |v| v.to_string());
+    let driver = match (Device::driver_version()?, Device::driver_release()) {
+        (None, _) => "none".to_string(),
+        (Some(v), None) => v.to_string(),
+        (Some(v), Some(r)) => format!("{v} ({r})"),
+    };
     println!(
         "pinstream {}: CUDA runtime {runtime} (linked statically), driver {driver}, {} device(s)",
         env!("CARGO_PKG_VERSION"),
