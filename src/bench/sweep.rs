@@ -374,33 +374,39 @@ impl Ctx<'_> {
         }
     }
 
-    /// Queues `reps` copies of `bytes` on `stream` (one tracked batch: one wait, one record),
-    /// each as consecutive pieces of at most `piece` bytes.
-    #[allow(clippy::too_many_arguments)]
-    fn queue(
-        stream: &Stream,
-        trackers: &[&tracker::Tracker],
+    /// A closure that queues `reps` copies of `bytes` from `src` to `dst` on `stream` (one
+    /// tracked batch: one wait, one record), each as consecutive pieces of at most `piece` bytes.
+    fn copies<'a>(
+        stream: &'a Stream,
+        trackers: &'a [&'a tracker::Tracker],
         dst: *mut c_void,
         src: *const c_void,
         bytes: usize,
         piece: usize,
         kind: Kind,
-        reps: usize,
-    ) -> Result<()> {
-        tracker::ordered(stream, trackers, || {
-            for _ in 0..reps {
-                let mut off = 0;
-                while off < bytes {
-                    let n = piece.min(bytes - off);
-                    let d = dst.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                    let s = src.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                    memcpy(stream, d, s, n, kind, "bandwidth")?;
-                    off += n;
+    ) -> impl Fn(usize) -> Result<()> + 'a {
+        move |reps| {
+            tracker::ordered(stream, trackers, || {
+                for _ in 0..reps {
+                    let mut off = 0;
+                    while off < bytes {
+                        let n = piece.min(bytes - off);
+                        let d = dst.cast::<u8>().wrapping_add(off).cast::<c_void>();
+                        let s = src.cast::<u8>().wrapping_add(off).cast::<c_void>();
+                        memcpy(stream, d, s, n, kind, "bandwidth")?;
+                        off += n;
+                    }
                 }
-            }
-            Ok(())
-        })
-        .map(|_| ())
+                Ok(())
+            })
+            .map(|_| ())
+        }
+    }
+
+    /// Copies per sample so that one sample lasts at least `min_sample_time`, given that one
+    /// copy took `one` seconds.
+    fn reps_for(&self, one: f64) -> usize {
+        ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize).clamp(1, 100_000)
     }
 
     /// Whole copies that fit behind a closed gate.
@@ -446,8 +452,7 @@ impl Ctx<'_> {
         op: &dyn Fn(usize) -> Result<()>,
     ) -> Result<Measured> {
         let (one, _, _) = self.sample(false, op, 1, bytes)?;
-        let want = secs(self.opts.min_sample_time);
-        let reps = ((want / one.max(1e-7)).ceil() as usize).clamp(1, 100_000);
+        let reps = self.reps_for(one);
         for _ in 0..self.opts.warmup_samples {
             self.sample(gated, op, reps, bytes)?;
         }
@@ -472,18 +477,16 @@ impl Ctx<'_> {
         let m = {
             let (h, d) = (src.host_region(), self.dev_a.device_region());
             let trackers = trackers(d.tracker, h.tracker);
-            let op = |reps| {
-                Self::queue(
-                    &self.up,
-                    &trackers,
-                    d.ptr,
-                    h.ptr,
-                    b,
-                    self.opts.piece(b),
-                    Kind::cudaMemcpyHostToDevice,
-                    reps,
-                )
-            };
+            let piece = self.opts.piece(b);
+            let op = Self::copies(
+                &self.up,
+                &trackers,
+                d.ptr,
+                h.ptr,
+                b,
+                piece,
+                Kind::cudaMemcpyHostToDevice,
+            );
             self.measure(gated, b, &op)?
         };
         let verified = self.check_device(true, b)?;
@@ -501,18 +504,16 @@ impl Ctx<'_> {
         let m = {
             let (d, h) = (self.dev_b.device_region(), dst.host_region());
             let trackers = trackers(d.tracker, h.tracker);
-            let op = |reps| {
-                Self::queue(
-                    &self.up,
-                    &trackers,
-                    h.ptr,
-                    d.ptr,
-                    b,
-                    self.opts.piece(b),
-                    Kind::cudaMemcpyDeviceToHost,
-                    reps,
-                )
-            };
+            let piece = self.opts.piece(b);
+            let op = Self::copies(
+                &self.up,
+                &trackers,
+                h.ptr,
+                d.ptr,
+                b,
+                piece,
+                Kind::cudaMemcpyDeviceToHost,
+            );
             self.measure(gated, b, &op)?
         };
         let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
@@ -548,34 +549,27 @@ impl Ctx<'_> {
             let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region());
             let up_tr = trackers(d_a.tracker, h_src.tracker);
             let down_tr = trackers(d_b.tracker, h_dst.tracker);
-            let up_op = |reps| {
-                Self::queue(
-                    &self.up,
-                    &up_tr,
-                    d_a.ptr,
-                    h_src.ptr,
-                    b,
-                    piece,
-                    Kind::cudaMemcpyHostToDevice,
-                    reps,
-                )
-            };
-            let down_op = |reps| {
-                Self::queue(
-                    &self.down,
-                    &down_tr,
-                    h_dst.ptr,
-                    d_b.ptr,
-                    b,
-                    piece,
-                    Kind::cudaMemcpyDeviceToHost,
-                    reps,
-                )
-            };
+            let up_op = Self::copies(
+                &self.up,
+                &up_tr,
+                d_a.ptr,
+                h_src.ptr,
+                b,
+                piece,
+                Kind::cudaMemcpyHostToDevice,
+            );
+            let down_op = Self::copies(
+                &self.down,
+                &down_tr,
+                h_dst.ptr,
+                d_b.ptr,
+                b,
+                piece,
+                Kind::cudaMemcpyDeviceToHost,
+            );
             // Calibrate on one direction alone.
             let (one, _, _) = self.sample(false, &up_op, 1, b)?;
-            let reps = ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize)
-                .clamp(1, 100_000);
+            let reps = self.reps_for(one);
             let (loaded, t1) = self.bidir_pass(&up_op, &down_op, reps, b, reps.div_ceil(2))?;
             let (pair, t2) = self.bidir_pass(&up_op, &down_op, reps, b, 0)?;
             (loaded, pair, reps, t1 || t2)
@@ -625,6 +619,16 @@ impl Ctx<'_> {
             up_op(n)?;
             down_op(n)
         };
+        // Once the gate is open, alternate the directions 32 copies at a time so that neither
+        // stream runs dry while the other is being fed.
+        let in_batches = |mut left: usize| -> Result<()> {
+            while left > 0 {
+                let n = left.min(32);
+                both(n)?;
+                left -= n;
+            }
+            Ok(())
+        };
         let first = reps.min(self.gate_reps(bytes));
         let ms = |a: &TimingEvent, b: &TimingEvent| -> Result<f64> {
             Ok(f64::from(a.elapsed_ms(b)?) / 1e3)
@@ -638,20 +642,10 @@ impl Ctx<'_> {
             self.down.record(t0d)?;
             both(first)?;
             timed_out |= !self.gate.open();
-            let mut left = reps - first;
-            while left > 0 {
-                let n = left.min(32);
-                both(n)?;
-                left -= n;
-            }
+            in_batches(reps - first)?;
             self.up.record(t1u)?;
             self.down.record(t1d)?;
-            let mut left = extra;
-            while left > 0 {
-                let n = left.min(32);
-                both(n)?;
-                left -= n;
-            }
+            in_batches(extra)?;
             self.up.record(t2u)?;
             self.down.record(t2d)?;
             t2u.synchronize()?;
@@ -675,18 +669,15 @@ impl Ctx<'_> {
         let m = {
             let (s, d) = (self.dev_b.device_region(), self.dev_a.device_region());
             let trackers = [s.tracker, d.tracker];
-            let op = |reps| {
-                Self::queue(
-                    &self.up,
-                    &trackers,
-                    d.ptr,
-                    s.ptr,
-                    b,
-                    b,
-                    Kind::cudaMemcpyDeviceToDevice,
-                    reps,
-                )
-            };
+            let op = Self::copies(
+                &self.up,
+                &trackers,
+                d.ptr,
+                s.ptr,
+                b,
+                b,
+                Kind::cudaMemcpyDeviceToDevice,
+            );
             self.measure(true, b, &op)?
         };
         let verified = self.check_device(true, b)?;
