@@ -12,6 +12,8 @@ use bytemuck::Pod;
 
 use crate::error::{check_with, Error, Result};
 use crate::event::Event;
+use crate::memory::bounce;
+use crate::memory::sealed::HostMem;
 use crate::memory::tracker::{self, Tracker};
 use crate::memory::{DeviceSlice, DeviceSliceMut, HostKind, HostSlice, HostSliceMut};
 use crate::stream::Stream;
@@ -95,23 +97,6 @@ impl<T> Drop for Pending<'_, T> {
     }
 }
 
-/// Whether the runtime knows `ptr` as page-locked host memory (pinned or registered elsewhere).
-fn runtime_pinned(ptr: *const c_void) -> bool {
-    let mut attr = std::mem::MaybeUninit::<sys::cudaPointerAttributes>::zeroed();
-    // SAFETY: `attr` is a valid out-pointer; any host pointer may be queried.
-    let err = unsafe { sys::cudaPointerGetAttributes(attr.as_mut_ptr(), ptr) };
-    if err != sys::cudaError::cudaSuccess {
-        // SAFETY: clears the error this query left behind, so it does not surface later.
-        unsafe {
-            let _ = sys::cudaGetLastError();
-        }
-        return false;
-    }
-    // SAFETY: written by the runtime on success; plain data.
-    let attr = unsafe { attr.assume_init() };
-    attr.type_ == sys::cudaMemoryType_cudaMemoryTypeHost
-}
-
 pub(crate) fn memcpy(
     stream: &Stream,
     dst: *mut c_void,
@@ -143,8 +128,12 @@ pub(crate) fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tr
 impl Stream {
     /// Copies `src` (pinned, registered or plain host memory) into `dst` on this stream.
     ///
-    /// From pinned or registered memory the call returns at once. From plain memory it follows
-    /// CUDA: it returns once the data is staged, after which `src` may be reused.
+    /// From pinned or registered memory the call returns at once; the source's event keeps it
+    /// from being changed or freed before the copy has read it. From a plain slice of at most
+    /// 1 MiB it copies the data into a pinned bounce block and returns at once too; from a
+    /// larger plain slice it returns when the copy has finished. Either way `src` may be reused
+    /// as soon as the call returns, on every system (also where the GPU reads pageable memory
+    /// directly).
     pub fn copy_h2d<'s, T, S, D>(&self, src: &'s S, dst: &mut D) -> Result<InFlight<'s>>
     where
         T: Pod,
@@ -163,6 +152,31 @@ impl Stream {
             });
         }
         self.enter()?;
+        if h.kind == HostKind::Pageable && bytes <= bounce::MAX_BYTES {
+            let data: &[u8] = bytemuck::cast_slice(src.host_read()?);
+            let mut block = bounce::take(self.device(), bytes)?;
+            let mut stage = || {
+                block.as_mut_slice()?[..bytes].copy_from_slice(data);
+                let staged = block.host_region();
+                tracker::ordered(self, &trackers(d.tracker, staged.tracker), || {
+                    memcpy(
+                        self,
+                        d.ptr,
+                        staged.ptr,
+                        bytes,
+                        sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                        "host to device (staged)",
+                    )
+                })
+            };
+            let queued = stage();
+            bounce::give_back(block);
+            let (_, event) = queued?;
+            return Ok(InFlight {
+                event: Some(event),
+                _src: PhantomData,
+            });
+        }
         let (_, event) = tracker::ordered(self, &trackers(d.tracker, h.tracker), || {
             memcpy(
                 self,
@@ -173,9 +187,10 @@ impl Stream {
                 "host to device",
             )
         })?;
-        // A plain slice that is in fact page-locked (pinned elsewhere) is copied asynchronously
-        // by CUDA, and nothing would guard it once borrowed no more: finish the copy here.
-        if h.kind == HostKind::Pageable && runtime_pinned(h.ptr) {
+        if h.kind == HostKind::Pageable {
+            // Nothing guards a plain slice once the borrow ends: finish the copy here rather
+            // than trust the driver to have staged it (it may not have, and the slice may even
+            // be page-locked elsewhere, which makes the copy truly asynchronous).
             event.synchronize()?;
         }
         Ok(InFlight {
@@ -194,7 +209,7 @@ impl Stream {
         D: HostSliceMut<T> + ?Sized,
     {
         const OP: &str = "Stream::copy_d2h";
-        let (d, h) = (src.device_region(), dst.host_region());
+        let (d, h) = (src.device_region(), dst.host_region_mut());
         same_len(OP, d.len, h.len)?;
         self.same_device(OP, d.device)?;
         if h.read_only {

@@ -152,8 +152,8 @@ impl Device {
     /// `Err(Error::NoDevice)`, never a panic or a loader failure.
     pub fn count() -> Result<usize> {
         let mut n = 0;
-        // SAFETY: `n` is a valid out-pointer for the duration of the call.
         check(
+            // SAFETY: `n` is a valid out-pointer for the duration of the call.
             unsafe { sys::cudaGetDeviceCount(&mut n) },
             "cudaGetDeviceCount",
         )?;
@@ -202,8 +202,8 @@ impl Device {
 
     fn attribute(&self, attr: sys::cudaDeviceAttr) -> Result<i32> {
         let mut v = 0;
-        // SAFETY: `v` is a valid out-pointer; `attr` is a valid enumerator.
         check_with(
+            // SAFETY: `v` is a valid out-pointer; `attr` is a valid enumerator.
             unsafe { sys::cudaDeviceGetAttribute(&mut v, attr, self.ordinal) },
             "cudaDeviceGetAttribute",
             || format!("{attr:?}, device {}", self.ordinal),
@@ -213,9 +213,9 @@ impl Device {
 
     fn properties(&self) -> Result<sys::cudaDeviceProp> {
         let mut prop = std::mem::MaybeUninit::<sys::cudaDeviceProp>::zeroed();
-        // SAFETY: the struct comes from the same headers as the linked runtime (bindgen at build
-        // time), so its layout matches; the runtime fills it in.
         check_with(
+            // SAFETY: the struct comes from the same headers as the linked runtime (bindgen at build
+            // time), so its layout matches; the runtime fills it in.
             unsafe { sys::cudaGetDeviceProperties(prop.as_mut_ptr(), self.ordinal) },
             "cudaGetDeviceProperties",
             || format!("device {}", self.ordinal),
@@ -269,8 +269,8 @@ impl Device {
     pub fn memory_info(&self) -> Result<MemoryInfo> {
         self.make_current()?;
         let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: valid out-pointers; the device is current.
         check(
+            // SAFETY: valid out-pointers; the device is current.
             unsafe { sys::cudaMemGetInfo(&mut free, &mut total) },
             "cudaMemGetInfo",
         )?;
@@ -285,8 +285,8 @@ impl Device {
     /// The PCI bus id in sysfs form, e.g. "0000:3b:00.0".
     pub fn pci_bus_id(&self) -> Result<String> {
         let mut buf = [0 as std::os::raw::c_char; 64];
-        // SAFETY: the buffer is writable for its full length, which is passed.
         check_with(
+            // SAFETY: the buffer is writable for its full length, which is passed.
             unsafe { sys::cudaDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.ordinal) },
             "cudaDeviceGetPCIBusId",
             || format!("device {}", self.ordinal),
@@ -315,8 +315,8 @@ impl Device {
     /// The driver's CUDA version; `None` when no driver is installed.
     pub fn driver_version() -> Result<Option<Version>> {
         let mut v = 0;
-        // SAFETY: valid out-pointer.
         check(
+            // SAFETY: valid out-pointer.
             unsafe { sys::cudaDriverGetVersion(&mut v) },
             "cudaDriverGetVersion",
         )?;
@@ -341,8 +341,8 @@ impl Device {
     /// The version of the CUDA runtime linked into this program.
     pub fn runtime_version() -> Result<Version> {
         let mut v = 0;
-        // SAFETY: valid out-pointer.
         check(
+            // SAFETY: valid out-pointer.
             unsafe { sys::cudaRuntimeGetVersion(&mut v) },
             "cudaRuntimeGetVersion",
         )?;
@@ -353,8 +353,8 @@ impl Device {
     pub fn stream_priority_range(&self) -> Result<(i32, i32)> {
         self.make_current()?;
         let (mut least, mut greatest) = (0, 0);
-        // SAFETY: valid out-pointers; the device is current.
         check(
+            // SAFETY: valid out-pointers; the device is current.
             unsafe { sys::cudaDeviceGetStreamPriorityRange(&mut least, &mut greatest) },
             "cudaDeviceGetStreamPriorityRange",
         )?;

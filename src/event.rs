@@ -26,8 +26,8 @@ macro_rules! event_type {
             pub fn new(device: &Device) -> Result<Self> {
                 device.make_current()?;
                 let mut raw = std::ptr::null_mut();
-                // SAFETY: `raw` is a valid out-pointer; the flags are valid event flags.
                 check(
+                    // SAFETY: `raw` is a valid out-pointer; the flags are valid event flags.
                     unsafe { sys::cudaEventCreateWithFlags(&mut raw, $flags) },
                     "cudaEventCreateWithFlags",
                 )?;
@@ -45,8 +45,8 @@ macro_rules! event_type {
             /// Blocks until the work before the last `record` has finished (at once if the
             /// event was never recorded).
             pub fn synchronize(&self) -> Result<()> {
-                // SAFETY: `raw` is a live event owned by `self`.
                 check(
+                    // SAFETY: `raw` is a live event owned by `self`.
                     unsafe { sys::cudaEventSynchronize(self.raw) },
                     "cudaEventSynchronize",
                 )
@@ -113,8 +113,8 @@ impl TimingEvent {
             });
         }
         let mut ms = 0f32;
-        // SAFETY: both events are live, timing-enabled events; `ms` is a valid out-pointer.
         check(
+            // SAFETY: both events are live, timing-enabled events; `ms` is a valid out-pointer.
             unsafe { sys::cudaEventElapsedTime(&mut ms, self.raw, end.raw) },
             "cudaEventElapsedTime",
         )?;

@@ -22,6 +22,7 @@
 //! [`Error::NoDevice`] from the first call.
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_debug_implementations)]
 
 pub mod sys;

@@ -61,8 +61,8 @@ impl Stream {
     fn create(device: &Device, priority: i32) -> Result<Stream> {
         device.make_current()?;
         let mut raw = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the flag is a valid stream flag.
         check_with(
+            // SAFETY: `raw` is a valid out-pointer; the flag is a valid stream flag.
             unsafe {
                 sys::cudaStreamCreateWithPriority(&mut raw, sys::cudaStreamNonBlocking, priority)
             },

@@ -467,7 +467,7 @@ fn info_exits_with_status_2() -> R {
 }
 
 fn stats_and_pattern() -> R {
-    use pinstream::bench::{gbps, pattern, Stats};
+    use pinstream::bench::{gbps, host_memcpy_gbps, pattern, Stats};
     let s = Stats::new(vec![3.0, 1.0, 2.0, 10.0]).ok_or("no stats")?;
     ensure(s.median == 2.5 && s.min == 1.0 && s.max == 10.0, || {
         format!("{s:?}")
@@ -482,7 +482,20 @@ fn stats_and_pattern() -> R {
         (gbps(2e9, 0.5) - 4.0).abs() < 1e-12 && gbps(1.0, 0.0) == 0.0,
         || "gbps".into(),
     )?;
-    let p = pattern(100_003);
+    // Sizes that cannot be allocated are errors, not panics or aborts.
+    ensure(pattern(usize::MAX).is_err(), || {
+        "pattern(usize::MAX)".into()
+    })?;
+    ensure(pattern(isize::MAX as usize).is_err(), || {
+        "pattern(isize::MAX)".into()
+    })?;
+    ensure(host_memcpy_gbps(usize::MAX, 1).is_none(), || {
+        "host_memcpy_gbps(usize::MAX)".into()
+    })?;
+    ensure(host_memcpy_gbps(usize::MAX - 100, 1).is_none(), || {
+        "host_memcpy_gbps(usize::MAX - 100)".into()
+    })?;
+    let p = pattern(100_003)?;
     ensure(p.len() == 100_003 && p.iter().all(|&b| b != 0), || {
         "pattern has zeros".into()
     })?;

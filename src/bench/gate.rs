@@ -1,6 +1,8 @@
 //! `Gate`: holds streams on a flag in mapped pinned memory while work is queued behind it, so
 //! that the host's enqueue time stays out of what the events measure.
 
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -14,7 +16,9 @@ use crate::stream::Stream;
 /// as timed out (the measurement then included enqueue time, and says so).
 #[derive(Debug)]
 pub struct Gate {
-    flag: PinnedBuffer<u32>,
+    /// Word 0: open (host writes, kernels poll); word 1: timed out (kernels write). Host access
+    /// only through atomics. Not dropped if the kernels could not be waited for (leaked).
+    flag: ManuallyDrop<PinnedBuffer<u32>>,
     device_ptr: *mut u32,
     timeout: Duration,
     state: Mutex<State>,
@@ -27,8 +31,9 @@ struct State {
     streams: Vec<Stream>,
 }
 
-// SAFETY: the flag is only touched through volatile loads and stores; the stream list is
-// behind a mutex.
+// SAFETY: the host touches the flag words only through atomics (`PinnedBuffer::as_atomics`),
+// the stream list is behind a mutex, and `device_ptr` is a device address the host never
+// dereferences.
 unsafe impl Send for Gate {}
 // SAFETY: as above.
 unsafe impl Sync for Gate {}
@@ -39,23 +44,38 @@ impl Gate {
         let flag = PinnedBuffer::<u32>::new(device, 2, HostAlloc::MAPPED | HostAlloc::PORTABLE)?;
         let device_ptr = flag.mapped_device_ptr()?;
         Ok(Gate {
-            flag,
+            flag: ManuallyDrop::new(flag),
             device_ptr,
             timeout,
             state: Mutex::new(State::default()),
         })
     }
 
+    fn word(&self, i: usize) -> &AtomicU32 {
+        &self.flag.as_atomics()[i]
+    }
+
     /// Arms the gate (if open) and holds `stream` at it. Re-arming first waits for the streams
-    /// of the previous round, so no earlier gate kernel can see the flag drop back to zero.
+    /// of the previous round, so no earlier gate kernel can see the flag drop back to zero; if
+    /// one of those waits fails, the gate stays open and keeps the streams it could not wait
+    /// for (they are waited for again next time, and on drop).
     pub fn close(&self, stream: &Stream) -> Result<()> {
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if !st.armed {
+            let mut failed = Vec::new();
+            let mut first_err = None;
             for s in st.streams.drain(..) {
-                s.synchronize()?;
+                if let Err(e) = s.synchronize() {
+                    first_err.get_or_insert(e);
+                    failed.push(s);
+                }
             }
-            self.flag.store_volatile(0, 0);
-            self.flag.store_volatile(1, 0);
+            if let Some(e) = first_err {
+                st.streams = failed;
+                return Err(e);
+            }
+            self.word(0).store(0, Ordering::SeqCst);
+            self.word(1).store(0, Ordering::SeqCst);
             st.armed = true;
         }
         crate::kernels::gate(stream, self.device_ptr, self.timeout)?;
@@ -65,24 +85,32 @@ impl Gate {
 
     /// Lets every held stream go. Returns false if any of them had already timed out.
     pub fn open(&self) -> bool {
-        self.flag.store_volatile(0, 1);
+        self.word(0).store(1, Ordering::SeqCst);
         self.state.lock().unwrap_or_else(|e| e.into_inner()).armed = false;
-        self.flag.load_volatile(1) == 0
+        self.word(1).load(Ordering::SeqCst) == 0
     }
 
     /// Whether a gate kernel gave up waiting since the gate was last armed.
     pub fn timed_out(&self) -> bool {
-        self.flag.load_volatile(1) != 0
+        self.word(1).load(Ordering::SeqCst) != 0
     }
 }
 
 impl Drop for Gate {
     fn drop(&mut self) {
         // The kernels read the flag: let them go and finish before the memory is freed.
-        self.flag.store_volatile(0, 1);
+        self.word(0).store(1, Ordering::SeqCst);
         let st = std::mem::take(&mut *self.state.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut waited = Ok(());
         for s in st.streams {
-            let _ = s.synchronize();
+            if let Err(e) = s.synchronize() {
+                waited = Err(e);
+            }
+        }
+        match waited {
+            // SAFETY: dropped once, here; no gate kernel can still read it (all waited for).
+            Ok(()) => unsafe { ManuallyDrop::drop(&mut self.flag) },
+            Err(e) => crate::memory::tracker::leak("gate flag (pinned, mapped)", 8, &e),
         }
     }
 }

@@ -58,11 +58,12 @@ pub fn gbps(bytes: f64, secs: f64) -> f64 {
 }
 
 /// `n` bytes of a random pattern in which no byte is zero (xorshift, seeded from the clock).
-pub fn pattern(n: usize) -> Vec<u8> {
+/// An error, not a panic or an abort, when `n` bytes cannot be allocated.
+pub fn pattern(n: usize) -> crate::Result<Vec<u8>> {
     let mut x = Instant::now().elapsed().as_nanos() as u64
         ^ 0x9E37_79B9_7F4A_7C15
         ^ (n as u64).rotate_left(17);
-    let mut out = Vec::with_capacity(n);
+    let mut out = try_alloc(n)?;
     let mut chunk = [0u8; 8];
     while out.len() < n {
         x ^= x << 13;
@@ -75,22 +76,36 @@ pub fn pattern(n: usize) -> Vec<u8> {
         let take = (n - out.len()).min(8);
         out.extend_from_slice(&chunk[..take]);
     }
-    out
+    Ok(out)
+}
+
+/// An empty `Vec` with room for `n` bytes, or an error saying it cannot have it.
+fn try_alloc(n: usize) -> crate::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|e| {
+        crate::Error::invalid(
+            "bench",
+            format!("cannot allocate {n} bytes of host memory: {e}"),
+        )
+    })?;
+    Ok(v)
 }
 
 /// Single-threaded host memcpy bandwidth (decimal GB/s, bytes counted once) over `bytes`:
 /// the ceiling of any copy that stages through pageable memory on one thread. Each sample
 /// repeats the copy for at least 5 ms, so small sizes measure the caches they fit in, as a
-/// staged copy of that size would see them.
+/// staged copy of that size would see them. `None` for zero bytes or a size that cannot be
+/// allocated.
 pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
     if bytes == 0 {
         return None;
     }
-    let src = pattern(bytes);
+    let src = pattern(bytes).ok()?;
     // Place the destination half a page away from the source (mod 4096): two separate large
     // allocations both start at the same page offset, which makes `rep movsb` alias 4K
     // addresses and run at a fraction of its speed (seen: 4.2 GB/s at 1 MiB on the H100 host).
-    let mut buf = vec![0u8; bytes + 4096];
+    let mut buf = try_alloc(bytes.checked_add(4096)?).ok()?;
+    buf.resize(bytes + 4096, 0);
     let off = ((src.as_ptr() as usize + 2048).wrapping_sub(buf.as_ptr() as usize)) % 4096;
     let dst = &mut buf[off..off + bytes];
     dst.copy_from_slice(&src); // touch every page first

@@ -45,7 +45,7 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
 
     // (a) One 4 MB tensor.
     let n = 4 << 20;
-    let data = pattern(n);
+    let data = pattern(n)?;
     let pinned = PinnedBuffer::from_slice(device, &data, HostAlloc::DEFAULT)?;
     let mut d = DeviceBuffer::<u8>::new(device, n)?;
     let a1 = median_ms(|| {
@@ -81,7 +81,7 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
     // (b) 1000 tensors of 4 KB.
     let k = 1000;
     let small = 4 << 10;
-    let host: Vec<Vec<u8>> = (0..k).map(|_| pattern(small)).collect();
+    let host: Vec<Vec<u8>> = (0..k).map(|_| pattern(small)).collect::<Result<_>>()?;
     let pinned_small: Vec<PinnedBuffer<u8>> = host
         .iter()
         .map(|h| PinnedBuffer::from_slice(device, h, HostAlloc::DEFAULT))
@@ -126,7 +126,7 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
 
     // (c) 200 tensors of 4 MB.
     let k = 200;
-    let big: Vec<u8> = pattern(k * n);
+    let big: Vec<u8> = pattern(k * n)?;
     let pinned_big: Vec<PinnedBuffer<u8>> = big
         .chunks(n)
         .map(|c| PinnedBuffer::from_slice(device, c, HostAlloc::DEFAULT))
@@ -164,7 +164,7 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
 
     // (d) Copy/compute overlap: a kernel on one stream, a 256 MB H2D copy on the same or another.
     let n = 256 << 20;
-    let data = pattern(n);
+    let data = pattern(n)?;
     let pinned = PinnedBuffer::from_slice(device, &data, HostAlloc::DEFAULT)?;
     let mut d = DeviceBuffer::<u8>::new(device, n)?;
     let other = device.stream()?;

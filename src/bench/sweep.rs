@@ -235,7 +235,7 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
         return Err(Error::invalid("bandwidth", "sizes must be at least 1 byte"));
     }
     let up = device.stream()?;
-    let pattern = pattern(max);
+    let pattern = pattern(max)?;
     let mut dev_b = DeviceBuffer::<u8>::new(device, max)?;
     up.copy_h2d(&pattern[..], &mut dev_b)?;
     let mut ctx = Ctx {
@@ -773,7 +773,7 @@ pub fn pinning_cost(device: &Device, bytes: usize, samples: usize) -> Result<Vec
             unpin_s_per_gib: Stats::new(f).unwrap_or_else(empty_stats),
         });
     }
-    let mut data = pattern(bytes); // touched, as a real buffer would be
+    let mut data = pattern(bytes)?; // touched, as a real buffer would be
     let (mut a, mut f) = (Vec::new(), Vec::new());
     for _ in 0..samples.max(1) {
         let (reg, unreg) = crate::memory::time_register(device, &mut data, HostRegister::DEFAULT)?;
@@ -796,7 +796,7 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
         .first()
         .ok_or_else(|| Error::invalid("bandwidth", "no devices"))?;
     let gate = Gate::new(first, opts.gate_timeout)?;
-    let pattern = pattern(bytes);
+    let pattern = pattern(bytes)?;
     struct Per {
         s: Stream,
         d: DeviceBuffer<u8>,

@@ -53,12 +53,19 @@ impl<T: Pod> DeviceBuffer<T> {
         let mut ptr = std::ptr::null_mut::<c_void>();
         if bytes > 0 {
             device.make_current()?;
-            // SAFETY: `ptr` is a valid out-pointer; the device is current.
             check_alloc(
+                // SAFETY: `ptr` is a valid out-pointer; the device is current.
                 unsafe { sys::cudaMalloc(&mut ptr, bytes) },
                 "cudaMalloc",
                 bytes,
             )?;
+            if let Err(e) = check_align::<T>("DeviceBuffer::new", ptr) {
+                // SAFETY: allocated just above, never shared, freed once.
+                unsafe {
+                    let _ = sys::cudaFree(ptr);
+                }
+                return Err(e);
+            }
         }
         Ok(DeviceBuffer {
             ptr: ptr.cast(),
@@ -81,12 +88,13 @@ impl<T: Pod> DeviceBuffer<T> {
             // The allocation is an operation on the stream: track it, so that other streams
             // wait for it before they touch the memory.
             let tracked = tracker::ordered(stream, &[&tracker], || {
-                // SAFETY: `ptr` is a valid out-pointer; the stream is live and current.
                 check_alloc(
+                    // SAFETY: `ptr` is a valid out-pointer; the stream is live and current.
                     unsafe { sys::cudaMallocAsync(&mut ptr, bytes, stream.as_raw()) },
                     "cudaMallocAsync",
                     bytes,
-                )
+                )?;
+                check_align::<T>("DeviceBuffer::new_async", ptr)
             });
             if let Err(e) = tracked {
                 if !ptr.is_null() {
@@ -175,35 +183,43 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
         if self.ptr.is_null() {
             return;
         }
-        match &self.stream {
-            Some(stream) => {
-                // Stream-ordered free after the last use, without blocking the host.
-                if self.tracker.wait_on(stream).is_ok() && stream.enter().is_ok() {
-                    // SAFETY: `ptr` came from cudaMallocAsync and is freed once; the stream
-                    // waits for every use of it first.
-                    let err = unsafe { sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw()) };
-                    if err == sys::cudaError::cudaSuccess {
-                        return;
-                    }
-                }
-                // Could not order the free: wait for everything, then free synchronously.
-                let _ = self.tracker.synchronize();
-                let _ = stream.synchronize();
-                // SAFETY: as above; all work on the memory has finished.
-                unsafe {
-                    let _ = sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw());
-                }
-            }
-            None => {
-                let _ = self.tracker.synchronize();
-                let _ = self.device.make_current();
-                // SAFETY: `ptr` came from cudaMalloc and is freed once, after the GPU's last use.
-                unsafe {
-                    let _ = sys::cudaFree(self.ptr.cast());
+        if let Some(stream) = &self.stream {
+            // Stream-ordered free after the last use, without blocking the host.
+            if self.tracker.wait_on(stream).is_ok() && stream.enter().is_ok() {
+                // SAFETY: `ptr` came from cudaMallocAsync and is freed once; the stream waits
+                // for every use of it first.
+                let err = unsafe { sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw()) };
+                if err == sys::cudaError::cudaSuccess {
+                    return;
                 }
             }
         }
+        // Wait for the last use, then free synchronously (cudaFree also takes memory from
+        // cudaMallocAsync). If the wait fails, a kernel or copy may still use it: leak it.
+        if let Err(e) = self.tracker.synchronize() {
+            super::tracker::leak("device memory", self.byte_len(), &e);
+            return;
+        }
+        let _ = self.device.make_current();
+        // SAFETY: `ptr` came from cudaMalloc / cudaMallocAsync, was not freed above (that path
+        // returned), and is freed once, after the GPU's last use.
+        unsafe {
+            let _ = sys::cudaFree(self.ptr.cast());
+        }
     }
+}
+
+/// Refuses an address not aligned for `T` (only possible for `T` aligned beyond the 256 bytes
+/// the allocators give), so that no view or kernel ever sees a misaligned `*mut T`.
+fn check_align<T>(op: &'static str, ptr: *mut c_void) -> Result<()> {
+    let align = std::mem::align_of::<T>();
+    if (ptr as usize) % align != 0 {
+        return Err(crate::Error::invalid(
+            op,
+            format!("the allocator returned {ptr:p}, not aligned for a {align}-byte type"),
+        ));
+    }
+    Ok(())
 }
 
 macro_rules! view_type {

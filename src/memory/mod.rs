@@ -7,6 +7,7 @@ pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
+pub use tracker::{leaked, Leaked};
 
 use std::os::raw::c_void;
 
@@ -47,6 +48,7 @@ macro_rules! flag_set {
 }
 pub(crate) use flag_set;
 
+pub(crate) mod bounce;
 mod device;
 mod pinned;
 mod registered;
@@ -93,7 +95,11 @@ pub(crate) mod sealed {
     }
 
     pub trait HostMem<T> {
+        /// The region for a copy that reads it (host to device).
         fn host_region(&self) -> HostRegion<'_>;
+        /// The region for a copy that writes it (device to host). Taken from `&mut self`, so
+        /// the write pointer never derives from a shared reference.
+        fn host_region_mut(&mut self) -> HostRegion<'_>;
         /// Host access after the GPU's last use (used by the measurement code to check data).
         fn host_read(&self) -> crate::Result<&[T]>;
         /// Write access after the GPU's last use.
@@ -112,13 +118,15 @@ pub trait HostSliceMut<T: Pod>: HostSlice<T> {}
 
 impl<T: Pod> sealed::HostMem<T> for [T] {
     fn host_region(&self) -> sealed::HostRegion<'_> {
-        sealed::HostRegion {
-            ptr: self.as_ptr() as *mut c_void,
-            len: self.len(),
-            kind: HostKind::Pageable,
-            tracker: None,
-            read_only: false,
-        }
+        // Read-only use: the pointer is only ever read through.
+        pageable_region(self.as_ptr().cast_mut().cast(), self.len())
+    }
+    fn host_region_mut(&mut self) -> sealed::HostRegion<'_> {
+        let mut r = pageable_region(self.as_mut_ptr().cast(), self.len());
+        // Memory registered read-only elsewhere in this process (a `Registered` handed out as a
+        // plain slice): the GPU may not write it.
+        r.read_only = registered::read_only::overlaps(r.ptr as usize, std::mem::size_of_val(self));
+        r
     }
     fn host_read(&self) -> crate::Result<&[T]> {
         Ok(self)
@@ -127,12 +135,25 @@ impl<T: Pod> sealed::HostMem<T> for [T] {
         Ok(self)
     }
 }
+fn pageable_region<'a>(ptr: *mut c_void, len: usize) -> sealed::HostRegion<'a> {
+    sealed::HostRegion {
+        ptr,
+        len,
+        kind: HostKind::Pageable,
+        tracker: None,
+        read_only: false,
+    }
+}
+
 impl<T: Pod> HostSlice<T> for [T] {}
 impl<T: Pod> HostSliceMut<T> for [T] {}
 
 impl<T: Pod> sealed::HostMem<T> for Vec<T> {
     fn host_region(&self) -> sealed::HostRegion<'_> {
         self.as_slice().host_region()
+    }
+    fn host_region_mut(&mut self) -> sealed::HostRegion<'_> {
+        self.as_mut_slice().host_region_mut()
     }
     fn host_read(&self) -> crate::Result<&[T]> {
         Ok(self)

@@ -12,6 +12,11 @@ use crate::device::Device;
 use crate::error::{byte_len, check_alloc, Result};
 use crate::sys;
 
+/// The alignment `cudaHostAlloc` is trusted to give without adjustment (it returns page-aligned
+/// memory in practice). Larger alignments get slack in the allocation; either way the address
+/// is checked before any `&[T]` is made from it.
+const MIN_HOST_ALIGN: usize = 256;
+
 super::flag_set! {
     /// Flags for `cudaHostAlloc`; combine with `|`. `Default` is `DEFAULT`.
     HostAlloc {
@@ -33,6 +38,9 @@ super::flag_set! {
 /// that event first, so the host never sees memory the GPU is still reading or writing — not
 /// even when a `Pending` copy was leaked with `mem::forget`.
 pub struct PinnedBuffer<T: Pod> {
+    /// What `cudaHostAlloc` returned (null for an empty buffer): what is freed.
+    base: *mut c_void,
+    /// The first element: `base`, moved up to `T`'s alignment if needed.
     ptr: *mut T,
     len: usize,
     flags: HostAlloc,
@@ -59,27 +67,58 @@ impl<T: Pod> std::fmt::Debug for PinnedBuffer<T> {
 
 impl<T: Pod> PinnedBuffer<T> {
     /// Allocates `len` zeroed elements with `cudaHostAlloc(flags)`, with `device` current.
+    ///
+    /// The memory is aligned for `T` whatever its alignment: `cudaHostAlloc` promises no more
+    /// than the page size, so an over-aligned `T` gets a slightly larger allocation and an
+    /// aligned start inside it.
     pub fn new(device: &Device, len: usize, flags: HostAlloc) -> Result<Self> {
-        let bytes = byte_len::<T>("PinnedBuffer::new", len)?;
-        let mut ptr = std::ptr::null_mut::<c_void>();
-        if bytes > 0 {
-            device.make_current()?;
-            // SAFETY: `ptr` is a valid out-pointer; the flags are valid cudaHostAlloc flags.
-            check_alloc(
-                unsafe { sys::cudaHostAlloc(&mut ptr, bytes, flags.bits()) },
-                "cudaHostAlloc",
-                bytes,
-            )?;
-            // SAFETY: the allocation is `bytes` long and not yet shared with anyone; zeroing
-            // makes every element initialised (all-zero is a valid `Pod` value).
-            unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+        const OP: &str = "PinnedBuffer::new";
+        let bytes = byte_len::<T>(OP, len)?;
+        let align = std::mem::align_of::<T>();
+        if bytes == 0 {
+            return Ok(PinnedBuffer {
+                base: std::ptr::null_mut(),
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len,
+                flags,
+                device: *device,
+                tracker: Tracker::new(),
+            });
         }
+        // Room to move the start up to the next multiple of `align`, if the runtime's address
+        // is not one already.
+        let slack = if align > MIN_HOST_ALIGN { align - 1 } else { 0 };
+        let total = bytes.checked_add(slack).ok_or_else(|| {
+            crate::Error::invalid(OP, format!("{bytes} bytes plus alignment overflow usize"))
+        })?;
+        device.make_current()?;
+        let mut base = std::ptr::null_mut::<c_void>();
+        check_alloc(
+            // SAFETY: `base` is a valid out-pointer; the flags are valid cudaHostAlloc flags.
+            unsafe { sys::cudaHostAlloc(&mut base, total, flags.bits()) },
+            "cudaHostAlloc",
+            total,
+        )?;
+        let offset = (base as usize).wrapping_neg() % align;
+        if offset > slack {
+            // Only possible if the runtime broke its own page-alignment promise.
+            // SAFETY: allocated just above, never shared, freed once.
+            unsafe {
+                let _ = sys::cudaFreeHost(base);
+            }
+            return Err(crate::Error::invalid(
+                OP,
+                format!("cudaHostAlloc returned {base:p}, not aligned for a {align}-byte type"),
+            ));
+        }
+        // SAFETY: `offset + bytes <= total`: the start stays inside the allocation.
+        let ptr = unsafe { base.cast::<u8>().add(offset) };
+        // SAFETY: `ptr..ptr + bytes` lies in the allocation, which is not yet shared with anyone;
+        // zeroing makes every element initialised (all-zero is a valid `Pod` value).
+        unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
         Ok(PinnedBuffer {
-            ptr: if bytes > 0 {
-                ptr.cast()
-            } else {
-                std::ptr::NonNull::dangling().as_ptr()
-            },
+            base,
+            ptr: ptr.cast(),
             len,
             flags,
             device: *device,
@@ -114,6 +153,11 @@ impl<T: Pod> PinnedBuffer<T> {
         self.device
     }
 
+    /// Whether the GPU has finished every use of it so far, without blocking.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.tracker.is_idle()
+    }
+
     /// Waits for the GPU's last use, then gives read access.
     pub fn as_slice(&self) -> Result<&[T]> {
         self.tracker.synchronize()?;
@@ -133,13 +177,21 @@ impl<T: Pod> PinnedBuffer<T> {
 
 impl<T: Pod> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
-        if self.len == 0 || std::mem::size_of::<T>() == 0 {
+        if self.base.is_null() {
             return;
         }
-        let _ = self.tracker.synchronize();
-        // SAFETY: `ptr` came from cudaHostAlloc and is freed once, after the GPU's last use.
+        if let Err(e) = self.tracker.synchronize() {
+            // A copy may still read or write it: leak rather than free.
+            super::tracker::leak(
+                "pinned host memory",
+                self.len * std::mem::size_of::<T>(),
+                &e,
+            );
+            return;
+        }
+        // SAFETY: `base` came from cudaHostAlloc and is freed once, after the GPU's last use.
         unsafe {
-            let _ = sys::cudaFreeHost(self.ptr.cast());
+            let _ = sys::cudaFreeHost(self.base);
         }
     }
 }
@@ -153,6 +205,9 @@ impl<T: Pod> HostMem<T> for PinnedBuffer<T> {
             tracker: Some(&self.tracker),
             read_only: false,
         }
+    }
+    fn host_region_mut(&mut self) -> HostRegion<'_> {
+        self.host_region()
     }
     fn host_read(&self) -> Result<&[T]> {
         self.as_slice()
@@ -175,35 +230,24 @@ impl<T: Pod> PinnedBuffer<T> {
         }
         self.device.make_current()?;
         let mut dptr = std::ptr::null_mut::<c_void>();
-        // SAFETY: `ptr` is a live mapped allocation; `dptr` is a valid out-pointer.
         crate::error::check(
+            // SAFETY: `ptr` is a live mapped allocation; `dptr` is a valid out-pointer.
             unsafe { sys::cudaHostGetDevicePointer(&mut dptr, self.ptr.cast(), 0) },
             "cudaHostGetDevicePointer",
         )?;
         Ok(dptr.cast())
     }
+}
 
-    /// Volatile store to element `i`, bypassing the tracker: for flags a running kernel polls.
-    /// Out-of-range indices are ignored.
-    pub(crate) fn store_volatile(&self, i: usize, value: T) {
-        if i < self.len {
-            // SAFETY: in bounds of a live allocation; volatile, so the write is not elided or
-            // reordered away, and `T: Pod` has no drop glue. Concurrent device reads of a
-            // word-sized flag are the intended use.
-            unsafe { std::ptr::write_volatile(self.ptr.add(i), value) };
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        }
-    }
-
-    /// Volatile load of element `i` (zeroed value when out of range).
-    pub(crate) fn load_volatile(&self, i: usize) -> T {
-        if i < self.len {
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            // SAFETY: in bounds of a live, initialised allocation.
-            unsafe { std::ptr::read_volatile(self.ptr.add(i)) }
-        } else {
-            T::zeroed()
-        }
+impl PinnedBuffer<u32> {
+    /// The buffer as atomics, for flags that a running kernel polls or sets through the mapped
+    /// address while the host reads and writes them. Host access to such a buffer must only go
+    /// through these atomics (never `as_slice`), which the one user, `bench::Gate`, keeps to.
+    pub(crate) fn as_atomics(&self) -> &[std::sync::atomic::AtomicU32] {
+        // SAFETY: `AtomicU32` has the size and alignment of `u32`; the `len` elements are live
+        // and initialised for as long as `&self`; the GPU's accesses are outside Rust's memory
+        // model, and every host access goes through atomic operations.
+        unsafe { std::slice::from_raw_parts(self.ptr.cast(), self.len) }
     }
 }
 
@@ -217,8 +261,8 @@ pub(crate) fn time_alloc_free(
     device.make_current()?;
     let mut ptr = std::ptr::null_mut::<c_void>();
     let t = std::time::Instant::now();
-    // SAFETY: valid out-pointer and flags.
     check_alloc(
+        // SAFETY: valid out-pointer and flags.
         unsafe { sys::cudaHostAlloc(&mut ptr, bytes, flags.bits()) },
         "cudaHostAlloc",
         bytes,

@@ -79,31 +79,46 @@ impl<'a, T: Pod> Registered<'a, T> {
         };
         if bytes > 0 {
             device.make_current()?;
-            // SAFETY: `ptr` addresses `bytes` bytes the caller lent us mutably for 'a; it stays
-            // registered no longer than that (unregistered in `release` or `Drop`).
             check_with(
+                // SAFETY: `ptr` addresses `bytes` bytes the caller lent us mutably for 'a; it stays
+                // registered no longer than that (unregistered in `release` or `Drop`).
                 unsafe { sys::cudaHostRegister(reg.ptr.cast(), bytes, flags.bits()) },
                 "cudaHostRegister",
                 || format!("{bytes} bytes, flags {:#x}", flags.bits()),
             )?;
             reg.registered = true;
+            if reg.read_only() {
+                read_only::insert(reg.ptr as usize, bytes);
+            }
         }
         Ok(reg)
     }
 
-    /// Waits for the GPU, then unregisters; the first error is returned.
+    /// Waits for the GPU, then unregisters; the first error is returned. If the wait fails the
+    /// memory stays registered (its pages stay locked, counted in `memory::leaked`): a copy
+    /// might still be using it.
     fn release(&mut self) -> Result<()> {
         if !self.registered {
             return Ok(());
         }
-        let waited = self.tracker.synchronize();
+        self.registered = false;
+        if self.read_only() {
+            read_only::remove(self.ptr as usize);
+        }
+        if let Err(e) = self.tracker.synchronize() {
+            let bytes = self.len * std::mem::size_of::<T>();
+            super::tracker::leak("registered host memory (left registered)", bytes, &e);
+            return Err(e);
+        }
         // SAFETY: registered by `register` and unregistered once, after the GPU's last use.
         let err = unsafe { sys::cudaHostUnregister(self.ptr.cast()) };
-        self.registered = false;
-        waited?;
         check_with(err, "cudaHostUnregister", || {
             format!("{} elements", self.len)
         })
+    }
+
+    fn read_only(&self) -> bool {
+        self.flags.contains(HostRegister::READ_ONLY)
     }
 
     /// Number of elements.
@@ -156,8 +171,11 @@ impl<T: Pod> HostMem<T> for Registered<'_, T> {
             len: self.len,
             kind: HostKind::Registered,
             tracker: Some(&self.tracker),
-            read_only: self.flags.contains(HostRegister::READ_ONLY),
+            read_only: self.read_only(),
         }
+    }
+    fn host_region_mut(&mut self) -> HostRegion<'_> {
+        self.host_region()
     }
     fn host_read(&self) -> Result<&[T]> {
         self.as_slice()
@@ -178,20 +196,64 @@ pub(crate) fn time_register<T: Pod>(
     let bytes = byte_len::<T>("time_register", data.len())?;
     device.make_current()?;
     let t = std::time::Instant::now();
-    // SAFETY: `data` is borrowed mutably for the whole function and unregistered before it
-    // returns; nothing uses it in between.
     check_with(
+        // SAFETY: `data` is borrowed mutably for the whole function and unregistered before it
+        // returns; nothing uses it in between.
         unsafe { sys::cudaHostRegister(data.as_mut_ptr().cast(), bytes, flags.bits()) },
         "cudaHostRegister",
         || format!("{bytes} bytes"),
     )?;
     let register = t.elapsed();
     let t = std::time::Instant::now();
-    // SAFETY: registered just above.
     check_with(
+        // SAFETY: registered just above.
         unsafe { sys::cudaHostUnregister(data.as_mut_ptr().cast()) },
         "cudaHostUnregister",
         || format!("{bytes} bytes"),
     )?;
     Ok((register, t.elapsed()))
+}
+
+/// The address ranges registered `READ_ONLY` through `Registered::scope`, so that a device-to-host
+/// copy into a plain slice of such memory (from `as_mut_slice`) is refused with the same error as
+/// one into the `Registered` itself, before anything is queued.
+pub(crate) mod read_only {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// start -> end (exclusive) of each live read-only registration.
+    static RANGES: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+    /// How many there are: lets the common case (none) skip the lock.
+    static COUNT: AtomicUsize = AtomicUsize::new(0);
+
+    fn ranges() -> std::sync::MutexGuard<'static, BTreeMap<usize, usize>> {
+        RANGES.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn insert(start: usize, bytes: usize) {
+        let mut r = ranges();
+        if r.insert(start, start.saturating_add(bytes)).is_none() {
+            COUNT.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    pub(crate) fn remove(start: usize) {
+        let mut r = ranges();
+        if r.remove(&start).is_some() {
+            COUNT.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether `start..start + bytes` overlaps a live read-only registration.
+    pub(crate) fn overlaps(start: usize, bytes: usize) -> bool {
+        if bytes == 0 || COUNT.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let end = start.saturating_add(bytes);
+        let r = ranges();
+        // Registrations never overlap each other (the runtime refuses that), so only the last
+        // one starting before `end` can reach into the range.
+        r.range(..end).next_back().is_some_and(|(_, &e)| e > start)
+    }
 }

@@ -1,10 +1,16 @@
 //! Tracking the GPU's last use of a piece of memory with an event, so that host access, a use on
 //! another stream and freeing all wait for it. The heart of the "never undefined behaviour"
 //! promise: even if a `Pending` is leaked with `mem::forget`, the buffer still waits.
+//!
+//! When the GPU's use of a piece of memory can no longer be known (work was queued, but neither
+//! an event could be recorded after it nor the stream be waited for), the tracker is *poisoned*:
+//! every later operation and host access is refused with the error that caused it, and the
+//! owner leaks the memory instead of freeing it (see [`leaked`]).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::stream::Stream;
 
@@ -12,10 +18,17 @@ use crate::stream::Stream;
 /// waits for it, so the latest event stands for all earlier uses on every stream.
 #[derive(Debug, Default)]
 pub struct Tracker {
-    last: Mutex<Option<Arc<Event>>>,
+    state: Mutex<State>,
 }
 
-type Guard<'a> = MutexGuard<'a, Option<Arc<Event>>>;
+#[derive(Debug, Default)]
+struct State {
+    last: Option<Arc<Event>>,
+    /// Set when queued work on the memory could be neither tracked nor waited for.
+    poisoned: Option<Error>,
+}
+
+type Guard<'a> = MutexGuard<'a, State>;
 
 impl Tracker {
     pub(crate) fn new() -> Tracker {
@@ -23,25 +36,42 @@ impl Tracker {
     }
 
     fn lock(&self) -> Guard<'_> {
-        // A poisoned lock only means another thread panicked while holding it; the event inside
-        // is still valid.
-        self.last.lock().unwrap_or_else(|e| e.into_inner())
+        // A poisoned lock only means another thread panicked while holding it; the state inside
+        // is only ever replaced whole, so it is still consistent.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Blocks until the GPU has finished with the memory.
+    /// The last event, or the error that poisoned the tracker.
+    fn last(&self) -> Result<Option<Arc<Event>>> {
+        let st = self.lock();
+        match &st.poisoned {
+            Some(e) => Err(e.clone()),
+            None => Ok(st.last.clone()),
+        }
+    }
+
+    /// Blocks until the GPU has finished with the memory. An error means that cannot be known:
+    /// the owner must not free or hand out the memory.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        let last = self.lock().clone();
-        match last {
+        match self.last()? {
             Some(ev) => ev.synchronize(),
             None => Ok(()),
         }
     }
 
+    /// Whether the GPU has finished with the memory, without blocking (false on any error).
+    pub(crate) fn is_idle(&self) -> bool {
+        match self.last() {
+            Ok(Some(ev)) => ev.is_complete().unwrap_or(false),
+            Ok(None) => true,
+            Err(_) => false,
+        }
+    }
+
     /// Makes later work on `stream` wait for the last use (used before a stream-ordered free).
     pub(crate) fn wait_on(&self, stream: &Stream) -> Result<()> {
-        let last = self.lock();
-        match last.as_ref() {
-            Some(ev) => stream.wait(&**ev),
+        match self.last()? {
+            Some(ev) => stream.wait(&*ev),
             None => Ok(()),
         }
     }
@@ -51,7 +81,8 @@ impl Tracker {
 /// one event after it into all of them. Returns `op`'s result and that event.
 ///
 /// The trackers are locked in address order for the whole call, so concurrent operations on the
-/// same memory from several threads are ordered too, and two locks never deadlock.
+/// same memory from several threads are ordered too, and two locks never deadlock. A poisoned
+/// tracker refuses the operation before anything is queued.
 pub(crate) fn ordered<R>(
     stream: &Stream,
     trackers: &[&Tracker],
@@ -63,7 +94,12 @@ pub(crate) fn ordered<R>(
     let mut guards: Vec<Guard<'_>> = sorted.iter().map(|t| t.lock()).collect();
 
     for g in &guards {
-        if let Some(ev) = g.as_ref() {
+        if let Some(e) = &g.poisoned {
+            return Err(e.clone());
+        }
+    }
+    for g in &guards {
+        if let Some(ev) = g.last.as_ref() {
             stream.wait(&**ev)?;
         }
     }
@@ -72,26 +108,60 @@ pub(crate) fn ordered<R>(
     // Reuse the first tracker's event when nobody else holds it and it is on this device.
     let reusable = guards
         .first_mut()
-        .and_then(|g| g.take())
+        .and_then(|g| g.last.take())
         .and_then(|ev| Arc::try_unwrap(ev).ok())
         .filter(|ev| ev.device() == stream.device());
-    let event = match reusable.map_or_else(|| Event::new(&stream.device()), Ok) {
-        Ok(ev) => ev,
-        Err(e) => return Err(untracked(stream, e)),
+    let event = reusable
+        .map_or_else(|| Event::new(&stream.device()), Ok)
+        .and_then(|ev| stream.record(&ev).map(|()| ev));
+    let event = match event {
+        Ok(ev) => Arc::new(ev),
+        Err(e) => {
+            // The work is queued but cannot be tracked: wait for it here, so nothing can be
+            // freed or read under it. If even that fails, nobody can know when the memory is
+            // free again: poison the trackers (their owners then leak the memory).
+            if let Err(wait) = stream.synchronize() {
+                for g in &mut guards {
+                    g.poisoned = Some(wait.clone());
+                }
+            }
+            return Err(e);
+        }
     };
-    if let Err(e) = stream.record(&event) {
-        return Err(untracked(stream, e));
-    }
-    let event = Arc::new(event);
     for g in &mut guards {
-        **g = Some(event.clone());
+        g.last = Some(event.clone());
     }
     Ok((out, event))
 }
 
-/// The work is queued but could not be tracked: wait for it here so nothing can be freed or read
-/// under it, then report the error.
-fn untracked(stream: &Stream, err: crate::Error) -> crate::Error {
-    let _ = stream.synchronize();
-    err
+static LEAKED_ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+static LEAKED_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Memory the crate deliberately did not free because it could not confirm that the GPU had
+/// finished with it (a failed wait: in practice a CUDA context broken by a sticky error).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Leaked {
+    /// Allocations (or registrations) leaked so far in this process.
+    pub allocations: u64,
+    /// Their total size in bytes.
+    pub bytes: u64,
+}
+
+/// What the crate has leaked so far in this process rather than free memory a DMA or kernel
+/// might still touch. Zero unless a wait for the GPU failed.
+pub fn leaked() -> Leaked {
+    Leaked {
+        allocations: LEAKED_ALLOCATIONS.load(Ordering::Relaxed),
+        bytes: LEAKED_BYTES.load(Ordering::Relaxed),
+    }
+}
+
+/// Records (and says on stderr) that `bytes` of `what` are leaked because of `err`.
+pub(crate) fn leak(what: &str, bytes: usize, err: &Error) {
+    LEAKED_ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+    LEAKED_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+    eprintln!(
+        "pinstream: leaking {bytes} bytes of {what}: could not confirm the GPU has finished with \
+         them ({err})"
+    );
 }
