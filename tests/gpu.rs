@@ -51,6 +51,10 @@ const SIZES: &[usize] = &[
 ];
 
 fn main() {
+    // A child process started by `failed_wait_leaks` (its CUDA context gets broken on purpose).
+    if let Ok(what) = std::env::var(CHILD_VAR) {
+        std::process::exit(child(&what));
+    }
     let mut args = Arguments::from_args();
     // One trial at a time unless asked otherwise: implicit device-wide synchronisations (cudaFree,
     // cudaHostAlloc) in one trial would stall the timing-sensitive checks of another.
@@ -99,6 +103,20 @@ fn main() {
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
+    );
+    gpu(
+        "soundness/pageable_source_free_at_return".into(),
+        pageable_source_free_at_return,
+    );
+    gpu("soundness/over_aligned_types".into(), over_aligned_types);
+    gpu(
+        "soundness/read_only_as_plain_slice".into(),
+        read_only_as_plain_slice,
+    );
+    gpu("soundness/failed_wait_leaks".into(), failed_wait_leaks);
+    gpu(
+        "soundness/gate_from_many_threads".into(),
+        gate_from_many_threads,
     );
     for &(name, kind) in KINDS {
         for &size in SIZES {
@@ -944,4 +962,268 @@ fn bandwidth_sweep_small() -> R {
         pin.len() == 3 && pin.iter().all(|p| p.pin_s_per_gib.median > 0.0),
         || format!("{pin:?}"),
     )
+}
+
+/// A plain source slice may be changed the moment `copy_h2d` returns, whatever the GPU is doing:
+/// small ones (bounce blocks) return without waiting for the busy stream, larger ones return
+/// with the copy finished. Then the source is scribbled over; the device must hold the original.
+fn pageable_source_free_at_return() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    for size in [1usize, 4097, 65_536, 1 << 20, (1 << 20) + 1, 8 << 20] {
+        let (data, seed) = random_bytes(size);
+        let mut src = data.clone();
+        let mut d = DeviceBuffer::<u8>::new(&dev, size)?;
+        // Warm-up: the first copy of a size class may allocate its pinned block.
+        s.copy_h2d(&src[..], &mut d)?;
+        s.synchronize()?;
+        s.memset(&mut d, 0x5A)?;
+        s.spin(Duration::from_millis(100))?;
+        let t = Instant::now();
+        let in_flight = s.copy_h2d(&src[..], &mut d)?;
+        let took = t.elapsed();
+        if size <= 1 << 20 {
+            ensure(took < Duration::from_millis(50), || {
+                format!("a {size}-byte pageable copy waited {took:?} for the busy stream")
+            })?;
+        } else {
+            ensure(in_flight.is_complete()?, || {
+                format!("a {size}-byte pageable copy returned before it had finished")
+            })?;
+        }
+        drop(in_flight);
+        for b in src.iter_mut() {
+            *b = !*b;
+        }
+        drop(src);
+        let mut back = vec![0u8; size];
+        let got = s.copy_d2h(&d, &mut back[..])?.wait()?;
+        same(
+            &format!("{size} bytes from a plain slice"),
+            got,
+            &data,
+            seed,
+        )?;
+    }
+    Ok(())
+}
+
+#[repr(C, align(65536))]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+struct Aligned64K([[u8; 4096]; 16]);
+
+#[repr(C, align(512))]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+struct Aligned512([u32; 128]);
+
+/// Types aligned beyond what the allocators promise: pinned buffers hand out aligned slices
+/// (never a misaligned `&[T]`), device buffers are aligned or refused with a typed error, and
+/// the data survives a round trip.
+fn over_aligned_types() -> R {
+    fn check<T: Pod + PartialEq + std::fmt::Debug>(dev: &Device, s: &Stream, len: usize) -> R {
+        let align = std::mem::align_of::<T>();
+        let bytes = len * std::mem::size_of::<T>();
+        let (data, seed) = random_bytes(bytes);
+        for flags in [
+            HostAlloc::DEFAULT,
+            HostAlloc::MAPPED,
+            HostAlloc::WRITE_COMBINED,
+        ] {
+            let mut host = PinnedBuffer::<T>::new(dev, len, flags)?;
+            let p = host.as_slice()?.as_ptr() as usize;
+            ensure(p % align == 0, || {
+                format!("PinnedBuffer<{align}-aligned> x {len} ({flags:?}) at {p:#x}")
+            })?;
+            bytemuck::cast_slice_mut::<T, u8>(host.as_mut_slice()?).copy_from_slice(&data);
+            let mut d = match DeviceBuffer::<T>::new(dev, len) {
+                Ok(d) => d,
+                Err(Error::InvalidArgument { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            let dp = d.as_device_ptr() as usize;
+            ensure(dp % align == 0, || format!("DeviceBuffer at {dp:#x}"))?;
+            s.copy_h2d(&host, &mut d)?;
+            let mut back = vec![T::zeroed(); len];
+            let got = s.copy_d2h(&d, &mut back[..])?.wait()?;
+            same(
+                &format!("{align}-aligned round trip"),
+                bytemuck::cast_slice::<T, u8>(got),
+                &data,
+                seed,
+            )?;
+        }
+        Ok(())
+    }
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    for len in [1, 2, 3, 5] {
+        check::<Aligned64K>(&dev, &s, len)?;
+        check::<Aligned512>(&dev, &s, len)?;
+    }
+    Ok(())
+}
+
+/// A read-only registration handed out as a plain slice (`as_mut_slice`) is refused as a
+/// device-to-host destination with the crate's own error, before anything is queued, whole or
+/// in part; after the scope the same memory is an ordinary destination again.
+fn read_only_as_plain_slice() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 1 << 16;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    s.copy_h2d(&data[..], &mut d)?;
+    let mut host = vec![0x77u8; n];
+    let inner = Registered::scope(&dev, &mut host, HostRegister::READ_ONLY, |r| -> R {
+        let plain = r.as_mut_slice()?;
+        let e = s.copy_d2h(&d, &mut plain[..]).err();
+        ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+            format!("whole read-only slice: {e:?}")
+        })?;
+        // Memory outside the registration is an ordinary destination.
+        let mut other = [0u8; 100];
+        let got = s.copy_d2h(&d.slice(..100)?, &mut other[..])?.wait()?;
+        same("outside the read-only range", got, &data[..100], seed)?;
+        let part = d.slice(..64)?;
+        let e = s.copy_d2h(&part, &mut plain[1000..1064]).err();
+        ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+            format!("part of a read-only slice: {e:?}")
+        })?;
+        ensure(plain.iter().all(|&b| b == 0x77), || {
+            "a refused copy wrote the read-only memory".into()
+        })
+    });
+    match inner {
+        Ok(inner) => inner?,
+        Err(e) => {
+            println!("read-only registration refused: {e}");
+            return Ok(());
+        }
+    }
+    let got = s.copy_d2h(&d, &mut host[..])?.wait()?;
+    same("after the read-only scope", got, &data, seed)
+}
+
+const CHILD_VAR: &str = "PINSTREAM_GPU_TEST_CHILD";
+
+/// After a wait for the GPU fails (here: a kernel faults, which breaks the CUDA context), the
+/// memory that work was queued on is leaked and counted, never freed or unregistered under a
+/// DMA. Runs in a child process, whose context is broken on purpose; compute-sanitizer runs
+/// skip it (the fault is deliberate).
+fn failed_wait_leaks() -> R {
+    let exe = std::env::current_exe()?;
+    let out = std::process::Command::new(exe)
+        .env(CHILD_VAR, "sticky")
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    ensure(out.status.success(), || {
+        format!("child failed ({}): {text}", out.status)
+    })
+}
+
+fn child(what: &str) -> i32 {
+    let r = match what {
+        "sticky" => sticky_child(),
+        _ => Err(format!("unknown child {what}").into()),
+    };
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            println!("child: {e:?}");
+            1
+        }
+    }
+}
+
+fn sticky_child() -> R {
+    use pinstream::memory::leaked;
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 1 << 20;
+    let mut pinned = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
+    pinned.as_mut_slice()?.fill(3);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    let mut d2 = DeviceBuffer::<u8>::new_async(&s, n)?;
+    let mut owned = vec![7u8; n];
+    let before = leaked();
+    // Hold the stream, so that everything below is queued before the fault happens.
+    s.spin(Duration::from_millis(300))?;
+    // SAFETY: deliberately not: 0x1000 is no device memory, so this kernel faults and breaks the
+    // context. That is the point of this child process, which does nothing else afterwards.
+    let err =
+        unsafe { pinstream::sys::pinstream_fill(0x1000 as *mut _, 1 << 20, 4, 0, s.as_raw()) };
+    ensure(err == pinstream::sys::cudaError::cudaSuccess, || {
+        format!("launch of the faulting kernel: {err:?}")
+    })?;
+    s.copy_h2d(&pinned, &mut d)?;
+    s.copy_d2d(&d, &mut d2)?;
+    let scoped = Registered::scope(&dev, &mut owned, HostRegister::DEFAULT, |r| {
+        s.copy_h2d(r, &mut d).map(|_| ())
+    });
+    println!("scope: {scoped:?}");
+    ensure(scoped.is_err(), || {
+        "the scope did not report the failed wait".into()
+    })?;
+    let e = pinned.as_slice().err();
+    ensure(e.is_some(), || "host access after a failed wait".into())?;
+    drop(pinned);
+    drop(d);
+    drop(d2);
+    let after = leaked();
+    println!("leaked before {before:?}, after {after:?}");
+    // The pinned buffer, both device buffers and the registration.
+    ensure(after.allocations - before.allocations >= 4, || {
+        format!(
+            "expected 4 leaks, counted {}",
+            after.allocations - before.allocations
+        )
+    })?;
+    ensure(after.bytes - before.bytes >= 4 * n as u64, || {
+        format!("leaked only {} bytes", after.bytes - before.bytes)
+    })
+}
+
+/// `bench::Gate` used from several threads at once: each thread closes it on its own stream and
+/// opens it; every round finishes (nothing hangs) and data queued behind the gate arrives.
+fn gate_from_many_threads() -> R {
+    use pinstream::bench::Gate;
+    let dev = dev0()?;
+    let gate = Gate::new(&dev, Duration::from_secs(2))?;
+    let (data, seed) = random_bytes(1 << 16);
+    std::thread::scope(|sc| -> R {
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                sc.spawn(|| -> Result<(), String> {
+                    let s = dev.stream().map_err(|e| e.to_string())?;
+                    let src = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)
+                        .map_err(|e| e.to_string())?;
+                    let mut d =
+                        DeviceBuffer::<u8>::new(&dev, data.len()).map_err(|e| e.to_string())?;
+                    for _ in 0..20 {
+                        gate.close(&s).map_err(|e| e.to_string())?;
+                        s.copy_h2d(&src, &mut d).map_err(|e| e.to_string())?;
+                        gate.open();
+                        let mut back = vec![0u8; data.len()];
+                        let got = s
+                            .copy_d2h(&d, &mut back[..])
+                            .and_then(|p| p.wait().map(|g| g.to_vec()))
+                            .map_err(|e| e.to_string())?;
+                        if got != data {
+                            return Err(format!("data behind the gate differs (seed {seed})"));
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "thread panicked")??;
+        }
+        Ok(())
+    })
 }
