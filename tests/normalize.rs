@@ -121,10 +121,11 @@ fn random_norm(rng: &mut SmallRng, c: usize, scaled: bool) -> Normalize {
     }
 }
 
-/// Compares GPU output with the exact reference: f32 within 1e-6 relative (to |ref| + |shift|:
-/// adding the shift rounds at the shift's magnitude), 16-bit floats within one unit of rounding
-/// plus that f32 error (it matters only where `+ shift` cancels to a value near zero), integers
-/// within one unit.
+/// Compares GPU output with the exact reference through the library's one error measure,
+/// `OutputElement::rounding_error`: f32 within 1e-6 relative (to |ref| + |shift|: adding the
+/// shift rounds at the shift's magnitude), 16-bit floats within one unit of rounding plus that
+/// f32 error (it matters only where `+ shift` cancels to a value near zero), integers within one
+/// unit of the rounded and saturated reference. Names the first element that is off.
 fn compare<O: OutputElement + std::fmt::Debug>(
     what: &str,
     got: &[O],
@@ -136,24 +137,13 @@ fn compare<O: OutputElement + std::fmt::Debug>(
         format!("{what}: {} vs {} elements", got.len(), exact.len())
     })?;
     for (i, (g, &e)) in got.iter().zip(exact).enumerate() {
-        let gv = g.to_f64();
-        let (err, tol) = if O::NAME == "f32" {
-            (
-                (gv - e).abs(),
-                1e-6 * (e.abs() + f64::from(shift.abs())) + 1e-30,
-            )
-        } else if O::NAME == "u8" || O::NAME == "i8" {
-            ((gv - O::from_f64(e).to_f64()).abs(), 1.0)
-        } else {
-            (
-                (gv - e).abs(),
-                O::unit_at(e) + 1e-6 * (e.abs() + f64::from(shift.abs())),
-            )
-        };
-        // NaN errors (an unwritten, poisoned element) fail too.
-        if err.is_nan() || err > tol {
+        let units = g.rounding_error(e, shift);
+        // NaN errors (an unwritten, poisoned element) are infinite and fail too.
+        if !(units <= 1.0) {
             return Err(format!(
-                "{what}: element {i}: got {g:?} ({gv}), exact {e}, error {err:e} > {tol:e} (seed {seed})"
+                "{what}: element {i}: got {g:?} ({}), exact {e} (reference {}), error {units:.3} units of rounding (seed {seed})",
+                g.to_f64(),
+                O::reference(e)
             )
             .into());
         }
@@ -173,7 +163,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
     let dev = stream.device();
     let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
     stream.copy_h2d(input, &mut d_in)?;
-    let mut d_out = DeviceBuffer::<O>::new(&dev, spec.output_len())?;
+    let mut d_out = DeviceBuffer::<O>::new(&dev, spec.output_len()?)?;
     kernels::fill(stream, &mut d_out, O::poison())?;
     let per_dev = match per {
         Some((m, s)) => {
@@ -189,7 +179,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
         .as_ref()
         .map(|(m, s)| DevicePerSample { mean: m, std: s });
     kernels::normalize::<O, _, _>(stream, &d_in, spec, &mut d_out, p)?;
-    let mut got = vec![O::poison(); spec.output_len()];
+    let mut got = vec![O::poison(); spec.output_len()?];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     let exact = cpu::normalize_exact(
         input,
@@ -198,7 +188,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
     )?;
     compare(what, got, &exact, spec.norm.shift, seed)?;
     // The CPU path gives the same converted values as the reference rounding.
-    let mut cpu_out = vec![O::poison(); spec.output_len()];
+    let mut cpu_out = vec![O::poison(); spec.output_len()?];
     cpu::normalize(
         input,
         spec,
@@ -257,7 +247,7 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
                 let s: Vec<f32> = (0..n).map(|_| rng.random_range(1.0..90.0)).collect();
                 (m, s)
             });
-            let input = random_u8(&mut rng, spec.input_len());
+            let input = random_u8(&mut rng, spec.input_len()?);
             let what = format!(
                 "{il:?}->{ol:?} {} {} C={c} sizes {sizes:?}",
                 O::NAME,
@@ -293,7 +283,7 @@ fn fast_paths_uniform() -> R {
                 for ol in LAYOUTS {
                     let spec =
                         Spec::uniform(n, c, h, w, random_norm(&mut rng, c, false)).layouts(il, ol);
-                    let input = random_u8(&mut rng, spec.input_len());
+                    let input = random_u8(&mut rng, spec.input_len()?);
                     let what = format!("uniform {n}x{c}x{h}x{w} {il:?}->{ol:?}");
                     run_and_compare::<f32>(&stream, &input, &spec, None, &what, seed)?;
                     run_and_compare::<f16>(&stream, &input, &spec, None, &what, seed)?;
@@ -314,7 +304,7 @@ fn fast_paths_uniform() -> R {
         (Layout::Nhwc, Layout::Nhwc),
     ] {
         let spec = spec.clone().layouts(il, ol);
-        let input = random_u8(&mut rng, spec.input_len());
+        let input = random_u8(&mut rng, spec.input_len()?);
         run_and_compare::<f32>(
             &stream,
             &input,
@@ -334,10 +324,10 @@ fn misaligned_views_fall_back() -> R {
     let (mut rng, seed) = rng();
     let spec =
         Spec::uniform(2, 3, 16, 16, Normalize::imagenet()).layouts(Layout::Nhwc, Layout::Nchw);
-    let input = random_u8(&mut rng, spec.input_len());
+    let input = random_u8(&mut rng, spec.input_len()?);
     let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len() + 1)?;
     stream.copy_h2d(&input[..], &mut d_in.slice_mut(1..)?)?;
-    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()? + 1)?;
     kernels::fill(&stream, &mut d_out, f32::NAN)?;
     kernels::normalize::<f32, _, _>(
         &stream,
@@ -346,7 +336,7 @@ fn misaligned_views_fall_back() -> R {
         &mut d_out.slice_mut(1..)?,
         None,
     )?;
-    let mut got = vec![0f32; spec.output_len() + 1];
+    let mut got = vec![0f32; spec.output_len()? + 1];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     ensure(got[0].is_nan(), || {
         "the element before the view was written".into()
@@ -367,7 +357,7 @@ fn many_samples() -> R {
     for s in spec.samples.iter_mut() {
         s.mirror = rng.random_bool(0.5);
     }
-    let input = random_u8(&mut rng, spec.input_len());
+    let input = random_u8(&mut rng, spec.input_len()?);
     run_and_compare::<f16>(&stream, &input, &spec, None, "300 variable samples", seed)
 }
 
@@ -445,11 +435,11 @@ fn denormalize_round_trip() -> R {
     let (mut rng, seed) = rng();
     for layout in LAYOUTS {
         let spec = Spec::uniform(2, 3, 9, 11, Normalize::imagenet()).layouts(layout, layout);
-        let input = random_u8(&mut rng, spec.input_len());
+        let input = random_u8(&mut rng, spec.input_len()?);
         let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
         stream.copy_h2d(&input[..], &mut d_in)?;
-        let mut norm32 = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
-        let mut norm16 = DeviceBuffer::<bf16>::new(&dev, spec.output_len())?;
+        let mut norm32 = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
+        let mut norm16 = DeviceBuffer::<bf16>::new(&dev, spec.output_len()?)?;
         kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut norm32, None)?;
         kernels::normalize::<bf16, _, _>(&stream, &d_in, &spec, &mut norm16, None)?;
         let mut back = DeviceBuffer::<u8>::new(&dev, input.len())?;
@@ -470,7 +460,7 @@ fn denormalize_round_trip() -> R {
             }
         }
         // The reference inverse agrees.
-        let mut host32 = vec![0f32; spec.output_len()];
+        let mut host32 = vec![0f32; spec.output_len()?];
         cpu::normalize(&input, &spec, None, &mut host32)?;
         let mut back_cpu = vec![0u8; input.len()];
         cpu::denormalize(&host32, &spec, &mut back_cpu)?;
@@ -487,10 +477,10 @@ fn wrong_device_is_refused() -> R {
     let (d0, d1) = (Device::get(0)?, Device::get(1)?);
     let s0 = d0.stream()?;
     let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
-    let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len())?;
-    let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len())?;
-    let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len())?;
-    let mut out1 = DeviceBuffer::<f32>::new(&d1, spec.output_len())?;
+    let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len()?)?;
+    let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len()?)?;
+    let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len()?)?;
+    let mut out1 = DeviceBuffer::<f32>::new(&d1, spec.output_len()?)?;
     kernels::fill(&s0, &mut out0, 7.0f32)?;
     let wrong = |e: Result<(), Error>| matches!(e, Err(Error::WrongDevice { .. }));
     ensure(
@@ -506,7 +496,7 @@ fn wrong_device_is_refused() -> R {
         || "output on device 1".into(),
     )?;
     let back = s0
-        .copy_d2h(&out0, &mut vec![0f32; spec.output_len()][..])?
+        .copy_d2h(&out0, &mut vec![0f32; spec.output_len()?][..])?
         .wait()?
         .to_vec();
     ensure(back.iter().all(|&x| x == 7.0), || {
@@ -518,8 +508,8 @@ fn bad_input_is_refused_before_launch() -> R {
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
-    let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len())?;
-    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
+    let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len()?)?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
     kernels::fill(&stream, &mut d_out, 7.0f32)?;
     let invalid = |e: Result<(), Error>| matches!(e, Err(Error::InvalidArgument { .. }));
     let mut bad = spec.clone();
@@ -566,12 +556,12 @@ fn bad_input_is_refused_before_launch() -> R {
         )),
         || "crop outside".into(),
     )?;
-    let short = DeviceBuffer::<u8>::new(&dev, spec.input_len() - 1)?;
+    let short = DeviceBuffer::<u8>::new(&dev, spec.input_len()? - 1)?;
     let e = kernels::normalize::<f32, _, _>(&stream, &short, &spec, &mut d_out, None);
     ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
         format!("{e:?}")
     })?;
-    let mut wrong_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    let mut wrong_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()? + 1)?;
     let e = kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut wrong_out, None);
     ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
         format!("{e:?}")
@@ -594,11 +584,11 @@ fn bad_input_is_refused_before_launch() -> R {
         &stream,
         &d_out,
         &spec.clone().pad_to_4(0.0),
-        &mut DeviceBuffer::<u8>::new(&dev, spec.input_len())?,
+        &mut DeviceBuffer::<u8>::new(&dev, spec.input_len()?)?,
     );
     ensure(invalid(e), || "denormalize with padding".into())?;
     // Nothing was written.
-    let mut got = vec![0f32; spec.output_len()];
+    let mut got = vec![0f32; spec.output_len()?];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     ensure(got.iter().all(|&v| v == 7.0), || {
         "a refused launch wrote the output".into()
