@@ -31,7 +31,7 @@ pub trait OutputElement: Element + Send + Sync {
     /// its magnitude in f32). Integers: the distance to `reference(exact)` (the kernels compute
     /// in f32, so a tie may round either way: 1 unit). f32: relative to 1e-6 x (|exact| +
     /// |shift|). f16 / bf16: one unit of rounding at `exact` plus that f32 error. An unwritten
-    /// (NaN) value where a number is due is infinitely wrong.
+    /// (NaN) value where a number is due is infinitely wrong; the result is never NaN.
     fn rounding_error(self, exact: f64, shift: f32) -> f64;
 }
 

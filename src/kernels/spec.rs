@@ -346,7 +346,10 @@ mod tests {
             );
         }
         assert_eq!(checked_total("t", [[3, 4, 5], [1, 2, 3]]).ok(), Some(66));
-        assert_eq!(checked_total("t", [[1, 1, usize::MAX]]).ok(), Some(usize::MAX));
+        assert_eq!(
+            checked_total("t", [[1, 1, usize::MAX]]).ok(),
+            Some(usize::MAX)
+        );
         assert_eq!(checked_total("t", []).ok(), Some(0));
     }
 

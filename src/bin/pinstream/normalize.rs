@@ -209,7 +209,7 @@ fn run_typed<O: OutputElement>(
                 ""
             }
         );
-        if let Some(w) = worst.filter(|w| !(w.units <= 1.0)) {
+        if let Some(w) = worst.filter(|w| w.units > 1.0) {
             return Err(bad(format!(
                 "verification failed: error of {:.2} units of rounding at element {}: got {}, exact {}",
                 w.units,
