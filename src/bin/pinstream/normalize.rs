@@ -42,7 +42,8 @@ pub struct NormalizeArgs {
     /// The .npy file to write.
     #[arg(long)]
     out: PathBuf,
-    /// Check the GPU result against the CPU reference and print the largest error.
+    /// Check the result against the f64 reference and print the largest error, in units of
+    /// rounding (integers against the rounded and saturated reference); fail above 1 unit.
     #[arg(long)]
     verify: bool,
     /// Time the kernel and compare with a device-to-device copy of the same bytes.
