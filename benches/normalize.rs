@@ -67,7 +67,7 @@ fn case<O: OutputElement>(
     il: Layout,
 ) -> Case {
     let spec = Spec::uniform(N, C, H, W, Normalize::imagenet()).layouts(il, Layout::Nchw);
-    let mut out = DeviceBuffer::<O>::new(&stream.device(), spec.output_len()).unwrap();
+    let mut out = DeviceBuffer::<O>::new(&stream.device(), spec.output_len().unwrap()).unwrap();
     let s = stream.clone();
     Case {
         name,

@@ -159,6 +159,8 @@ __device__ __forceinline__ float norm(uint32_t x, float mean, float k, float shi
 // ---- same layout, uniform batch ------------------------------------------------------------
 
 // Elements 4*w .. 4*w+3 share one channel (NCHW, h*w % 4 == 0) or cycle through channels (NHWC).
+// Overflow audit: taken only for total = n*c*h*w < 2^32 elements, so words < 2^30, hw < 2^32 and
+// e = 4 * wi < 2^32; the grid has about words / 128 warps, so base + warps * 128 < 2^31 + 2^10.
 template <typename Out, bool NHWC>
 __global__ void __launch_bounds__(256) same_layout(pinstream_norm_args a, uint32_t words) {
   const uint32_t* in = reinterpret_cast<const uint32_t*>(a.in);
@@ -207,6 +209,8 @@ __global__ void __launch_bounds__(256) same_layout(pinstream_norm_args a, uint32
 constexpr int TP = 512;  // pixels per block
 constexpr int TT = 128;  // threads per block: 4 pixels each
 
+// Overflow audit: taken only for total < 2^32 and tiles * n < 2^31 blocks, so hw < 2^32,
+// p0 < hw and p0 + p < hw + TP; byte and element offsets are formed in size_t.
 template <typename Out, int C>
 __global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32_t tiles_per_sample) {
   __shared__ __align__(16) uint8_t tile[TP * C];
@@ -244,11 +248,19 @@ __global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32
 
 // ---- general ---------------------------------------------------------------------------------
 
+// Index arithmetic (audited for overflow): the host guarantees n <= INT32_MAX, h, w <= INT32_MAX
+// and out_h * out_w <= src_h * src_w <= UINT32_MAX per sample; element offsets are 64-bit. The
+// sample loop counts in uint32 (s < n <= 2^31 - 1, plus gridDim.y <= 65535: no wrap). The pixel
+// loop keeps 32-bit indices (32-bit division is much cheaper) but never steps past npix: with
+// npix up to 2^32 - 1 and a stride of up to 2^20, `p += stride` could wrap to a small p and loop
+// forever, so a thread stops as soon as the remaining distance is at most one stride.
 template <typename Out>
 __global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
   Out* out = reinterpret_cast<Out*>(a.out);
-  for (int s = blockIdx.y; s < a.n; s += gridDim.y) {
+  const uint32_t n = (uint32_t)a.n;
+  const uint32_t stride = gridDim.x * blockDim.x;  // <= 4096 * 256 (launch below)
+  for (uint32_t s = blockIdx.y; s < n; s += gridDim.y) {
     pinstream_norm_sample d;
     if (a.samples) {
       d = a.samples[s];
@@ -267,13 +279,13 @@ __global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       if (c < a.c_in) {
-        params(a, s, c, mean[c], k[c]);
+        params(a, (int)s, c, mean[c], k[c]);
       } else {
         mean[c] = 0.f;
         k[c] = 0.f;
       }
     }
-    for (uint32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < npix; p += gridDim.x * blockDim.x) {
+    for (uint32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < npix; p = npix - p <= stride ? npix : p + stride) {
       const uint32_t oy = p / (uint32_t)d.out_w, ox = p - oy * (uint32_t)d.out_w;
       const uint32_t sx = d.crop_x + (d.mirror ? d.out_w - 1 - ox : ox);
       const uint32_t sy = d.crop_y + oy;
@@ -308,6 +320,7 @@ __device__ __forceinline__ float to_f32<half_t>(half_t v) { return f16_bits_to_f
 template <>
 __device__ __forceinline__ float to_f32<bf16_t>(bf16_t v) { return bf16_bits_to_f32(v.bits); }
 
+// Overflow audit: 64-bit element indices; total <= 2^31 * 4 * 2^32 < 2^64 - stride.
 template <typename In>
 __global__ void __launch_bounds__(256) denormalize(pinstream_norm_args a, size_t total) {
   const In* in = reinterpret_cast<const In*>(a.in);
@@ -357,6 +370,8 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
       }
     }
   }
+  // general: at most 4096 x 256 threads per sample (the kernel's stride bound), h and w being the
+  // largest output height and width (their product may exceed any sample's; only the grid uses it).
   const size_t max_pix = (size_t)a.h * a.w;
   dim3 grid((unsigned)cap((max_pix + 255) / 256, 4096), (unsigned)cap((size_t)a.n, 65535));
   general<Out><<<grid, 256, 0, stream>>>(a);
@@ -367,7 +382,8 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
 
 PINSTREAM_API cudaError_t pinstream_normalize(const pinstream_norm_args* args, int32_t out_dtype,
                                               cudaStream_t stream) {
-  if (!args || args->n <= 0 || args->c_in < 1 || args->c_in > 4 || args->c_out < args->c_in || args->c_out > 4)
+  if (!args || !args->in || !args->out || args->n <= 0 || args->h <= 0 || args->w <= 0 || args->c_in < 1 ||
+      args->c_in > 4 || args->c_out < args->c_in || args->c_out > 4)
     return cudaErrorInvalidValue;
   switch (out_dtype) {
     case PINSTREAM_F32: return launch<float>(*args, stream);
@@ -381,7 +397,9 @@ PINSTREAM_API cudaError_t pinstream_normalize(const pinstream_norm_args* args, i
 
 PINSTREAM_API cudaError_t pinstream_denormalize(const pinstream_norm_args* args, int32_t in_dtype,
                                                 cudaStream_t stream) {
-  if (!args || args->n <= 0 || args->c_in < 1 || args->c_in > 4) return cudaErrorInvalidValue;
+  if (!args || !args->in || !args->out || args->n <= 0 || args->h <= 0 || args->w <= 0 || args->c_in < 1 ||
+      args->c_in > 4)
+    return cudaErrorInvalidValue;
   const size_t total = (size_t)args->n * args->c_in * args->h * args->w;
   if (total == 0) return cudaSuccess;
   const unsigned blocks = (unsigned)cap((total + 255) / 256, 132 * 32);

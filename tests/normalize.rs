@@ -3,14 +3,16 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
+use common::guard::{self, Placement};
 use common::{ensure, rng, R};
 use libtest_mimic::{Arguments, Trial};
 use pinstream::kernels::{
-    self, cpu, Crop, DevicePerSample, Layout, Normalize, OutputElement, Spec,
+    self, cpu, Crop, DenormInput, DevicePerSample, Layout, Normalize, OutputElement, Spec,
 };
-use pinstream::{bf16, f16, Device, DeviceBuffer, Error, Stream};
+use pinstream::{bf16, f16, Device, DeviceBuffer, Error, Event, Stream};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore};
 
@@ -57,11 +59,60 @@ impl Variant {
 
 const LAYOUTS: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
 
+/// Set in the environment of a child process that runs one trial alone (see `in_child`).
+const CHILD_ENV: &str = "PINSTREAM_NORMALIZE_CHILD";
+
+/// Kernel paths of `launch` in cuda/normalize.cu, for the guard-byte trials.
+const PATHS: [&str; 3] = ["same_layout", "nhwc_to_nchw", "general"];
+const DTYPES: [&str; 5] = ["f32", "f16", "bf16", "u8", "i8"];
+
 fn main() {
+    if let Ok(name) = std::env::var(CHILD_ENV) {
+        std::process::exit(child_main(&name));
+    }
     let mut args = Arguments::from_args();
     args.test_threads.get_or_insert(1);
     let no_gpu = !pinstream::available();
     let mut trials = Vec::new();
+    for dtype in DTYPES {
+        for path in PATHS {
+            let f = move || match dtype {
+                "f32" => guard_bytes::<f32>(path),
+                "f16" => guard_bytes::<f16>(path),
+                "bf16" => guard_bytes::<bf16>(path),
+                "u8" => guard_bytes::<u8>(path),
+                _ => guard_bytes::<i8>(path),
+            };
+            trials.push(
+                Trial::test(format!("guard_bytes/{dtype}/{path}"), f).with_ignored_flag(no_gpu),
+            );
+        }
+    }
+    for (dtype, f) in [
+        ("f32", guard_bytes_denormalize::<f32> as fn() -> R),
+        ("f16", guard_bytes_denormalize::<f16>),
+        ("bf16", guard_bytes_denormalize::<bf16>),
+    ] {
+        trials.push(
+            Trial::test(format!("guard_bytes/denormalize/{dtype}"), f).with_ignored_flag(no_gpu),
+        );
+    }
+    // 4.3 GB in + 4.3 GB out; needs 12 GiB free. PINSTREAM_SKIP_HUGE=1 skips it (e.g. under
+    // compute-sanitizer, where it would take hours).
+    let huge_fits = !no_gpu
+        && std::env::var_os("PINSTREAM_SKIP_HUGE").is_none()
+        && Device::get(0)
+            .and_then(|d| d.memory_info())
+            .is_ok_and(|m| m.free >= 12 << 30);
+    trials.push(
+        Trial::test("huge_sample_general_kernel_finishes", || {
+            in_child(
+                "huge_sample_general_kernel_finishes",
+                Duration::from_secs(240),
+            )
+        })
+        .with_ignored_flag(!huge_fits),
+    );
     for il in LAYOUTS {
         for ol in LAYOUTS {
             for v in Variant::all() {
@@ -101,6 +152,14 @@ fn main() {
     );
     trials.push(Trial::test("cpu/reference_checks", cpu_reference_checks));
     trials.push(Trial::test("cpu/reference_values", cpu_reference_values));
+    trials.push(Trial::test(
+        "cpu/saturation_is_not_error",
+        cpu_saturation_is_not_error,
+    ));
+    trials.push(Trial::test(
+        "cli/verify_integer_output_of_photographs",
+        cli_verify_integer_output_of_photographs,
+    ));
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -121,10 +180,11 @@ fn random_norm(rng: &mut SmallRng, c: usize, scaled: bool) -> Normalize {
     }
 }
 
-/// Compares GPU output with the exact reference: f32 within 1e-6 relative (to |ref| + |shift|:
-/// adding the shift rounds at the shift's magnitude), 16-bit floats within one unit of rounding
-/// plus that f32 error (it matters only where `+ shift` cancels to a value near zero), integers
-/// within one unit.
+/// Compares GPU output with the exact reference through the library's one error measure,
+/// `OutputElement::rounding_error`: f32 within 1e-6 relative (to |ref| + |shift|: adding the
+/// shift rounds at the shift's magnitude), 16-bit floats within one unit of rounding plus that
+/// f32 error (it matters only where `+ shift` cancels to a value near zero), integers within one
+/// unit of the rounded and saturated reference. Names the first element that is off.
 fn compare<O: OutputElement + std::fmt::Debug>(
     what: &str,
     got: &[O],
@@ -136,24 +196,13 @@ fn compare<O: OutputElement + std::fmt::Debug>(
         format!("{what}: {} vs {} elements", got.len(), exact.len())
     })?;
     for (i, (g, &e)) in got.iter().zip(exact).enumerate() {
-        let gv = g.to_f64();
-        let (err, tol) = if O::NAME == "f32" {
-            (
-                (gv - e).abs(),
-                1e-6 * (e.abs() + f64::from(shift.abs())) + 1e-30,
-            )
-        } else if O::NAME == "u8" || O::NAME == "i8" {
-            ((gv - O::from_f64(e).to_f64()).abs(), 1.0)
-        } else {
-            (
-                (gv - e).abs(),
-                O::unit_at(e) + 1e-6 * (e.abs() + f64::from(shift.abs())),
-            )
-        };
-        // NaN errors (an unwritten, poisoned element) fail too.
-        if err.is_nan() || err > tol {
+        let units = g.rounding_error(e, shift);
+        // An unwritten (poisoned, NaN) element is infinitely wrong and fails too.
+        if units > 1.0 {
             return Err(format!(
-                "{what}: element {i}: got {g:?} ({gv}), exact {e}, error {err:e} > {tol:e} (seed {seed})"
+                "{what}: element {i}: got {g:?} ({}), exact {e} (reference {}), error {units:.3} units of rounding (seed {seed})",
+                g.to_f64(),
+                O::reference(e)
             )
             .into());
         }
@@ -173,7 +222,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
     let dev = stream.device();
     let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
     stream.copy_h2d(input, &mut d_in)?;
-    let mut d_out = DeviceBuffer::<O>::new(&dev, spec.output_len())?;
+    let mut d_out = DeviceBuffer::<O>::new(&dev, spec.output_len()?)?;
     kernels::fill(stream, &mut d_out, O::poison())?;
     let per_dev = match per {
         Some((m, s)) => {
@@ -189,7 +238,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
         .as_ref()
         .map(|(m, s)| DevicePerSample { mean: m, std: s });
     kernels::normalize::<O, _, _>(stream, &d_in, spec, &mut d_out, p)?;
-    let mut got = vec![O::poison(); spec.output_len()];
+    let mut got = vec![O::poison(); spec.output_len()?];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     let exact = cpu::normalize_exact(
         input,
@@ -198,7 +247,7 @@ fn run_and_compare<O: OutputElement + std::fmt::Debug>(
     )?;
     compare(what, got, &exact, spec.norm.shift, seed)?;
     // The CPU path gives the same converted values as the reference rounding.
-    let mut cpu_out = vec![O::poison(); spec.output_len()];
+    let mut cpu_out = vec![O::poison(); spec.output_len()?];
     cpu::normalize(
         input,
         spec,
@@ -257,7 +306,7 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
                 let s: Vec<f32> = (0..n).map(|_| rng.random_range(1.0..90.0)).collect();
                 (m, s)
             });
-            let input = random_u8(&mut rng, spec.input_len());
+            let input = random_u8(&mut rng, spec.input_len()?);
             let what = format!(
                 "{il:?}->{ol:?} {} {} C={c} sizes {sizes:?}",
                 O::NAME,
@@ -293,7 +342,7 @@ fn fast_paths_uniform() -> R {
                 for ol in LAYOUTS {
                     let spec =
                         Spec::uniform(n, c, h, w, random_norm(&mut rng, c, false)).layouts(il, ol);
-                    let input = random_u8(&mut rng, spec.input_len());
+                    let input = random_u8(&mut rng, spec.input_len()?);
                     let what = format!("uniform {n}x{c}x{h}x{w} {il:?}->{ol:?}");
                     run_and_compare::<f32>(&stream, &input, &spec, None, &what, seed)?;
                     run_and_compare::<f16>(&stream, &input, &spec, None, &what, seed)?;
@@ -314,7 +363,7 @@ fn fast_paths_uniform() -> R {
         (Layout::Nhwc, Layout::Nhwc),
     ] {
         let spec = spec.clone().layouts(il, ol);
-        let input = random_u8(&mut rng, spec.input_len());
+        let input = random_u8(&mut rng, spec.input_len()?);
         run_and_compare::<f32>(
             &stream,
             &input,
@@ -334,10 +383,10 @@ fn misaligned_views_fall_back() -> R {
     let (mut rng, seed) = rng();
     let spec =
         Spec::uniform(2, 3, 16, 16, Normalize::imagenet()).layouts(Layout::Nhwc, Layout::Nchw);
-    let input = random_u8(&mut rng, spec.input_len());
+    let input = random_u8(&mut rng, spec.input_len()?);
     let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len() + 1)?;
     stream.copy_h2d(&input[..], &mut d_in.slice_mut(1..)?)?;
-    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()? + 1)?;
     kernels::fill(&stream, &mut d_out, f32::NAN)?;
     kernels::normalize::<f32, _, _>(
         &stream,
@@ -346,7 +395,7 @@ fn misaligned_views_fall_back() -> R {
         &mut d_out.slice_mut(1..)?,
         None,
     )?;
-    let mut got = vec![0f32; spec.output_len() + 1];
+    let mut got = vec![0f32; spec.output_len()? + 1];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     ensure(got[0].is_nan(), || {
         "the element before the view was written".into()
@@ -367,7 +416,7 @@ fn many_samples() -> R {
     for s in spec.samples.iter_mut() {
         s.mirror = rng.random_bool(0.5);
     }
-    let input = random_u8(&mut rng, spec.input_len());
+    let input = random_u8(&mut rng, spec.input_len()?);
     run_and_compare::<f16>(&stream, &input, &spec, None, "300 variable samples", seed)
 }
 
@@ -445,11 +494,11 @@ fn denormalize_round_trip() -> R {
     let (mut rng, seed) = rng();
     for layout in LAYOUTS {
         let spec = Spec::uniform(2, 3, 9, 11, Normalize::imagenet()).layouts(layout, layout);
-        let input = random_u8(&mut rng, spec.input_len());
+        let input = random_u8(&mut rng, spec.input_len()?);
         let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
         stream.copy_h2d(&input[..], &mut d_in)?;
-        let mut norm32 = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
-        let mut norm16 = DeviceBuffer::<bf16>::new(&dev, spec.output_len())?;
+        let mut norm32 = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
+        let mut norm16 = DeviceBuffer::<bf16>::new(&dev, spec.output_len()?)?;
         kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut norm32, None)?;
         kernels::normalize::<bf16, _, _>(&stream, &d_in, &spec, &mut norm16, None)?;
         let mut back = DeviceBuffer::<u8>::new(&dev, input.len())?;
@@ -470,7 +519,7 @@ fn denormalize_round_trip() -> R {
             }
         }
         // The reference inverse agrees.
-        let mut host32 = vec![0f32; spec.output_len()];
+        let mut host32 = vec![0f32; spec.output_len()?];
         cpu::normalize(&input, &spec, None, &mut host32)?;
         let mut back_cpu = vec![0u8; input.len()];
         cpu::denormalize(&host32, &spec, &mut back_cpu)?;
@@ -487,10 +536,10 @@ fn wrong_device_is_refused() -> R {
     let (d0, d1) = (Device::get(0)?, Device::get(1)?);
     let s0 = d0.stream()?;
     let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
-    let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len())?;
-    let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len())?;
-    let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len())?;
-    let mut out1 = DeviceBuffer::<f32>::new(&d1, spec.output_len())?;
+    let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len()?)?;
+    let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len()?)?;
+    let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len()?)?;
+    let mut out1 = DeviceBuffer::<f32>::new(&d1, spec.output_len()?)?;
     kernels::fill(&s0, &mut out0, 7.0f32)?;
     let wrong = |e: Result<(), Error>| matches!(e, Err(Error::WrongDevice { .. }));
     ensure(
@@ -506,7 +555,7 @@ fn wrong_device_is_refused() -> R {
         || "output on device 1".into(),
     )?;
     let back = s0
-        .copy_d2h(&out0, &mut vec![0f32; spec.output_len()][..])?
+        .copy_d2h(&out0, &mut vec![0f32; spec.output_len()?][..])?
         .wait()?
         .to_vec();
     ensure(back.iter().all(|&x| x == 7.0), || {
@@ -518,8 +567,8 @@ fn bad_input_is_refused_before_launch() -> R {
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
-    let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len())?;
-    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len())?;
+    let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len()?)?;
+    let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
     kernels::fill(&stream, &mut d_out, 7.0f32)?;
     let invalid = |e: Result<(), Error>| matches!(e, Err(Error::InvalidArgument { .. }));
     let mut bad = spec.clone();
@@ -566,12 +615,12 @@ fn bad_input_is_refused_before_launch() -> R {
         )),
         || "crop outside".into(),
     )?;
-    let short = DeviceBuffer::<u8>::new(&dev, spec.input_len() - 1)?;
+    let short = DeviceBuffer::<u8>::new(&dev, spec.input_len()? - 1)?;
     let e = kernels::normalize::<f32, _, _>(&stream, &short, &spec, &mut d_out, None);
     ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
         format!("{e:?}")
     })?;
-    let mut wrong_out = DeviceBuffer::<f32>::new(&dev, spec.output_len() + 1)?;
+    let mut wrong_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()? + 1)?;
     let e = kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut wrong_out, None);
     ensure(matches!(e, Err(Error::LengthMismatch { .. })), || {
         format!("{e:?}")
@@ -594,11 +643,11 @@ fn bad_input_is_refused_before_launch() -> R {
         &stream,
         &d_out,
         &spec.clone().pad_to_4(0.0),
-        &mut DeviceBuffer::<u8>::new(&dev, spec.input_len())?,
+        &mut DeviceBuffer::<u8>::new(&dev, spec.input_len()?)?,
     );
     ensure(invalid(e), || "denormalize with padding".into())?;
     // Nothing was written.
-    let mut got = vec![0f32; spec.output_len()];
+    let mut got = vec![0f32; spec.output_len()?];
     let got = stream.copy_d2h(&d_out, &mut got[..])?.wait()?;
     ensure(got.iter().all(|&v| v == 7.0), || {
         "a refused launch wrote the output".into()
@@ -696,4 +745,357 @@ fn cpu_reference_values() -> R {
         f16::from_f64(1.0 + 1.0 / 2048.0) == f16::from_f64(1.0),
         || "f16 ties to even".into(),
     )
+}
+
+// ---- guard bytes -------------------------------------------------------------------------------
+
+/// A batch that `launch` in cuda/normalize.cu sends down `path` when its buffers are aligned:
+/// same_layout (uniform, one layout, h*w % 4 == 0), nhwc_to_nchw (uniform, h*w % 4 == 0,
+/// h*w*c % 16 == 0; 16x40 gives a full and a partial 512-pixel tile), general (mirror, crops,
+/// padding, variable sizes).
+fn path_specs(path: &str, rng: &mut SmallRng) -> Vec<Spec> {
+    let mut specs = Vec::new();
+    for c in 1..=4 {
+        match path {
+            "same_layout" => {
+                for l in LAYOUTS {
+                    specs.push(Spec::uniform(3, c, 8, 12, random_norm(rng, c, true)).layouts(l, l));
+                }
+            }
+            "nhwc_to_nchw" => specs.push(
+                Spec::uniform(2, c, 16, 40, random_norm(rng, c, true))
+                    .layouts(Layout::Nhwc, Layout::Nchw),
+            ),
+            _ => {
+                for (il, ol) in [
+                    (Layout::Nchw, Layout::Nchw),
+                    (Layout::Nhwc, Layout::Nchw),
+                    (Layout::Nchw, Layout::Nhwc),
+                ] {
+                    let mut spec =
+                        Spec::variable(c, &[(7, 13), (5, 8), (16, 17)], random_norm(rng, c, true))
+                            .layouts(il, ol);
+                    spec.samples[0].mirror = true;
+                    spec.samples[2].crop = Some(Crop {
+                        x: 3,
+                        y: 2,
+                        w: 9,
+                        h: 11,
+                    });
+                    if c < 4 {
+                        spec = spec.pad_to_4(rng.random_range(-3.0..3.0));
+                    }
+                    specs.push(spec);
+                }
+            }
+        }
+    }
+    specs
+}
+
+/// The output view of every batch in `path_specs(path)` sits between guard regions: aligned
+/// (the fast kernel) and at odd offsets (the general kernel); the guards must stay intact and the
+/// values match the reference.
+fn guard_bytes<O: OutputElement + std::fmt::Debug>(path: &str) -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    for spec in path_specs(path, &mut rng) {
+        let input = random_u8(&mut rng, spec.input_len()?);
+        let exact = cpu::normalize_exact(&input, &spec, None)?;
+        for at in [Placement::ALIGNED, Placement::ODD] {
+            let what = format!(
+                "{path} {} {:?}->{:?} C={} {at:?} (seed {seed})",
+                O::NAME,
+                spec.in_layout,
+                spec.out_layout,
+                spec.channels
+            );
+            let run = guard::normalize_guarded::<O>(
+                &stream,
+                &input,
+                at,
+                &spec,
+                None,
+                spec.output_len()?,
+                &what,
+            )?;
+            run.result?;
+            compare(&what, &run.out, &exact, spec.norm.shift, seed)?;
+        }
+    }
+    Ok(())
+}
+
+/// denormalize into a u8 view between guards, both layouts, aligned and odd placements; the
+/// result matches the CPU inverse within one unit (the kernel divides in f32).
+fn guard_bytes_denormalize<I: DenormInput + OutputElement + std::fmt::Debug>() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    for c in 1..=4 {
+        for layout in LAYOUTS {
+            let spec =
+                Spec::uniform(2, c, 9, 12, random_norm(&mut rng, c, true)).layouts(layout, layout);
+            // Values beyond the normalized range too, so that some saturate.
+            let input: Vec<I> = (0..spec.input_len()?)
+                .map(|_| <I as OutputElement>::from_f64(rng.random_range(-6.0..6.0)))
+                .collect();
+            let mut want = vec![0u8; input.len()];
+            cpu::denormalize(&input, &spec, &mut want)?;
+            for at in [Placement::ALIGNED, Placement::ODD] {
+                let what = format!(
+                    "denormalize {} {layout:?} C={c} {at:?} (seed {seed})",
+                    <I as OutputElement>::NAME
+                );
+                let run =
+                    guard::denormalize_guarded(&stream, &input, at, &spec, input.len(), &what)?;
+                run.result?;
+                for (i, (&g, &w)) in run.out.iter().zip(&want).enumerate() {
+                    ensure((i32::from(g) - i32::from(w)).abs() <= 1, || {
+                        format!("{what}: element {i}: got {g}, cpu {w}")
+                    })?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+// ---- one sample of 2^32 - 2^16 pixels ---------------------------------------------------------
+
+/// Runs the trial `name` in a child process (this executable, with `CHILD_ENV` set) and kills
+/// it after `limit`: a kernel that never finishes cannot hang this process (freeing memory,
+/// and the other trials, would wait for it forever; killing the child ends its context).
+fn in_child(name: &str, limit: Duration) -> R {
+    let exe = std::env::current_exe()?;
+    let mut child = std::process::Command::new(exe)
+        .env(CHILD_ENV, name)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
+            }
+            s
+        })
+    };
+    let out = drain(child.stdout.take().map(|o| Box::new(o) as _));
+    let err = drain(child.stderr.take().map(|e| Box::new(e) as _));
+    let start = Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break Some(st);
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let text = format!(
+        "{}{}",
+        out.join().unwrap_or_default(),
+        err.join().unwrap_or_default()
+    );
+    match status {
+        Some(st) if st.success() => Ok(()),
+        Some(st) => Err(format!("{name} (child process, {st}): {text}").into()),
+        None => Err(format!(
+            "{name}: the child process had not finished after {limit:?} and was killed: {text}"
+        )
+        .into()),
+    }
+}
+
+/// The child side of `in_child`: runs one trial, exit status 0 if it passed.
+fn child_main(name: &str) -> i32 {
+    let r = match name {
+        "huge_sample_general_kernel_finishes" => huge_sample_general_kernel_finishes(),
+        _ => Err(format!("unknown child trial {name}").into()),
+    };
+    match r {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{}", e.message().unwrap_or("failed"));
+            1
+        }
+    }
+}
+
+/// One 1-channel sample of 65536 x 65535 = 2^32 - 2^16 pixels, mirrored (which forces the
+/// general kernel), u8 out. The general kernel's 32-bit pixel index used to wrap for samples
+/// above 2^32 - 2^20 pixels and loop forever: this fails (does not hang) if the kernel has not
+/// finished within 60 s, then checks all of the first and last 4 MiB of the output and 10^6
+/// random pixels against the formula.
+fn huge_sample_general_kernel_finishes() -> R {
+    const H: usize = 65536;
+    const W: usize = 65535;
+    const CHUNK: usize = 64 << 20;
+    const ENDS: usize = 4 << 20;
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    // A small std and a shift of 128 put many results beyond 0..255: saturation is covered.
+    let norm = Normalize::new(
+        &[rng.random_range(0.0..255.0)],
+        &[rng.random_range(0.5..2.0)],
+    )
+    .with_scale_shift(1.0, 128.0);
+    let mut spec = Spec::variable(1, &[(H, W)], norm);
+    spec.samples[0].mirror = true;
+    let n = spec.input_len()?;
+    // Input: one random 64 MiB chunk, repeated.
+    let chunk = random_u8(&mut rng, CHUNK);
+    let mut d_chunk = DeviceBuffer::<u8>::new(&dev, CHUNK)?;
+    stream.copy_h2d(&chunk[..], &mut d_chunk)?;
+    let mut d_in = DeviceBuffer::<u8>::new(&dev, n)?;
+    for start in (0..n).step_by(CHUNK) {
+        let len = CHUNK.min(n - start);
+        stream.copy_d2d(
+            &d_chunk.slice(..len)?,
+            &mut d_in.slice_mut(start..start + len)?,
+        )?;
+    }
+    let mut d_out = DeviceBuffer::<u8>::new(&dev, n)?;
+    kernels::fill(&stream, &mut d_out, u8::poison())?;
+    let t0 = Instant::now();
+    kernels::normalize::<u8, _, _>(&stream, &d_in, &spec, &mut d_out, None)?;
+    let done = Event::new(&dev)?;
+    stream.record(&done)?;
+    while !done.is_complete()? {
+        if t0.elapsed() > Duration::from_secs(60) {
+            eprintln!(
+                "the general kernel has not finished a {H}x{W} sample after 60 s: its pixel index wraps (seed {seed})"
+            );
+            // Exit without dropping the buffers: freeing them would wait for the kernel.
+            std::process::exit(3);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!("{H}x{W} sample normalized in {:?}", t0.elapsed());
+    let mut host = vec![0u8; n];
+    let got = stream.copy_d2h(&d_out, &mut host[..])?.wait()?;
+    let (mean, std) = (f64::from(spec.norm.mean[0]), f64::from(spec.norm.std[0]));
+    let shift = spec.norm.shift;
+    let check = |p: usize| -> R {
+        let (y, x) = (p / W, p % W);
+        let xin = chunk[(y * W + (W - 1 - x)) % CHUNK];
+        let exact = (f64::from(xin) - mean) / std + f64::from(shift);
+        let units = got[p].rounding_error(exact, shift);
+        ensure(units <= 1.0, || {
+            format!(
+                "pixel {p} (y {y}, x {x}): got {}, exact {exact} from input {xin}, error {units} units (seed {seed})",
+                got[p]
+            )
+        })
+    };
+    for p in (0..ENDS).chain(n - ENDS..n) {
+        check(p)?;
+    }
+    for _ in 0..1_000_000 {
+        check(rng.random_range(0..n))?;
+    }
+    Ok(())
+}
+
+// ---- saturation and --verify ------------------------------------------------------------------
+
+/// Integer outputs saturate: the reference they are measured against saturates too. The exact
+/// values here reach far beyond 0..255 and -128..127 (the old measure, against the exact value,
+/// called them errors of hundreds of units).
+fn cpu_saturation_is_not_error() -> R {
+    let (mut rng, seed) = rng();
+    let spec = Spec::uniform(2, 3, 17, 19, Normalize::new(&[128.0; 3], &[0.25; 3]))
+        .layouts(Layout::Nhwc, Layout::Nchw);
+    let input = random_u8(&mut rng, spec.input_len()?);
+    let exact = cpu::normalize_exact(&input, &spec, None)?;
+    ensure(
+        exact.iter().any(|&e| e > 300.0) && exact.iter().any(|&e| e < -300.0),
+        || format!("the values do not saturate (seed {seed})"),
+    )?;
+    let mut u = vec![0u8; exact.len()];
+    cpu::normalize(&input, &spec, None, &mut u)?;
+    let mut i = vec![0i8; exact.len()];
+    cpu::normalize(&input, &spec, None, &mut i)?;
+    for (name, w) in [
+        ("u8", cpu::worst_error(&u, &exact, 0.0)?),
+        ("i8", cpu::worst_error(&i, &exact, 0.0)?),
+    ] {
+        let w = w.ok_or("no elements")?;
+        ensure(w.units == 0.0, || {
+            format!("{name}: worst error {w:?} (seed {seed})")
+        })?;
+    }
+    // A value off by two is still found.
+    u[5] = if u[5] >= 128 { u[5] - 2 } else { u[5] + 2 };
+    let w = cpu::worst_error(&u, &exact, 0.0)?.ok_or("no elements")?;
+    ensure(w.index == 5 && w.units == 2.0, || {
+        format!("a wrong value: {w:?} (seed {seed})")
+    })
+}
+
+/// The pinstream program next to this test executable (cargo builds it for integration tests).
+fn pinstream_bin() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut candidates: Vec<PathBuf> = exe
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("pinstream"))
+        .into_iter()
+        .collect();
+    if let Some(root) = std::env::var_os("CARGO_MANIFEST_DIR") {
+        candidates.push(PathBuf::from(root).join(".gpu/bin/pinstream"));
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| "the pinstream program was not found (run via cargo test)".to_string())
+}
+
+/// `pinstream normalize --cpu --dtype u8|i8 --verify` on photographs with the ImageNet
+/// statistics (half of the results are negative, so u8 saturates) used to fail with "error of
+/// 2.12 units of rounding"; it must pass, in both layouts.
+fn cli_verify_integer_output_of_photographs() -> R {
+    let bin = pinstream_bin()?;
+    let images = images_dir()?;
+    let dir = std::env::temp_dir().join(format!("pinstream-normalize-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let out = dir.join("batch.npy");
+    let result = (|| -> R {
+        for dtype in ["u8", "i8"] {
+            for layout in ["nchw", "nhwc"] {
+                let o = std::process::Command::new(&bin)
+                    .arg("normalize")
+                    .arg("--input")
+                    .arg(images.join("astronaut.png"))
+                    .arg(images.join("coffee.png"))
+                    .args(["--preset", "imagenet", "--dtype", dtype, "--layout", layout])
+                    .args(["--cpu", "--verify", "--out"])
+                    .arg(&out)
+                    .output()?;
+                let stdout = String::from_utf8_lossy(&o.stdout);
+                ensure(o.status.success(), || {
+                    format!(
+                        "{dtype} {layout}: {:?}: {stdout}{}",
+                        o.status,
+                        String::from_utf8_lossy(&o.stderr)
+                    )
+                })?;
+                ensure(
+                    stdout.contains("verify: max abs error")
+                        && stdout.contains("(0.00 units of rounding)"),
+                    || format!("{dtype} {layout}: {stdout}"),
+                )?;
+            }
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }

@@ -1,17 +1,18 @@
 //! CPU reference of every normalize / denormalize variant, computed in f64. The GPU tests compare
 //! against it, and `pinstream normalize --cpu` runs it instead of the GPU.
 
-use bytemuck::Pod;
 use half::{bf16, f16};
 
+use super::sealed::Element;
 use super::spec::{Layout, Spec};
 use crate::error::{Error, Result};
 
-/// Output element types and their conversion from the exact (f64) value: round to nearest even;
-/// integers saturate.
-pub trait OutputElement: Pod + Send + Sync {
-    /// The kernel's type code.
-    const CODE: i32;
+/// Output element types of `normalize` (f32, f16, bf16, u8, i8) and their conversion from the
+/// exact (f64) value: round to nearest even; integers saturate.
+///
+/// Sealed: the kernels store elements of the type the (private) type code stands for, so only
+/// the five types above can implement it. Use it as a bound: `fn f<O: OutputElement>()`.
+pub trait OutputElement: Element + Send + Sync {
     /// Name for messages and files.
     const NAME: &'static str;
     fn from_f64(v: f64) -> Self;
@@ -21,10 +22,49 @@ pub trait OutputElement: Pod + Send + Sync {
     fn unit_at(v: f64) -> f64;
     /// A poison value written before each run (NaN for floats).
     fn poison() -> Self;
+    /// What a produced value is compared with, given the exact (f64) result: for integers the
+    /// exact value rounded and saturated (what the conversion is defined to give); for floats
+    /// the exact value itself (or the infinity it overflows to).
+    fn reference(exact: f64) -> f64;
+    /// The error of this produced value against the exact (f64) result, in units of rounding:
+    /// 1 or less is correct. `shift` is the `Normalize::shift` of the launch (adding it rounds at
+    /// its magnitude in f32). Integers: the distance to `reference(exact)` (the kernels compute
+    /// in f32, so a tie may round either way: 1 unit). f32: relative to 1e-6 x (|exact| +
+    /// |shift|). f16 / bf16: one unit of rounding at `exact` plus that f32 error. An unwritten
+    /// (NaN) value where a number is due is infinitely wrong; the result is never NaN.
+    fn rounding_error(self, exact: f64, shift: f32) -> f64;
+}
+
+/// Distance between `got` and `want` over `tol`; equal values (infinities and NaNs included)
+/// are 0, a NaN against a number is infinite.
+fn units(got: f64, want: f64, tol: f64) -> f64 {
+    if got == want || (got.is_nan() && want.is_nan()) {
+        return 0.0;
+    }
+    let err = (got - want).abs() / tol;
+    if err.is_nan() {
+        f64::INFINITY
+    } else {
+        err
+    }
+}
+
+/// The f32 arithmetic error allowed at `exact`: 1e-6 relative to |exact| + |shift|.
+fn f32_tol(exact: f64, shift: f32) -> f64 {
+    1e-6 * (exact.abs() + f64::from(shift.abs()))
+}
+
+/// The float reference: the exact value, or the infinity it rounds to in `O`.
+fn float_reference<O: OutputElement>(exact: f64) -> f64 {
+    let r = O::from_f64(exact).to_f64();
+    if r.is_infinite() {
+        r
+    } else {
+        exact
+    }
 }
 
 impl OutputElement for f32 {
-    const CODE: i32 = crate::sys::PINSTREAM_F32 as i32;
     const NAME: &'static str = "f32";
     fn from_f64(v: f64) -> Self {
         v as f32
@@ -38,10 +78,19 @@ impl OutputElement for f32 {
     fn poison() -> Self {
         f32::NAN
     }
+    fn reference(exact: f64) -> f64 {
+        float_reference::<f32>(exact)
+    }
+    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
+        units(
+            OutputElement::to_f64(self),
+            Self::reference(exact),
+            f32_tol(exact, shift) + 1e-30,
+        )
+    }
 }
 
 impl OutputElement for f16 {
-    const CODE: i32 = crate::sys::PINSTREAM_F16 as i32;
     const NAME: &'static str = "f16";
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
@@ -55,10 +104,19 @@ impl OutputElement for f16 {
     fn poison() -> Self {
         f16::NAN
     }
+    fn reference(exact: f64) -> f64 {
+        float_reference::<f16>(exact)
+    }
+    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
+        units(
+            OutputElement::to_f64(self),
+            Self::reference(exact),
+            Self::unit_at(exact) + f32_tol(exact, shift),
+        )
+    }
 }
 
 impl OutputElement for bf16 {
-    const CODE: i32 = crate::sys::PINSTREAM_BF16 as i32;
     const NAME: &'static str = "bf16";
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
@@ -72,10 +130,19 @@ impl OutputElement for bf16 {
     fn poison() -> Self {
         bf16::NAN
     }
+    fn reference(exact: f64) -> f64 {
+        float_reference::<bf16>(exact)
+    }
+    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
+        units(
+            OutputElement::to_f64(self),
+            Self::reference(exact),
+            Self::unit_at(exact) + f32_tol(exact, shift),
+        )
+    }
 }
 
 impl OutputElement for u8 {
-    const CODE: i32 = crate::sys::PINSTREAM_U8 as i32;
     const NAME: &'static str = "u8";
     fn from_f64(v: f64) -> Self {
         v.round_ties_even().clamp(0.0, 255.0) as u8
@@ -89,10 +156,15 @@ impl OutputElement for u8 {
     fn poison() -> Self {
         0xAB
     }
+    fn reference(exact: f64) -> f64 {
+        Self::from_f64(exact).to_f64()
+    }
+    fn rounding_error(self, exact: f64, _shift: f32) -> f64 {
+        units(self.to_f64(), Self::reference(exact), 1.0)
+    }
 }
 
 impl OutputElement for i8 {
-    const CODE: i32 = crate::sys::PINSTREAM_I8 as i32;
     const NAME: &'static str = "i8";
     fn from_f64(v: f64) -> Self {
         v.round_ties_even().clamp(-128.0, 127.0) as i8
@@ -106,6 +178,47 @@ impl OutputElement for i8 {
     fn poison() -> Self {
         -85
     }
+    fn reference(exact: f64) -> f64 {
+        Self::from_f64(exact).to_f64()
+    }
+    fn rounding_error(self, exact: f64, _shift: f32) -> f64 {
+        units(self.to_f64(), Self::reference(exact), 1.0)
+    }
+}
+
+/// The worst element of a result: where it is and its `OutputElement::rounding_error`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WorstError {
+    pub index: usize,
+    /// Error in units of rounding (1 or less is correct; infinite for NaN where a number is due).
+    pub units: f64,
+    /// `|got - O::reference(exact)|` there.
+    pub abs: f64,
+}
+
+/// The largest `rounding_error` of `got` against `exact` (from `normalize_exact`), the one
+/// error measure of `pinstream normalize --verify` and the tests. `None` for empty slices.
+pub fn worst_error<O: OutputElement>(
+    got: &[O],
+    exact: &[f64],
+    shift: f32,
+) -> Result<Option<WorstError>> {
+    if got.len() != exact.len() {
+        return Err(Error::LengthMismatch {
+            op: "kernels::cpu::worst_error",
+            src: exact.len(),
+            dst: got.len(),
+        });
+    }
+    let mut worst: Option<WorstError> = None;
+    for (index, (&g, &e)) in got.iter().zip(exact).enumerate() {
+        let units = g.rounding_error(e, shift);
+        if worst.is_none_or(|w| units > w.units) {
+            let abs = (g.to_f64() - O::reference(e)).abs();
+            worst = Some(WorstError { index, units, abs });
+        }
+    }
+    Ok(worst)
 }
 
 /// Per-sample mean and std on the host: `n * channels` each, sample-major.
@@ -146,6 +259,19 @@ fn output_index(
     }
 }
 
+/// `len` zeros, or an error (instead of an abort) where the host cannot hold them.
+fn zeroed_f64(op: &'static str, len: usize) -> Result<Vec<f64>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|e| {
+        Error::invalid(
+            op,
+            format!("the reference needs {len} f64 values of host memory: {e}"),
+        )
+    })?;
+    v.resize(len, 0.0);
+    Ok(v)
+}
+
 /// The exact result of every output element, in f64, in the output layout.
 pub fn normalize_exact(
     input: &[u8],
@@ -154,11 +280,12 @@ pub fn normalize_exact(
 ) -> Result<Vec<f64>> {
     const OP: &str = "kernels::cpu::normalize";
     spec.validate(OP)?;
-    if input.len() != spec.input_len() {
+    let in_len = spec.input_len()?;
+    if input.len() != in_len {
         return Err(Error::LengthMismatch {
             op: OP,
             src: input.len(),
-            dst: spec.input_len(),
+            dst: in_len,
         });
     }
     let n_stats = spec.samples.len() * spec.channels;
@@ -173,8 +300,8 @@ pub fn normalize_exact(
     }
     let norm = &spec.norm;
     let (scale, shift) = (f64::from(norm.scale), f64::from(norm.shift));
-    let mut out = vec![0f64; spec.output_len()];
-    for (si, (s, (in_off, out_off))) in spec.samples.iter().zip(spec.offsets()).enumerate() {
+    let mut out = zeroed_f64(OP, spec.output_len()?)?;
+    for (si, (s, (in_off, out_off))) in spec.samples.iter().zip(spec.offsets()?).enumerate() {
         let (oh, ow) = s.out_hw();
         let (cx, cy) = s.crop.map_or((0, 0), |c| (c.x, c.y));
         for c in 0..spec.out_channels() {
@@ -226,25 +353,21 @@ pub fn normalize<O: OutputElement>(
     Ok(())
 }
 
-/// Input element types of `denormalize`.
-pub trait DenormInput: Pod + Send + Sync {
-    const CODE: i32;
+/// Input element types of `denormalize` (f32, f16, bf16). Sealed, like `OutputElement`.
+pub trait DenormInput: Element + Send + Sync {
     fn to_f64(self) -> f64;
 }
 impl DenormInput for f32 {
-    const CODE: i32 = crate::sys::PINSTREAM_F32 as i32;
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
 }
 impl DenormInput for f16 {
-    const CODE: i32 = crate::sys::PINSTREAM_F16 as i32;
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
 }
 impl DenormInput for bf16 {
-    const CODE: i32 = crate::sys::PINSTREAM_BF16 as i32;
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
@@ -255,7 +378,7 @@ impl DenormInput for bf16 {
 pub fn denormalize<I: DenormInput>(input: &[I], spec: &Spec, out: &mut [u8]) -> Result<()> {
     const OP: &str = "kernels::cpu::denormalize";
     super::normalize::check_denormalize_spec(OP, spec)?;
-    let len = spec.input_len();
+    let len = spec.input_len()?;
     if input.len() != len || out.len() != len {
         return Err(Error::LengthMismatch {
             op: OP,
@@ -275,4 +398,77 @@ pub fn denormalize<I: DenormInput>(input: &[I], spec: &Spec, out: &mut [u8]) -> 
         *o = u8::from_f64(x);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_allocation_failure_is_an_error() {
+        // More bytes than any allocation may have (capacity overflow), and a size no machine
+        // has: both an error, neither an abort.
+        for len in [usize::MAX / 8 + 1, isize::MAX as usize / 8] {
+            let r = zeroed_f64("t", len);
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { .. })),
+                "{len}: {:?}",
+                r.map(|v| v.len())
+            );
+        }
+        assert_eq!(zeroed_f64("t", 3).ok(), Some(vec![0.0; 3]));
+    }
+
+    #[test]
+    fn saturation_is_not_an_error() {
+        // The exact value 300 (or -7) becomes 255 (0): correct, whatever its distance.
+        assert_eq!(255u8.rounding_error(300.0, 0.0), 0.0);
+        assert_eq!(0u8.rounding_error(-7.0, 0.0), 0.0);
+        assert_eq!((-128i8).rounding_error(-1000.0, 0.0), 0.0);
+        assert_eq!(127i8.rounding_error(127.5, 0.0), 0.0);
+        // A tie the f32 arithmetic put on the other side: one unit.
+        assert_eq!(3u8.rounding_error(2.5, 0.0), 1.0);
+        // Wrong values.
+        assert_eq!(254u8.rounding_error(300.0, 0.0), 1.0);
+        assert!(253u8.rounding_error(300.0, 0.0) > 1.0);
+        assert!(0u8.rounding_error(5.0, 0.0) > 1.0);
+        assert!(100i8.rounding_error(-3.0, 0.0) > 1.0);
+    }
+
+    #[test]
+    fn float_errors() {
+        assert!(f32::NAN.rounding_error(1.0, 0.0).is_infinite());
+        assert!(f16::NAN.rounding_error(1.0, 0.0).is_infinite());
+        assert!(bf16::NAN.rounding_error(1.0, 0.0).is_infinite());
+        assert_eq!(1.0f32.rounding_error(1.0, 0.0), 0.0);
+        assert!(1.00001f32.rounding_error(1.0, 0.0) > 1.0);
+        assert!(1.0000005f32.rounding_error(1.0, 0.0) <= 1.0);
+        // f16 overflows to infinity: that is the conversion, not an error.
+        assert_eq!(f16::INFINITY.rounding_error(1e6, 0.0), 0.0);
+        assert!(f16::MAX.rounding_error(1e6, 0.0).is_infinite());
+        let one_unit = f16::from_f64(1.0 + 1.0 / 1024.0);
+        assert!(one_unit.rounding_error(1.0, 0.0) <= 1.0);
+        let two_units = f16::from_f64(1.0 + 2.0 / 1024.0);
+        assert!(two_units.rounding_error(1.0, 0.0) > 1.0);
+    }
+
+    #[test]
+    fn worst_error_finds_the_worst() {
+        let got = [1u8, 255, 7, 0];
+        let exact = [1.2, 400.0, 4.0, -3.0];
+        let w = worst_error(&got, &exact, 0.0).ok().flatten();
+        assert_eq!(
+            w,
+            Some(WorstError {
+                index: 2,
+                units: 3.0,
+                abs: 3.0
+            })
+        );
+        assert!(matches!(
+            worst_error(&got[..3], &exact, 0.0),
+            Err(Error::LengthMismatch { .. })
+        ));
+        assert_eq!(worst_error::<u8>(&[], &[], 0.0).ok(), Some(None));
+    }
 }

@@ -1,6 +1,7 @@
 //! The GPU launcher of the fused normalize / cast kernels (`cuda/normalize.cu`).
 
 use super::cpu::{DenormInput, OutputElement};
+use super::sealed::Element;
 use super::spec::Spec;
 use crate::error::{check_with, Error, Result};
 use crate::memory::sealed::DeviceMem;
@@ -57,11 +58,48 @@ fn base_args(spec: &Spec) -> sys::pinstream_norm_args {
     }
 }
 
+/// Bytes of one element of the type `code` stands for, as the kernels store and load them.
+fn code_size(code: i32) -> Option<usize> {
+    const U8: i32 = sys::PINSTREAM_U8 as i32;
+    const I8: i32 = sys::PINSTREAM_I8 as i32;
+    const F16: i32 = sys::PINSTREAM_F16 as i32;
+    const BF16: i32 = sys::PINSTREAM_BF16 as i32;
+    const F32: i32 = sys::PINSTREAM_F32 as i32;
+    match code {
+        U8 | I8 => Some(1),
+        F16 | BF16 => Some(2),
+        F32 => Some(4),
+        _ => None,
+    }
+}
+
+/// Defence in depth behind the sealed element traits: the kernels access memory as elements of
+/// the size `T::CODE` stands for, so `T` must have exactly that size, and the device address
+/// `ptr` must be aligned to it.
+fn check_element<T: Element>(op: &'static str, ptr: *const std::ffi::c_void) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    match code_size(T::CODE) {
+        Some(s) if s == size && (ptr as usize) % s == 0 => Ok(()),
+        Some(s) if s == size => Err(Error::invalid(
+            op,
+            format!("device address {ptr:p} is not aligned to the {s}-byte element size"),
+        )),
+        want => Err(Error::invalid(
+            op,
+            format!(
+                "element type code {} stands for {want:?}-byte elements, the type has {size} bytes",
+                T::CODE
+            ),
+        )),
+    }
+}
+
 /// The per-sample table for the general kernel.
-fn sample_table(spec: &Spec) -> Vec<sys::pinstream_norm_sample> {
-    spec.samples
+fn sample_table(spec: &Spec) -> Result<Vec<sys::pinstream_norm_sample>> {
+    Ok(spec
+        .samples
         .iter()
-        .zip(spec.offsets())
+        .zip(spec.offsets()?)
         .map(|(s, (i, o))| {
             let (oh, ow) = s.out_hw();
             let (cx, cy) = s.crop.map_or((0, 0), |c| (c.x, c.y));
@@ -78,7 +116,7 @@ fn sample_table(spec: &Spec) -> Vec<sys::pinstream_norm_sample> {
                 reserved: 0,
             }
         })
-        .collect()
+        .collect())
 }
 
 /// Normalizes `input` (u8, laid out as `spec` says) into `output` in one launch on `stream`:
@@ -102,20 +140,22 @@ where
     const OP: &str = "kernels::normalize";
     spec.validate(OP)?;
     let (i, o) = (input.device_region(), output.device_region());
-    if i.len != spec.input_len() {
+    let (in_len, out_len) = (spec.input_len()?, spec.output_len()?);
+    if i.len != in_len {
         return Err(Error::LengthMismatch {
             op: OP,
             src: i.len,
-            dst: spec.input_len(),
+            dst: in_len,
         });
     }
-    if o.len != spec.output_len() {
+    if o.len != out_len {
         return Err(Error::LengthMismatch {
             op: OP,
-            src: spec.output_len(),
+            src: out_len,
             dst: o.len,
         });
     }
+    check_element::<O>(OP, o.ptr)?;
     stream.same_device(OP, i.device)?;
     stream.same_device(OP, o.device)?;
     let mut args = base_args(spec);
@@ -123,6 +163,7 @@ where
     args.out = o.ptr;
     let mut trackers = vec![i.tracker, o.tracker];
     if let Some(p) = per_sample {
+        // Both at most i32::MAX x 4 (validated).
         let want = spec.samples.len() * spec.channels;
         for b in [p.mean, p.std] {
             stream.same_device(OP, b.device())?;
@@ -147,7 +188,7 @@ where
     let table = if spec.is_uniform() {
         None
     } else {
-        let rows = sample_table(spec);
+        let rows = sample_table(spec)?;
         let mut t = DeviceBuffer::<sys::pinstream_norm_sample>::new_async(stream, rows.len())?;
         stream.copy_h2d(&rows[..], &mut t)?;
         Some(t)
@@ -164,7 +205,7 @@ where
         // SAFETY: every pointer in `args` addresses device memory of the checked size on this
         // stream's device, kept alive by the borrows and, afterwards, by the trackers.
         check_with(
-            unsafe { sys::pinstream_normalize(&args, O::CODE, stream.as_raw()) },
+            unsafe { sys::pinstream_normalize(&args, <O as Element>::CODE, stream.as_raw()) },
             "pinstream_normalize",
             || {
                 format!(
@@ -204,7 +245,8 @@ where
     const OP: &str = "kernels::denormalize";
     check_denormalize_spec(OP, spec)?;
     let (i, o) = (input.device_region(), output.device_region());
-    let len = spec.input_len();
+    let len = spec.input_len()?;
+    check_element::<T>(OP, i.ptr)?;
     for got in [i.len, o.len] {
         if got != len {
             return Err(Error::LengthMismatch {
@@ -223,10 +265,53 @@ where
     tracker::ordered(stream, &[i.tracker, o.tracker], || {
         // SAFETY: as in `normalize`.
         check_with(
-            unsafe { sys::pinstream_denormalize(&args, T::CODE, stream.as_raw()) },
+            unsafe { sys::pinstream_denormalize(&args, <T as Element>::CODE, stream.as_raw()) },
             "pinstream_denormalize",
             || format!("{len} elements"),
         )
     })
     .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn element_size_must_match_the_code() {
+        // The sealed types pass.
+        let p = 256 as *const std::ffi::c_void;
+        assert!(check_element::<f32>("t", p).is_ok());
+        assert!(check_element::<half::f16>("t", p).is_ok());
+        assert!(check_element::<half::bf16>("t", p).is_ok());
+        assert!(check_element::<u8>("t", p).is_ok());
+        assert!(check_element::<i8>("t", p).is_ok());
+        // A 1-byte type claiming the f32 code (the soundness issue): refused.
+        #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+        #[repr(transparent)]
+        struct Byte(u8);
+        impl Element for Byte {
+            const CODE: i32 = sys::PINSTREAM_F32 as i32;
+        }
+        assert!(matches!(
+            check_element::<Byte>("t", p),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // An unknown code.
+        #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+        #[repr(transparent)]
+        struct Odd(u32);
+        impl Element for Odd {
+            const CODE: i32 = 99;
+        }
+        assert!(matches!(
+            check_element::<Odd>("t", p),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // A misaligned address.
+        assert!(matches!(
+            check_element::<f32>("t", 258 as *const std::ffi::c_void),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
 }

@@ -161,20 +161,26 @@ impl Spec {
         }
     }
 
-    /// Input elements of sample `i` and of the whole batch.
-    pub fn input_len(&self) -> usize {
-        self.samples.iter().map(|s| self.channels * s.h * s.w).sum()
+    /// Input elements of the whole batch (`channels x h x w` summed over the samples), or
+    /// `Error::InvalidArgument` where that does not fit in `usize`.
+    pub fn input_len(&self) -> Result<usize> {
+        checked_total(
+            "Spec::input_len",
+            self.samples.iter().map(|s| [self.channels, s.h, s.w]),
+        )
     }
 
-    /// Output elements of the whole batch.
-    pub fn output_len(&self) -> usize {
-        self.samples
-            .iter()
-            .map(|s| {
+    /// Output elements of the whole batch, or `Error::InvalidArgument` where that does not fit
+    /// in `usize`.
+    pub fn output_len(&self) -> Result<usize> {
+        let co = self.out_channels();
+        checked_total(
+            "Spec::output_len",
+            self.samples.iter().map(|s| {
                 let (h, w) = s.out_hw();
-                self.out_channels() * h * w
-            })
-            .sum()
+                [co, h, w]
+            }),
+        )
     }
 
     /// Whether every sample has the same source size, without crop or mirror.
@@ -185,19 +191,22 @@ impl Spec {
             .all(|s| s.crop.is_none() && !s.mirror && Some((s.h, s.w)) == first.map(|f| (f.h, f.w)))
     }
 
-    /// (input offset, output offset) of each sample, in elements.
-    pub fn offsets(&self) -> Vec<(usize, usize)> {
-        let (mut i, mut o) = (0, 0);
-        self.samples
-            .iter()
-            .map(|s| {
-                let r = (i, o);
-                let (h, w) = s.out_hw();
-                i += self.channels * s.h * s.w;
-                o += self.out_channels() * h * w;
-                r
-            })
-            .collect()
+    /// (input offset, output offset) of each sample, in elements, or `Error::InvalidArgument`
+    /// where an offset (or the end of the batch) does not fit in `usize`.
+    pub fn offsets(&self) -> Result<Vec<(usize, usize)>> {
+        const OP: &str = "Spec::offsets";
+        let co = self.out_channels();
+        let (mut i, mut o) = (0usize, 0usize);
+        let mut v = Vec::new();
+        v.try_reserve_exact(self.samples.len())
+            .map_err(|e| Error::invalid(OP, format!("{} samples: {e}", self.samples.len())))?;
+        for s in &self.samples {
+            v.push((i, o));
+            let (h, w) = s.out_hw();
+            i = checked_total(OP, [[self.channels, s.h, s.w], [1, 1, i]])?;
+            o = checked_total(OP, [[co, h, w], [1, 1, o]])?;
+        }
+        Ok(v)
     }
 
     /// Every check that can be made on the host.
@@ -269,6 +278,152 @@ impl Spec {
                 }
             }
         }
-        Ok(())
+        // The totals: every sample fits, but the batch must too.
+        check_totals(op, self.input_len(), self.output_len())
+    }
+}
+
+/// The batch as a whole: both lengths computable, and within what any allocation can hold
+/// (isize::MAX bytes, with output elements of up to 4 bytes).
+fn check_totals(op: &'static str, input: Result<usize>, output: Result<usize>) -> Result<()> {
+    let fits = |n: usize, bytes: usize| {
+        n.checked_mul(bytes)
+            .is_some_and(|b| b <= isize::MAX as usize)
+    };
+    match (input, output) {
+        (Ok(i), Ok(o)) if fits(i, 1) && fits(o, 4) => Ok(()),
+        (Ok(i), Ok(o)) => Err(Error::invalid(
+            op,
+            format!("the batch has {i} input and {o} output elements: too large"),
+        )),
+        (Err(e), _) | (_, Err(e)) => Err(Error::invalid(
+            op,
+            format!("the batch's size cannot be computed: {e}"),
+        )),
+    }
+}
+
+/// `sum(a * b * c)` over `sizes`, or `Error::InvalidArgument` where a product or the sum
+/// overflows `usize`.
+pub(crate) fn checked_total(
+    op: &'static str,
+    sizes: impl IntoIterator<Item = [usize; 3]>,
+) -> Result<usize> {
+    let mut total = 0usize;
+    for (i, [a, b, c]) in sizes.into_iter().enumerate() {
+        total = a
+            .checked_mul(b)
+            .and_then(|ab| ab.checked_mul(c))
+            .and_then(|abc| total.checked_add(abc))
+            .ok_or_else(|| {
+                Error::invalid(
+                    op,
+                    format!("the element count overflows usize at sample {i} ({a} x {b} x {c})"),
+                )
+            })?;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checked_total_refuses_what_would_wrap() {
+        // Each of these wraps to a small number (0 or 1) in wrapping arithmetic.
+        let half = 1usize << (usize::BITS / 2);
+        for sizes in [
+            vec![[4, half / 2, half / 2]],
+            vec![[1, usize::MAX, 1], [1, 1, 1]],
+            vec![[usize::MAX, 2, 1]],
+            vec![[3, 1, usize::MAX / 3], [1, 1, 2]],
+        ] {
+            let r = checked_total("t", sizes.clone());
+            assert!(
+                matches!(r, Err(Error::InvalidArgument { .. })),
+                "{sizes:?}: {r:?}"
+            );
+        }
+        assert_eq!(checked_total("t", [[3, 4, 5], [1, 2, 3]]).ok(), Some(66));
+        assert_eq!(
+            checked_total("t", [[1, 1, usize::MAX]]).ok(),
+            Some(usize::MAX)
+        );
+        assert_eq!(checked_total("t", []).ok(), Some(0));
+    }
+
+    fn spec(c: usize, h: usize, w: usize) -> Spec {
+        let k = c.min(4);
+        Spec::uniform(2, c, h, w, Normalize::new(&vec![0.0; k], &vec![1.0; k]))
+    }
+
+    #[test]
+    fn lengths_overflow_is_an_error() {
+        // Lengths may be asked of a Spec that was never validated.
+        let s = spec(usize::MAX / 2, 3, 3);
+        assert!(matches!(s.input_len(), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(s.output_len(), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(s.offsets(), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            s.validate("t"),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // A crop that is huge (invalid, but asked before validation).
+        let mut s = spec(1, 2, 2);
+        s.samples[1].crop = Some(Crop {
+            x: 0,
+            y: 0,
+            w: usize::MAX,
+            h: 3,
+        });
+        assert!(s.input_len().is_ok());
+        assert!(matches!(s.output_len(), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(s.offsets(), Err(Error::InvalidArgument { .. })));
+        // The sum (not one sample) overflows: two samples of more than half of usize.
+        let mut s = spec(1, 1, 1);
+        s.samples = vec![Sample::new(1, usize::MAX / 2 + 1); 2];
+        assert!(matches!(s.input_len(), Err(Error::InvalidArgument { .. })));
+        // The last offset is fine, but the end of the batch is not: offsets() fails too.
+        assert!(matches!(s.offsets(), Err(Error::InvalidArgument { .. })));
+    }
+
+    #[test]
+    fn lengths_and_offsets() {
+        let mut s = Spec::variable(3, &[(2, 3), (4, 5)], Normalize::new(&[0.0; 3], &[1.0; 3]));
+        s.samples[1].crop = Some(Crop {
+            x: 1,
+            y: 1,
+            w: 2,
+            h: 3,
+        });
+        let s = s.pad_to_4(0.0);
+        assert_eq!(s.input_len().ok(), Some(18 + 60));
+        assert_eq!(s.output_len().ok(), Some(24 + 24));
+        assert_eq!(s.offsets().ok(), Some(vec![(0, 0), (18, 24)]));
+        assert!(s.validate("t").is_ok());
+    }
+
+    #[test]
+    fn totals_beyond_any_allocation_are_refused() {
+        let big = isize::MAX as usize;
+        let too_big = |i: Result<usize>, o: Result<usize>| {
+            matches!(check_totals("t", i, o), Err(Error::InvalidArgument { .. }))
+        };
+        assert!(too_big(Ok(big + 1), Ok(1)));
+        assert!(too_big(Ok(1), Ok(big / 4 + 1)));
+        // 4 x this wraps to 4: a wrapping multiplication would let it through.
+        assert!(too_big(Ok(1), Ok(usize::MAX / 4 + 2)));
+        assert!(too_big(Err(Error::invalid("x", "overflow")), Ok(1)));
+        assert!(too_big(Ok(1), Err(Error::invalid("x", "overflow"))));
+        assert!(check_totals("t", Ok(big), Ok(big / 4)).is_ok());
+    }
+
+    #[test]
+    fn large_valid_batch() {
+        let mut s = spec(4, 65535, 65535);
+        s.samples = vec![Sample::new(65535, 65535); 3];
+        assert!(s.validate("t").is_ok());
+        assert_eq!(s.input_len().ok(), Some(3 * 4 * 65535 * 65535));
     }
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the test executables.
 #![allow(dead_code)]
 
+pub mod guard;
+
 use libtest_mimic::Failed;
 use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};

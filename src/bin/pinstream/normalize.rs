@@ -42,7 +42,8 @@ pub struct NormalizeArgs {
     /// The .npy file to write.
     #[arg(long)]
     out: PathBuf,
-    /// Check the GPU result against the CPU reference and print the largest error.
+    /// Check the result against the f64 reference and print the largest error, in units of
+    /// rounding (integers against the rounded and saturated reference); fail above 1 unit.
     #[arg(long)]
     verify: bool,
     /// Time the kernel and compare with a device-to-device copy of the same bytes.
@@ -173,7 +174,7 @@ fn run_typed<O: OutputElement>(
     spec: &Spec,
     descr: &str,
 ) -> Result<()> {
-    let n_out = spec.output_len();
+    let n_out = spec.output_len()?;
     let mut out = vec![O::poison(); n_out];
     let how;
     if args.cpu {
@@ -197,21 +198,25 @@ fn run_typed<O: OutputElement>(
     }
     if args.verify {
         let exact = cpu::normalize_exact(&dec.pixels, spec, None)?;
-        let (mut max_err, mut max_units) = (0f64, 0f64);
-        for (g, &e) in out.iter().zip(&exact) {
-            let err = (g.to_f64() - e).abs();
-            let unit = O::unit_at(e).max(1e-6 * (e.abs() + f64::from(spec.norm.shift.abs())));
-            max_err = max_err.max(err);
-            max_units = max_units.max(if err.is_nan() {
-                f64::INFINITY
+        // The library's one error measure: integers against the rounded and saturated
+        // reference, floats against the exact value.
+        let worst = cpu::worst_error(&out, &exact, spec.norm.shift)?;
+        let (abs, units) = worst.map_or((0.0, 0.0), |w| (w.abs, w.units));
+        println!(
+            "verify: max abs error {abs:.3e} ({units:.2} units of rounding) against the f64 reference{}",
+            if O::NAME == "u8" || O::NAME == "i8" {
+                " (rounded and saturated)"
             } else {
-                err / unit
-            });
-        }
-        println!("verify: max abs error {max_err:.3e} ({max_units:.2} units of rounding) against the f64 reference");
-        if max_units > 1.0 {
+                ""
+            }
+        );
+        if let Some(w) = worst.filter(|w| w.units > 1.0) {
             return Err(bad(format!(
-                "verification failed: error of {max_units:.2} units of rounding"
+                "verification failed: error of {:.2} units of rounding at element {}: got {}, exact {}",
+                w.units,
+                w.index,
+                out[w.index].to_f64(),
+                exact[w.index]
             )));
         }
     }
