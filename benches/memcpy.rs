@@ -99,5 +99,48 @@ fn memcpy(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, memcpy);
+/// Small host-to-device copies from plain memory, each followed by a stream synchronize (the
+/// latency a caller sees): pinstream's bounce blocks against the driver's own staging
+/// (`cudaMemcpyAsync` straight from the pageable slice, what pinstream did before and what
+/// PyTorch does; not safe to rely on in general, which is why pinstream stopped).
+fn small_pageable(c: &mut Criterion) {
+    let Ok(dev) = Device::get(0) else {
+        return;
+    };
+    let stream = dev.stream().unwrap();
+    let mut g = c.benchmark_group("pageable_h2d_small");
+    g.sample_size(30);
+    for bytes in [4usize << 10, 64 << 10, 1 << 20] {
+        let data = pattern(bytes);
+        let mut d = DeviceBuffer::<u8>::new(&dev, bytes).unwrap();
+        g.throughput(Throughput::Bytes(bytes as u64));
+        g.bench_function(format!("pinstream_{}KiB", bytes >> 10), |b| {
+            b.iter(|| {
+                stream.copy_h2d(&data[..], &mut d).unwrap();
+                stream.synchronize().unwrap();
+            })
+        });
+        let dst = d.as_device_mut_ptr();
+        g.bench_function(format!("driver_{}KiB", bytes >> 10), |b| {
+            b.iter(|| {
+                // SAFETY: `dst` is `bytes` of live device memory and `data` `bytes` of host
+                // memory; the synchronize below finishes the copy before either is touched.
+                let err = unsafe {
+                    pinstream::sys::cudaMemcpyAsync(
+                        dst.cast(),
+                        data.as_ptr().cast(),
+                        bytes,
+                        pinstream::sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                        stream.as_raw(),
+                    )
+                };
+                assert_eq!(err, pinstream::sys::cudaError::cudaSuccess);
+                stream.synchronize().unwrap();
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, memcpy, small_pageable);
 criterion_main!(benches);

@@ -153,27 +153,33 @@ impl Stream {
         }
         self.enter()?;
         if h.kind == HostKind::Pageable && bytes <= bounce::MAX_BYTES {
+            // Pieces of at most `bounce::CHUNK`, each queued as soon as it is staged, so the DMA
+            // of one overlaps the host copy of the next.
             let data: &[u8] = bytemuck::cast_slice(src.host_read()?);
-            let mut block = bounce::take(self.device(), bytes)?;
-            let mut stage = || {
-                block.as_mut_slice()?[..bytes].copy_from_slice(data);
-                let staged = block.host_region();
-                tracker::ordered(self, &trackers(d.tracker, staged.tracker), || {
-                    memcpy(
-                        self,
-                        d.ptr,
-                        staged.ptr,
-                        bytes,
-                        sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-                        "host to device (staged)",
-                    )
-                })
-            };
-            let queued = stage();
-            bounce::give_back(block);
-            let (_, event) = queued?;
+            let mut event = None;
+            for (i, piece) in data.chunks(bounce::CHUNK).enumerate() {
+                let dst = d.ptr.cast::<u8>().wrapping_add(i * bounce::CHUNK).cast();
+                let mut block = bounce::take(self.device(), piece.len())?;
+                let mut stage = || {
+                    block.as_mut_slice()?[..piece.len()].copy_from_slice(piece);
+                    let staged = block.host_region();
+                    tracker::ordered(self, &trackers(d.tracker, staged.tracker), || {
+                        memcpy(
+                            self,
+                            dst,
+                            staged.ptr,
+                            piece.len(),
+                            sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                            "host to device (staged)",
+                        )
+                    })
+                };
+                let queued = stage();
+                bounce::give_back(block);
+                event = Some(queued?.1);
+            }
             return Ok(InFlight {
-                event: Some(event),
+                event,
                 _src: PhantomData,
             });
         }

@@ -60,6 +60,27 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     for name, sec in rows:
         print(f"torch {name:14s} {sec * 1e3:8.4f} ms  {N / sec / 1e9:6.2f} GB/s")
+    # Small pageable host-to-device copies, each followed by a synchronize (benches/memcpy.rs
+    # group pageable_h2d_small).
+    for n in (4 << 10, 64 << 10, 1 << 20):
+        src = data[:n].clone()
+        dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+
+        def one():
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+
+        for _ in range(50):
+            one()
+        out = []
+        for _ in range(SAMPLES):
+            t = time.perf_counter()
+            for _ in range(100):
+                one()
+            out.append((time.perf_counter() - t) / 100)
+        assert torch.equal(dst.cpu(), src)
+        sec = statistics.median(out)
+        print(f"torch pageable_h2d_small {n >> 10:5d} KiB {sec * 1e6:8.2f} us")
 
 
 if __name__ == "__main__":

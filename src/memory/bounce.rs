@@ -8,7 +8,7 @@
 //! own event guards; the caller's slice is free the moment the call returns and the call does
 //! not wait for the GPU. Larger sources go to the driver and the call waits for the copy.
 //!
-//! Blocks come in power-of-two classes from 4 KiB to `MAX_BYTES`, at most [`PER_CLASS`] per
+//! Blocks come in power-of-two classes from 4 KiB to [`CHUNK`], at most [`PER_CLASS`] per
 //! class and device; a block is reused once its event has passed (when all of a full class are
 //! busy, the least recently used one is waited for). They live as long as the process.
 
@@ -20,9 +20,11 @@ use crate::error::Result;
 
 /// Largest pageable host-to-device copy staged through a bounce block.
 pub(crate) const MAX_BYTES: usize = 1 << 20;
+/// Larger copies are staged in pieces of this size, each queued as soon as it is in its block.
+pub(crate) const CHUNK: usize = 256 << 10;
 const MIN_BYTES: usize = 4 << 10;
 /// Blocks per size class and device.
-const PER_CLASS: usize = 8;
+const PER_CLASS: usize = 16;
 
 struct Pool {
     device: Device,
@@ -32,12 +34,12 @@ struct Pool {
 
 static POOLS: Mutex<Vec<Pool>> = Mutex::new(Vec::new());
 
-/// The class size for `bytes` (at most `MAX_BYTES`).
+/// The class size for `bytes` (at most `CHUNK`).
 fn class_of(bytes: usize) -> usize {
     bytes.max(MIN_BYTES).next_power_of_two()
 }
 
-/// A block of at least `bytes` (<= `MAX_BYTES`) for `device`. Its contents may be anything;
+/// A block of at least `bytes` (<= `CHUNK`) for `device`. Its contents may be anything;
 /// `as_mut_slice` on it waits for any copy still reading it.
 pub(crate) fn take(device: Device, bytes: usize) -> Result<PinnedBuffer<u8>> {
     let class = class_of(bytes);
@@ -86,7 +88,7 @@ mod tests {
         assert_eq!(class_of(1), 4096);
         assert_eq!(class_of(4096), 4096);
         assert_eq!(class_of(4097), 8192);
-        assert_eq!(class_of(MAX_BYTES), MAX_BYTES);
-        assert_eq!(class_of(MAX_BYTES - 1), MAX_BYTES);
+        assert_eq!(class_of(CHUNK), CHUNK);
+        assert_eq!(class_of(CHUNK - 1), CHUNK);
     }
 }
