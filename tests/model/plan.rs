@@ -560,7 +560,10 @@ impl Gen {
             let n = self.len_upto(hlen.min(dlen));
             (src, self.range_in(dlen, n), self.range_in(hlen, n))
         };
+        // An empty plain slice writes nothing: pinstream refuses only destinations that
+        // overlap read-only memory by at least one byte.
         let read_only = matches!(dst, Host::Reg | Host::RegSlice)
+            && !(matches!(dst, Host::RegSlice) && dst_range.is_empty())
             && m.scope
                 .is_some_and(|(_, f)| f.contains(HostRegister::READ_ONLY));
         let defect = read_only.then_some(Defect::ReadOnly);

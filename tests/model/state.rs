@@ -196,7 +196,10 @@ impl Model {
                 if bad(src_range, self.dev_len(*src)) {
                     return Some(Expect::OutOfRange);
                 }
+                // An empty plain slice writes nothing: pinstream refuses only destinations that
+                // overlap read-only memory by at least one byte.
                 let read_only = matches!(dst, Host::Reg | Host::RegSlice)
+                    && !(matches!(dst, Host::RegSlice) && dst_range.is_empty())
                     && self
                         .scope
                         .is_some_and(|(_, f)| f.contains(HostRegister::READ_ONLY));
