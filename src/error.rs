@@ -223,6 +223,22 @@ pub(crate) fn check_alloc(err: sys::cudaError_t, call: &'static str, bytes: usiz
 }
 
 /// The byte size of `len` elements of `T`, or an error if it overflows.
+/// An empty `Vec` with room for `len` elements, or `Error::InvalidArgument` (not a panic or an
+/// abort) where the host cannot give that much.
+pub(crate) fn try_vec<T>(op: &'static str, len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|e| {
+        Error::invalid(
+            op,
+            format!(
+                "cannot allocate {len} elements of {} bytes of host memory: {e}",
+                std::mem::size_of::<T>()
+            ),
+        )
+    })?;
+    Ok(v)
+}
+
 pub(crate) fn byte_len<T>(op: &'static str, len: usize) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
         Error::invalid(

@@ -63,7 +63,7 @@ pub fn pattern(n: usize) -> crate::Result<Vec<u8>> {
     let mut x = Instant::now().elapsed().as_nanos() as u64
         ^ 0x9E37_79B9_7F4A_7C15
         ^ (n as u64).rotate_left(17);
-    let mut out = try_alloc(n)?;
+    let mut out = crate::error::try_vec("bench::pattern", n)?;
     let mut chunk = [0u8; 8];
     while out.len() < n {
         x ^= x << 13;
@@ -79,18 +79,6 @@ pub fn pattern(n: usize) -> crate::Result<Vec<u8>> {
     Ok(out)
 }
 
-/// An empty `Vec` with room for `n` bytes, or an error saying it cannot have it.
-fn try_alloc(n: usize) -> crate::Result<Vec<u8>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|e| {
-        crate::Error::invalid(
-            "bench",
-            format!("cannot allocate {n} bytes of host memory: {e}"),
-        )
-    })?;
-    Ok(v)
-}
-
 /// Single-threaded host memcpy bandwidth (decimal GB/s, bytes counted once) over `bytes`:
 /// the ceiling of any copy that stages through pageable memory on one thread. Each sample
 /// repeats the copy for at least 5 ms, so small sizes measure the caches they fit in, as a
@@ -104,7 +92,7 @@ pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
     // Place the destination half a page away from the source (mod 4096): two separate large
     // allocations both start at the same page offset, which makes `rep movsb` alias 4K
     // addresses and run at a fraction of its speed (seen: 4.2 GB/s at 1 MiB on the H100 host).
-    let mut buf = try_alloc(bytes.checked_add(4096)?).ok()?;
+    let mut buf: Vec<u8> = crate::error::try_vec("bench", bytes.checked_add(4096)?).ok()?;
     buf.resize(bytes + 4096, 0);
     let off = ((src.as_ptr() as usize + 2048).wrapping_sub(buf.as_ptr() as usize)) % 4096;
     let dst = &mut buf[off..off + bytes];

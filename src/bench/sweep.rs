@@ -502,7 +502,7 @@ impl Ctx<'_> {
         let gated = kind != MemKind::Pageable;
         dst.host_write()?[..b].fill(0);
         let m = {
-            let (d, h) = (self.dev_b.device_region(), dst.host_region());
+            let (d, h) = (self.dev_b.device_region(), dst.host_region_mut());
             let trackers = trackers(d.tracker, h.tracker);
             let piece = self.opts.piece(b);
             let op = Self::copies(
@@ -546,7 +546,7 @@ impl Ctx<'_> {
         let piece = self.opts.piece(b);
         let (loaded, pair, reps, timed_out) = {
             let (h_src, d_a) = (src.host_region(), self.dev_a.device_region());
-            let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region());
+            let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region_mut());
             let up_tr = trackers(d_a.tracker, h_src.tracker);
             let down_tr = trackers(d_b.tracker, h_dst.tracker);
             let up_op = Self::copies(

@@ -261,13 +261,7 @@ fn output_index(
 
 /// `len` zeros, or an error (instead of an abort) where the host cannot hold them.
 fn zeroed_f64(op: &'static str, len: usize) -> Result<Vec<f64>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|e| {
-        Error::invalid(
-            op,
-            format!("the reference needs {len} f64 values of host memory: {e}"),
-        )
-    })?;
+    let mut v = crate::error::try_vec(op, len)?;
     v.resize(len, 0.0);
     Ok(v)
 }

@@ -197,9 +197,7 @@ impl Spec {
         const OP: &str = "Spec::offsets";
         let co = self.out_channels();
         let (mut i, mut o) = (0usize, 0usize);
-        let mut v = Vec::new();
-        v.try_reserve_exact(self.samples.len())
-            .map_err(|e| Error::invalid(OP, format!("{} samples: {e}", self.samples.len())))?;
+        let mut v = crate::error::try_vec(OP, self.samples.len())?;
         for s in &self.samples {
             v.push((i, o));
             let (h, w) = s.out_hw();
