@@ -94,6 +94,21 @@ pub enum Error {
     },
     /// An argument was rejected before any CUDA call was made.
     InvalidArgument { op: &'static str, reason: String },
+    /// Reading or writing a file failed, or it ended before the range asked for.
+    Io {
+        op: &'static str,
+        /// The file's path as the caller gave it.
+        path: String,
+        /// Where in the file the failed read or write started.
+        offset: u64,
+        /// How many bytes it asked for.
+        len: usize,
+        /// What went wrong (the system's message, or "the file ends after N bytes").
+        message: String,
+    },
+    /// A worker thread panicked while working for this call; the call's work was stopped and
+    /// waited for.
+    Panicked { op: &'static str, message: String },
     /// Any other error the CUDA runtime reported.
     Cuda {
         call: &'static str,
@@ -149,6 +164,17 @@ impl fmt::Display for Error {
                 "{op}: wrong device: the stream is on device {expected}, the operand on device {found}"
             ),
             Error::InvalidArgument { op, reason } => write!(f, "{op}: invalid argument: {reason}"),
+            Error::Io {
+                op,
+                path,
+                offset,
+                len,
+                message,
+            } => write!(
+                f,
+                "{op}: {path}: {len} bytes at offset {offset}: {message}"
+            ),
+            Error::Panicked { op, message } => write!(f, "{op}: a worker panicked: {message}"),
             Error::Cuda { call, detail, cuda } if detail.is_empty() => {
                 write!(f, "{call} failed: {cuda}")
             }

@@ -34,6 +34,7 @@ mod error;
 mod event;
 pub mod kernels;
 pub mod memory;
+pub mod staging;
 mod stream;
 
 pub use bytemuck::{self, Pod, Zeroable};
@@ -48,5 +49,8 @@ pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, HostAlloc, HostKind,
     HostRegister, HostSlice, HostSliceMut, PinnedBuffer, Registered,
+};
+pub use staging::{
+    Downloads, FileSource, Packed, PackedBatch, Packer, Stager, StagerConfig, Uploads,
 };
 pub use stream::Stream;

@@ -178,6 +178,55 @@ impl<T: Pod> DeviceBuffer<T> {
     }
 }
 
+impl DeviceBuffer<u8> {
+    /// Checks that `len` elements of `U` fit at byte `offset` and are aligned there; returns the
+    /// address.
+    fn typed_at<U: Pod>(&self, op: &'static str, offset: usize, len: usize) -> Result<*mut U> {
+        let bytes = byte_len::<U>(op, len)?;
+        if offset.checked_add(bytes).is_none_or(|end| end > self.len) {
+            return Err(crate::Error::invalid(
+                op,
+                format!(
+                    "{bytes} bytes at offset {offset} do not fit in {} bytes",
+                    self.len
+                ),
+            ));
+        }
+        let ptr = self.ptr.wrapping_add(offset);
+        check_align::<U>(op, ptr.cast())?;
+        Ok(ptr.cast())
+    }
+
+    /// A read-only view of `len` elements of `U` starting at byte `offset` (for arenas that hold
+    /// several types).
+    pub(crate) fn view_as<U: Pod>(&self, offset: usize, len: usize) -> Result<DeviceView<'_, U>> {
+        let ptr = self.typed_at::<U>("DeviceBuffer::view_as", offset, len)?;
+        Ok(DeviceView {
+            ptr,
+            len,
+            device: self.device,
+            tracker: &self.tracker,
+            _marker: PhantomData,
+        })
+    }
+
+    /// As `view_as`, writable.
+    pub(crate) fn view_as_mut<U: Pod>(
+        &mut self,
+        offset: usize,
+        len: usize,
+    ) -> Result<DeviceViewMut<'_, U>> {
+        let ptr = self.typed_at::<U>("DeviceBuffer::view_as_mut", offset, len)?;
+        Ok(DeviceViewMut {
+            ptr,
+            len,
+            device: self.device,
+            tracker: &self.tracker,
+            _marker: PhantomData,
+        })
+    }
+}
+
 impl<T: Pod> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         if self.ptr.is_null() {

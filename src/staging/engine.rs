@@ -1,0 +1,515 @@
+//! The machinery behind `Stager`: pinned slots with an event each, worker threads, and jobs
+//! that the calling thread shares with the workers and always waits for before it returns.
+//!
+//! Soundness rests on one rule: a job's host addresses (the caller's borrowed slices, a file
+//! descriptor) are only touched between the moment a worker joins the job — under the queue
+//! lock, while the job is queued — and the moment it leaves. The caller takes the job out of the
+//! queue (so no one else can join) and then waits until every worker has left, also when a
+//! piece failed or panicked, before the call returns and the borrows end. Nothing of this is in
+//! a `Drop` a user could skip with `mem::forget`.
+
+use std::os::raw::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use super::plan::{Piece, Plan};
+use crate::copy::memcpy;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::memory::sealed::HostMem;
+use crate::memory::{HostAlloc, PinnedBuffer};
+use crate::stream::Stream;
+use crate::sys;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock only means a thread panicked while holding it; every state behind these
+    // locks is updated in single steps, so it is still consistent.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A pinned slot and the event recorded after the last DMA that read or wrote it.
+struct Slot {
+    /// Never dropped through `PinnedBuffer`'s own `Drop` while a DMA may use it: see `Drop`.
+    mem: std::mem::ManuallyDrop<PinnedBuffer<u8>>,
+    ptr: *mut u8,
+    len: usize,
+    event: Event,
+}
+
+// SAFETY: the slot's memory is only touched by the one thread that has claimed it (the free
+// list hands each index to one claimer at a time) and by DMAs that its event tracks.
+unsafe impl Send for Slot {}
+// SAFETY: as above.
+unsafe impl Sync for Slot {}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        match self.event.synchronize() {
+            Ok(()) => {
+                // SAFETY: the last DMA that touched the slot has finished (waited above), and the
+                // buffer is dropped once, here.
+                unsafe { std::mem::ManuallyDrop::drop(&mut self.mem) }
+            }
+            // A DMA may still use it: leak it.
+            Err(e) => crate::memory::tracker::leak("a staging slot", self.len, &e),
+        }
+    }
+}
+
+/// Where a job's host side lives.
+#[derive(Clone, Debug)]
+pub(crate) enum Host {
+    /// Host addresses in the caller's memory.
+    Memory,
+    /// Offsets in a file, read with `pread`.
+    File {
+        fd: i32,
+        path: String,
+        /// Opened with `O_DIRECT`: reads are rounded up to whole blocks.
+        direct: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    Upload,
+    Download,
+}
+
+pub(crate) struct Job {
+    pub op: &'static str,
+    pub direction: Direction,
+    pub host: Host,
+    pub stream: Stream,
+    pub plan: Plan,
+    next: AtomicUsize,
+    failed: AtomicBool,
+    /// Set once any DMA was queued: the caller must then track the work even if it failed.
+    queued: AtomicBool,
+    error: Mutex<Option<Error>>,
+    /// Workers inside the job.
+    active: Mutex<usize>,
+    left: Condvar,
+}
+
+impl Job {
+    pub fn new(
+        op: &'static str,
+        direction: Direction,
+        host: Host,
+        stream: Stream,
+        plan: Plan,
+    ) -> Job {
+        Job {
+            op,
+            direction,
+            host,
+            stream,
+            plan,
+            next: AtomicUsize::new(0),
+            failed: AtomicBool::new(false),
+            queued: AtomicBool::new(false),
+            error: Mutex::new(None),
+            active: Mutex::new(0),
+            left: Condvar::new(),
+        }
+    }
+
+    fn has_work(&self) -> bool {
+        !self.failed.load(Ordering::Relaxed)
+            && self.next.load(Ordering::Relaxed) < self.plan.pieces.len()
+    }
+
+    fn fail(&self, e: Error) {
+        self.failed.store(true, Ordering::Relaxed);
+        let mut slot = lock(&self.error);
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    /// Whether any DMA of this job was queued.
+    pub fn queued_any(&self) -> bool {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// The first error, if any piece failed.
+    pub fn result(&self) -> Result<()> {
+        match lock(&self.error).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+struct Queue {
+    jobs: Vec<Arc<Job>>,
+    shutdown: bool,
+}
+
+pub(crate) struct Shared {
+    pub device: Device,
+    slots: Vec<Slot>,
+    /// Indices of slots nobody has claimed.
+    free: Mutex<Vec<usize>>,
+    slot_freed: Condvar,
+    /// Slots that can still be claimed (a slot whose DMA could not be confirmed is retired).
+    live: AtomicUsize,
+    queue: Mutex<Queue>,
+    work: Condvar,
+}
+
+/// The thread pool and slots of one `Stager`.
+pub(crate) struct Engine {
+    pub shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("device", &self.shared.device)
+            .field("slots", &self.shared.slots.len())
+            .field("workers", &self.workers.len())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// `slots` pinned slots of `slot_bytes` each and `workers` threads (the caller of each job
+    /// is one more).
+    pub fn new(device: &Device, workers: usize, slots: usize, slot_bytes: usize) -> Result<Engine> {
+        let mut made = Vec::with_capacity(slots);
+        for _ in 0..slots {
+            let mut mem = PinnedBuffer::<u8>::new(device, slot_bytes, HostAlloc::PORTABLE)?;
+            let ptr = mem.host_region_mut().ptr.cast::<u8>();
+            made.push(Slot {
+                mem: std::mem::ManuallyDrop::new(mem),
+                ptr,
+                len: slot_bytes,
+                event: Event::new(device)?,
+            });
+        }
+        let shared = Arc::new(Shared {
+            device: *device,
+            free: Mutex::new((0..slots).rev().collect()),
+            slots: made,
+            slot_freed: Condvar::new(),
+            live: AtomicUsize::new(slots),
+            queue: Mutex::new(Queue {
+                jobs: Vec::new(),
+                shutdown: false,
+            }),
+            work: Condvar::new(),
+        });
+        let mut engine = Engine {
+            shared,
+            workers: Vec::with_capacity(workers),
+        };
+        for i in 0..workers {
+            let shared = engine.shared.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("pinstream-stager-{}-{i}", device.ordinal()))
+                .spawn(move || worker(shared))
+                .map_err(|e| {
+                    Error::invalid("Stager::new", format!("cannot start a worker thread: {e}"))
+                })?;
+            engine.workers.push(handle);
+        }
+        Ok(engine)
+    }
+
+    /// Runs `job` on the calling thread and the workers; returns when no thread touches the
+    /// job's host memory any more.
+    pub fn execute(&self, job: Job) -> Arc<Job> {
+        let job = Arc::new(job);
+        let shared = &self.shared;
+        let helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty();
+        if helpers {
+            lock(&shared.queue).jobs.push(job.clone());
+            shared.work.notify_all();
+        }
+        run_job(shared, &job);
+        if helpers {
+            // No one joins after this...
+            lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
+            // ...and everyone who joined has left before the caller's borrows end.
+            let mut active = lock(&job.active);
+            while *active > 0 {
+                active = job.left.wait(active).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        job
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        lock(&self.shared.queue).shutdown = true;
+        self.shared.work.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+        // The slots go with the last `Arc<Shared>`, each after its last DMA (`Slot::drop`).
+    }
+}
+
+fn worker(shared: Arc<Shared>) {
+    let _ = shared.device.make_current();
+    loop {
+        let job = {
+            let mut q = lock(&shared.queue);
+            loop {
+                if q.shutdown {
+                    return;
+                }
+                if let Some(job) = q.jobs.iter().find(|j| j.has_work()) {
+                    // Joined under the queue lock, while the job is still queued.
+                    *lock(&job.active) += 1;
+                    break job.clone();
+                }
+                q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+        };
+        run_job(&shared, &job);
+        let mut active = lock(&job.active);
+        *active -= 1;
+        job.left.notify_all();
+    }
+}
+
+fn run_job(shared: &Shared, job: &Job) {
+    loop {
+        if job.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let i = job.next.fetch_add(1, Ordering::Relaxed);
+        let Some(piece) = job.plan.pieces.get(i) else {
+            return;
+        };
+        let outcome = catch_unwind(AssertUnwindSafe(|| run_piece(shared, job, piece)));
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => job.fail(e),
+            Err(panic) => job.fail(Error::Panicked {
+                op: job.op,
+                message: panic_message(&*panic),
+            }),
+        }
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
+
+/// A claimed slot; back to the free list on drop unless retired.
+struct Claim<'a> {
+    shared: &'a Shared,
+    index: usize,
+    retired: bool,
+}
+
+impl Claim<'_> {
+    fn slot(&self) -> &Slot {
+        &self.shared.slots[self.index]
+    }
+
+    /// The slot's DMA could not be confirmed finished: it is never handed out again.
+    fn retire(&mut self, e: &Error) {
+        self.retired = true;
+        self.shared.live.fetch_sub(1, Ordering::AcqRel);
+        self.shared.slot_freed.notify_all();
+        crate::memory::tracker::leak("a staging slot (retired)", self.slot().len, e);
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if !self.retired {
+            lock(&self.shared.free).push(self.index);
+            self.shared.slot_freed.notify_one();
+        }
+    }
+}
+
+fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
+    let mut free = lock(&shared.free);
+    loop {
+        if let Some(index) = free.pop() {
+            return Ok(Claim {
+                shared,
+                index,
+                retired: false,
+            });
+        }
+        if shared.live.load(Ordering::Acquire) == 0 {
+            return Err(Error::invalid(
+                op,
+                "every staging slot was retired after a failed wait for the GPU",
+            ));
+        }
+        free = shared
+            .slot_freed
+            .wait(free)
+            .unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+fn run_piece(shared: &Shared, job: &Job, piece: &Piece) -> Result<()> {
+    let mut claim = claim(shared, job.op)?;
+    let slot = claim.slot();
+    // The previous DMA on this slot (from any job, on any stream) is over before the host
+    // touches it.
+    if let Err(e) = slot.event.synchronize() {
+        claim.retire(&e);
+        return Err(e);
+    }
+    let segments = &job.plan.segments[piece.segments.clone()];
+    let runs = &job.plan.runs[piece.runs.clone()];
+    match job.direction {
+        Direction::Upload => {
+            for s in segments {
+                fill(job, slot, s.host, s.slot_off, s.len)?;
+            }
+            let queued = queue_runs(job, slot, runs, sys::cudaMemcpyKind::cudaMemcpyHostToDevice);
+            after_dma(&mut claim, job)?;
+            queued
+        }
+        Direction::Download => {
+            let queued = queue_runs(job, slot, runs, sys::cudaMemcpyKind::cudaMemcpyDeviceToHost);
+            after_dma(&mut claim, job)?;
+            queued?;
+            let slot = claim.slot();
+            if let Err(e) = slot.event.synchronize() {
+                claim.retire(&e);
+                return Err(e);
+            }
+            for s in segments {
+                // SAFETY: `s.host..+len` lies in the caller's destination slice, borrowed
+                // mutably for the whole call (the caller waits for every worker before it
+                // returns), and pieces never overlap on the host side; the slot range lies in
+                // the slot (checked by the planner) and its DMA has finished (waited above).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        slot.ptr.add(s.slot_off),
+                        s.host as usize as *mut u8,
+                        s.len,
+                    )
+                };
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Queues the piece's DMAs; stops at the first failure.
+fn queue_runs(
+    job: &Job,
+    slot: &Slot,
+    runs: &[super::plan::Run],
+    kind: sys::cudaMemcpyKind,
+) -> Result<()> {
+    for r in runs {
+        // The slot side stays inside the slot (the planner keeps `slot_off + len <= piece`).
+        let at = slot.ptr.wrapping_add(r.slot_off).cast::<c_void>();
+        let dev = r.dev as usize as *mut c_void;
+        let (dst, src) = match kind {
+            sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (dev, at.cast_const()),
+            _ => (at, dev.cast_const()),
+        };
+        memcpy(&job.stream, dst, src, r.len, kind, "staged")?;
+        job.queued.store(true, Ordering::Release);
+    }
+    Ok(())
+}
+
+/// Records the slot's event after its DMAs; if that fails, waits for the stream instead, and
+/// retires the slot if even that fails.
+fn after_dma(claim: &mut Claim<'_>, job: &Job) -> Result<()> {
+    let recorded = job.stream.record(&claim.slot().event);
+    if let Err(e) = recorded {
+        if let Err(wait) = job.stream.synchronize() {
+            claim.retire(&wait);
+        }
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Copies `len` bytes of the job's host side at `host` into the slot at `slot_off`.
+fn fill(job: &Job, slot: &Slot, host: u64, slot_off: usize, len: usize) -> Result<()> {
+    let dst = slot.ptr.wrapping_add(slot_off);
+    match &job.host {
+        Host::Memory => {
+            // SAFETY: `host..+len` lies in the caller's source slice, borrowed for the whole
+            // call (the caller waits for every worker before it returns); the slot range lies in
+            // the slot, which this thread has claimed and whose last DMA has finished.
+            unsafe { std::ptr::copy_nonoverlapping(host as usize as *const u8, dst, len) };
+            Ok(())
+        }
+        Host::File { fd, path, direct } => {
+            // With O_DIRECT the read length must be whole blocks; the slot has room (its size
+            // and every piece are multiples of 4096).
+            let want = if *direct {
+                len.next_multiple_of(4096).min(slot.len - slot_off)
+            } else {
+                len
+            };
+            let mut done = 0usize;
+            while done < len {
+                let at = host + done as u64;
+                let Ok(off) = libc::off_t::try_from(at) else {
+                    return Err(io_error(
+                        job,
+                        path,
+                        at,
+                        len - done,
+                        "offset too large".into(),
+                    ));
+                };
+                // SAFETY: the destination range lies in the claimed slot (`want <= slot.len -
+                // slot_off`); `fd` is open for the whole call (the caller's `FileSource` is
+                // borrowed until every worker has left).
+                let n = unsafe { libc::pread(*fd, dst.add(done).cast(), want - done, off) };
+                if n < 0 {
+                    let err = std::io::Error::last_os_error();
+                    if err.kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return Err(io_error(job, path, at, len - done, err.to_string()));
+                }
+                if n == 0 {
+                    return Err(io_error(
+                        job,
+                        path,
+                        at,
+                        len - done,
+                        format!("the file ends at byte {at}"),
+                    ));
+                }
+                done += n as usize;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn io_error(job: &Job, path: &str, offset: u64, len: usize, message: String) -> Error {
+    Error::Io {
+        op: job.op,
+        path: path.to_string(),
+        offset,
+        len,
+        message,
+    }
+}

@@ -1,0 +1,119 @@
+//! `FileSource`: a file whose ranges the stager reads with `pread` straight into pinned slots.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::Path;
+
+use super::engine::Host;
+use crate::error::{Error, Result};
+
+/// Block size that `O_DIRECT` offsets and lengths are aligned to.
+pub(crate) const DIRECT_ALIGN: u64 = 4096;
+
+/// An open file for [`Stager::upload_file`](super::Stager::upload_file), remembering its path
+/// for error messages.
+#[derive(Debug)]
+pub struct FileSource {
+    file: File,
+    path: String,
+    len: u64,
+    direct: bool,
+}
+
+impl FileSource {
+    /// Opens `path` for reading through the page cache.
+    pub fn open(path: impl AsRef<Path>) -> Result<FileSource> {
+        Self::open_with(path.as_ref(), false)
+    }
+
+    /// Opens `path` with `O_DIRECT`: reads bypass the page cache (for cold data read once).
+    /// Offsets given to `upload_file` must then be multiples of 4096. Filesystems without
+    /// `O_DIRECT` (tmpfs, for one) give an [`Error::Io`].
+    pub fn open_direct(path: impl AsRef<Path>) -> Result<FileSource> {
+        Self::open_with(path.as_ref(), true)
+    }
+
+    fn open_with(path: &Path, direct: bool) -> Result<FileSource> {
+        const OP: &str = "FileSource::open";
+        let shown = path.display().to_string();
+        let io = |message: String| Error::Io {
+            op: OP,
+            path: shown.clone(),
+            offset: 0,
+            len: 0,
+            message,
+        };
+        let mut opts = OpenOptions::new();
+        opts.read(true);
+        if direct {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        let file = opts.open(path).map_err(|e| {
+            if direct && e.raw_os_error() == Some(libc::EINVAL) {
+                io(format!("the filesystem does not support O_DIRECT ({e})"))
+            } else {
+                io(e.to_string())
+            }
+        })?;
+        let len = file.metadata().map_err(|e| io(e.to_string()))?.len();
+        Ok(FileSource {
+            file,
+            path: shown,
+            len,
+            direct,
+        })
+    }
+
+    /// The file's size when it was opened.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file was empty when it was opened.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The path it was opened with.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Whether it reads with `O_DIRECT`.
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Refuses a range outside the file (as it was at open), or misaligned for `O_DIRECT`.
+    pub(crate) fn check_range(&self, op: &'static str, offset: u64, bytes: usize) -> Result<()> {
+        if self.direct && offset % DIRECT_ALIGN != 0 {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{}: offset {offset} is not a multiple of {DIRECT_ALIGN}, which O_DIRECT needs",
+                    self.path
+                ),
+            ));
+        }
+        let end = offset.checked_add(bytes as u64);
+        if end.is_none_or(|e| e > self.len) {
+            return Err(Error::Io {
+                op,
+                path: self.path.clone(),
+                offset,
+                len: bytes,
+                message: format!("the file has only {} bytes", self.len),
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn host(&self) -> Host {
+        Host::File {
+            fd: self.file.as_raw_fd(),
+            path: self.path.clone(),
+            direct: self.direct,
+        }
+    }
+}

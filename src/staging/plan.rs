@@ -1,0 +1,289 @@
+//! Cutting a list of transfers into pieces that each fit one pinned slot.
+//!
+//! A *transfer* moves `len` bytes between a host location (an address, or an offset in a file)
+//! and a device address. A *piece* is what one worker does with one slot: it copies one or more
+//! *segments* between the host and the slot, and moves one or more *runs* between the slot and
+//! the device (one DMA each). Consecutive transfers whose device ranges follow each other (within
+//! `merge_gap` bytes, for the packed arena whose padding is its own) share a run, so a thousand
+//! small tensors packed together cost one DMA per slot, not a thousand.
+
+use std::ops::Range;
+
+/// One transfer as the caller describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Transfer {
+    /// Host address, or offset in the file.
+    pub host: u64,
+    /// Device address.
+    pub dev: u64,
+    pub len: usize,
+}
+
+/// Host side of a piece: `len` bytes at `host` go to (or come from) the slot at `slot_off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    pub host: u64,
+    pub slot_off: usize,
+    pub len: usize,
+}
+
+/// Device side of a piece: one DMA of `len` bytes between the slot at `slot_off` and `dev`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub slot_off: usize,
+    pub dev: u64,
+    pub len: usize,
+}
+
+/// The work of one slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub segments: Range<usize>,
+    pub runs: Range<usize>,
+}
+
+/// Every piece of one call.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub pieces: Vec<Piece>,
+    pub segments: Vec<Segment>,
+    pub runs: Vec<Run>,
+    /// Host bytes moved (the sum of the transfers).
+    pub bytes: usize,
+}
+
+/// Start of each run in a slot is rounded up to this (DMA-friendly offsets).
+const RUN_ALIGN: usize = 256;
+
+/// Cuts `transfers` into pieces of at most `piece` bytes of slot space. Device ranges that
+/// follow the previous run within `merge_gap` bytes extend it (the gap is moved too, so only use
+/// a non-zero gap where the device bytes in gaps belong to the caller).
+pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: u64) -> Plan {
+    let piece = piece.max(RUN_ALIGN);
+    let mut p = Plan::default();
+    // Slot bytes used by the open piece, and where its segments and runs start.
+    let mut used = 0usize;
+    let mut seg_start = 0usize;
+    let mut run_start = 0usize;
+    let close = |p: &mut Plan, used: &mut usize, seg_start: &mut usize, run_start: &mut usize| {
+        if p.runs.len() > *run_start {
+            p.pieces.push(Piece {
+                segments: *seg_start..p.segments.len(),
+                runs: *run_start..p.runs.len(),
+            });
+        }
+        *used = 0;
+        *seg_start = p.segments.len();
+        *run_start = p.runs.len();
+    };
+    for t in transfers {
+        p.bytes += t.len;
+        let mut off = 0usize;
+        while off < t.len {
+            let dev = t.dev + off as u64;
+            // Extend the open run, or start a new one.
+            let extend = match p.runs.last() {
+                Some(r) if p.runs.len() > run_start => {
+                    let end = r.dev + r.len as u64;
+                    (dev >= end && dev - end <= merge_gap).then(|| (dev - end) as usize)
+                }
+                _ => None,
+            };
+            let slot_off = match extend {
+                Some(gap) => used + gap,
+                None => used.next_multiple_of(RUN_ALIGN),
+            };
+            if slot_off >= piece {
+                close(&mut p, &mut used, &mut seg_start, &mut run_start);
+                continue;
+            }
+            let n = (t.len - off).min(piece - slot_off);
+            match extend {
+                Some(gap) => {
+                    if let Some(r) = p.runs.last_mut() {
+                        r.len += gap + n;
+                    }
+                }
+                None => p.runs.push(Run {
+                    slot_off,
+                    dev,
+                    len: n,
+                }),
+            }
+            p.segments.push(Segment {
+                host: t.host + off as u64,
+                slot_off,
+                len: n,
+            });
+            used = slot_off + n;
+            off += n;
+            if used >= piece {
+                close(&mut p, &mut used, &mut seg_start, &mut run_start);
+            }
+        }
+    }
+    close(&mut p, &mut used, &mut seg_start, &mut run_start);
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Replays a plan on byte arrays: host -> slot -> device, checking every invariant.
+    fn replay(transfers: &[Transfer], piece: usize, gap: u64) {
+        let plan = plan(transfers, piece, gap);
+        let host_len = transfers
+            .iter()
+            .map(|t| t.host as usize + t.len)
+            .max()
+            .unwrap_or(0);
+        let dev_len = transfers
+            .iter()
+            .map(|t| t.dev as usize + t.len)
+            .max()
+            .unwrap_or(0)
+            + gap as usize;
+        let host: Vec<u8> = (0..host_len).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dev = vec![0u8; dev_len];
+        let mut written = vec![false; dev_len];
+        let mut total = 0;
+        for pc in &plan.pieces {
+            let mut slot = vec![0xEEu8; piece.max(RUN_ALIGN)];
+            for s in &plan.segments[pc.segments.clone()] {
+                assert!(s.slot_off + s.len <= slot.len());
+                slot[s.slot_off..s.slot_off + s.len]
+                    .copy_from_slice(&host[s.host as usize..s.host as usize + s.len]);
+                total += s.len;
+            }
+            for r in &plan.runs[pc.runs.clone()] {
+                assert!(r.slot_off + r.len <= slot.len());
+                assert_eq!(r.slot_off % RUN_ALIGN, 0);
+                let d = r.dev as usize;
+                dev[d..d + r.len].copy_from_slice(&slot[r.slot_off..r.slot_off + r.len]);
+                written[d..d + r.len].iter_mut().for_each(|w| *w = true);
+            }
+        }
+        assert_eq!(total, transfers.iter().map(|t| t.len).sum::<usize>());
+        assert_eq!(plan.bytes, total);
+        for t in transfers {
+            let (h, d) = (t.host as usize, t.dev as usize);
+            assert_eq!(&dev[d..d + t.len], &host[h..h + t.len], "{t:?}");
+        }
+        if gap == 0 {
+            // Nothing outside the transfers is written.
+            let mut inside = vec![false; dev_len];
+            for t in transfers {
+                inside[t.dev as usize..t.dev as usize + t.len]
+                    .iter_mut()
+                    .for_each(|w| *w = true);
+            }
+            assert_eq!(written, inside);
+        }
+    }
+
+    #[test]
+    fn one_big_transfer() {
+        for len in [1, 255, 256, 4095, 4096, 10_000, 65_536, 100_001] {
+            replay(
+                &[Transfer {
+                    host: 3,
+                    dev: 0,
+                    len,
+                }],
+                4096,
+                0,
+            );
+        }
+        let p = plan(
+            &[Transfer {
+                host: 0,
+                dev: 0,
+                len: 10_000,
+            }],
+            4096,
+            0,
+        );
+        assert_eq!(p.pieces.len(), 3);
+        assert_eq!(p.runs.len(), 3);
+    }
+
+    #[test]
+    fn scattered_and_packed() {
+        // Many small transfers to scattered destinations: one run each, many per piece.
+        let scattered: Vec<Transfer> = (0..100)
+            .map(|i| Transfer {
+                host: i * 1000,
+                dev: i * 5000 + 17,
+                len: 1000,
+            })
+            .collect();
+        replay(&scattered, 8192, 0);
+        let p = plan(&scattered, 8192, 0);
+        assert_eq!(p.runs.len(), 100);
+        assert!(p.pieces.len() < 100 / 4);
+        // Packed: destinations 256-aligned with padding: one run per piece.
+        let mut dev = 0u64;
+        let packed: Vec<Transfer> = (0..100)
+            .map(|i| {
+                let t = Transfer {
+                    host: i * 1000,
+                    dev,
+                    len: 1000,
+                };
+                dev += 1024;
+                t
+            })
+            .collect();
+        replay(&packed, 8192, 255);
+        let p = plan(&packed, 8192, 255);
+        assert_eq!(p.runs.len(), p.pieces.len());
+    }
+
+    #[test]
+    fn random_plans() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..300 {
+            let n = (next() % 20) as usize;
+            let piece = 256 * (1 + (next() % 40) as usize);
+            let gap = if next() % 2 == 0 { 0 } else { 255 };
+            let (mut h, mut d) = (0u64, 0u64);
+            let ts: Vec<Transfer> = (0..n)
+                .map(|_| {
+                    let len = (next() % 20_000) as usize;
+                    d += next() % 300;
+                    let t = Transfer {
+                        host: h,
+                        dev: d,
+                        len,
+                    };
+                    h += len as u64 + next() % 5;
+                    d += len as u64;
+                    t
+                })
+                .collect();
+            replay(&ts, piece, gap);
+        }
+    }
+
+    #[test]
+    fn empty() {
+        assert!(plan(&[], 4096, 0).pieces.is_empty());
+        let p = plan(
+            &[Transfer {
+                host: 0,
+                dev: 0,
+                len: 0,
+            }],
+            4096,
+            0,
+        );
+        assert!(p.pieces.is_empty());
+    }
+}

@@ -1,0 +1,654 @@
+//! GPU trials of the staging engine (`Stager`): round trips of fresh random data at sizes that do
+//! and do not divide a slot, with 1..N threads, from several host threads on two streams, lists
+//! of many tensors, packed batches, files (offsets, short, missing, O_DIRECT), errors that lose
+//! nothing, and dropping the engine with DMAs in flight. Guard bytes around every device
+//! destination check that nothing is written outside it. Ignored without a GPU.
+
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::{ensure, random_bytes, rng, same, R};
+use libtest_mimic::{Arguments, Trial};
+use pinstream::bytemuck::{self, Pod};
+use pinstream::{
+    Device, DeviceBuffer, Downloads, Error, FileSource, Packer, Stager, StagerConfig, Stream,
+    Uploads,
+};
+use rand::{Rng, RngCore};
+
+const GUARD: usize = 4096;
+const GUARD_BYTE: u8 = 0xA5;
+
+fn main() {
+    let args = Arguments::from_args();
+    let no_gpu = !pinstream::available();
+    let two_gpus = Device::count().is_ok_and(|n| n >= 2);
+    let mut trials = Vec::new();
+    let mut gpu = |name: &str, f: fn() -> R| {
+        trials.push(Trial::test(name, f).with_ignored_flag(no_gpu));
+    };
+    gpu("roundtrip/threads_and_sizes", roundtrip_threads_and_sizes);
+    gpu("roundtrip/typed", roundtrip_typed);
+    gpu("roundtrip/default_config", roundtrip_default_config);
+    gpu(
+        "concurrent/threads_two_streams",
+        concurrent_threads_two_streams,
+    );
+    gpu("many/upload_download_all", many_upload_download_all);
+    gpu("packed/mixed_types", packed_mixed_types);
+    gpu(
+        "packed/foreign_handle_refused",
+        packed_foreign_handle_refused,
+    );
+    gpu("file/offsets", file_offsets);
+    gpu("file/short_and_missing", file_short_and_missing);
+    gpu("file/truncated_after_open", file_truncated_after_open);
+    gpu("file/direct", file_direct);
+    gpu(
+        "errors/typed_and_nothing_lost",
+        errors_typed_and_nothing_lost,
+    );
+    gpu(
+        "async/upload_returns_before_device",
+        upload_returns_before_device,
+    );
+    gpu(
+        "drop/engine_with_dma_in_flight",
+        drop_engine_with_dma_in_flight,
+    );
+    gpu("order/upload_after_kernel_use", upload_after_kernel_use);
+    trials.push(Trial::test("wrong_device_is_refused", wrong_device).with_ignored_flag(!two_gpus));
+    libtest_mimic::run(&args, trials).exit();
+}
+
+fn dev0() -> Result<Device, Error> {
+    Device::get(0)
+}
+
+fn config(threads: usize, slot_kib: usize, slots: usize) -> StagerConfig {
+    StagerConfig {
+        threads,
+        slot_bytes: slot_kib << 10,
+        slots,
+        min_bytes: 0,
+    }
+}
+
+/// A device buffer of `n` elements of `T` between guard regions of `GUARD` bytes, all poisoned.
+struct Guarded {
+    buf: DeviceBuffer<u8>,
+    bytes: usize,
+}
+
+impl Guarded {
+    fn new(stream: &Stream, bytes: usize) -> Result<Guarded, Error> {
+        let mut buf = DeviceBuffer::<u8>::new(&stream.device(), bytes + 2 * GUARD)?;
+        stream.memset(&mut buf, GUARD_BYTE)?;
+        Ok(Guarded { buf, bytes })
+    }
+
+    fn view_mut(&mut self) -> pinstream::DeviceViewMut<'_, u8> {
+        self.buf
+            .slice_mut(GUARD..GUARD + self.bytes)
+            .expect("in range")
+    }
+
+    fn view(&self) -> pinstream::DeviceView<'_, u8> {
+        self.buf.slice(GUARD..GUARD + self.bytes).expect("in range")
+    }
+
+    /// Reads everything back (plain copy, not the stager) and checks the guards.
+    fn read(&self, stream: &Stream) -> Result<Vec<u8>, libtest_mimic::Failed> {
+        let mut all = vec![0u8; self.bytes + 2 * GUARD];
+        stream.copy_d2h(&self.buf, &mut all[..])?.wait()?;
+        let (before, rest) = all.split_at(GUARD);
+        let (mid, after) = rest.split_at(self.bytes);
+        ensure(before.iter().chain(after).all(|&b| b == GUARD_BYTE), || {
+            "a guard byte around the destination was overwritten".into()
+        })?;
+        Ok(mid.to_vec())
+    }
+}
+
+fn roundtrip_bytes(stager: &Stager, stream: &Stream, size: usize, what: &str) -> R {
+    let (src, seed) = random_bytes(size);
+    let mut g = Guarded::new(stream, size)?;
+    stager.upload(stream, &src, &mut g.view_mut())?;
+    same(
+        &format!("{what}: upload of {size}"),
+        &g.read(stream)?,
+        &src,
+        seed,
+    )?;
+    // Download into a poisoned destination between host guards.
+    let mut host = vec![0x5Au8; size + 2 * 64];
+    stager.download(stream, &g.view(), &mut host[64..64 + size])?;
+    ensure(
+        host[..64]
+            .iter()
+            .chain(&host[64 + size..])
+            .all(|&b| b == 0x5A),
+        || format!("{what}: download wrote outside its destination (seed {seed})"),
+    )?;
+    same(
+        &format!("{what}: download of {size}"),
+        &host[64..64 + size],
+        &src,
+        seed,
+    )
+}
+
+fn roundtrip_threads_and_sizes() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let slot = 64usize << 10;
+    let sizes = [
+        1,
+        255,
+        4097,
+        slot - 1,
+        slot,
+        slot + 1,
+        3 * slot,
+        (1 << 20) + 13,
+        (8 << 20) + 4095,
+        33 << 20,
+    ];
+    for threads in [1, 2, 3, 8] {
+        for slots in [1, threads, 2 * threads + 1] {
+            let stager = Stager::new(&dev, config(threads, 64, slots))?;
+            for &size in &sizes {
+                roundtrip_bytes(
+                    &stager,
+                    &stream,
+                    size,
+                    &format!("{threads} threads, {slots} slots"),
+                )?;
+            }
+        }
+    }
+    // Bigger slots than pieces of mid-sized copies.
+    let stager = Stager::new(&dev, config(4, 2048, 8))?;
+    for size in [(4 << 20) + 7, 64 << 20, (100 << 20) + 1] {
+        roundtrip_bytes(&stager, &stream, size, "4 threads, 2 MiB slots")?;
+    }
+    Ok(())
+}
+
+fn roundtrip_typed_one<T: Pod + PartialEq + std::fmt::Debug>(stager: &Stager, n: usize) -> R {
+    let stream = stager.device().stream()?;
+    let (bytes, seed) = random_bytes(n * std::mem::size_of::<T>());
+    let src: Vec<T> = bytemuck::pod_collect_to_vec(&bytes);
+    let mut d = DeviceBuffer::<T>::new(&stager.device(), n)?;
+    stream.memset(&mut d, 0xEE)?;
+    stager.upload(&stream, &src, &mut d)?;
+    let mut back = vec![T::zeroed(); n];
+    bytemuck::cast_slice_mut::<T, u8>(&mut back).fill(0x11);
+    stager.download(&stream, &d, &mut back)?;
+    same(std::any::type_name::<T>(), &back, &src, seed)
+}
+
+fn roundtrip_typed() -> R {
+    let dev = dev0()?;
+    let stager = Stager::new(&dev, config(4, 128, 6))?;
+    roundtrip_typed_one::<u16>(&stager, 1_000_003)?;
+    roundtrip_typed_one::<u32>(&stager, 777_777)?;
+    roundtrip_typed_one::<u64>(&stager, 300_001)?;
+    roundtrip_typed_one::<[u8; 3]>(&stager, 500_000)
+}
+
+fn roundtrip_default_config() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, StagerConfig::from_env()?)?;
+    // Below, at and above the small-copy threshold.
+    let min = stager.config().min_bytes;
+    for size in [
+        1,
+        min.saturating_sub(1).max(1),
+        min.max(1),
+        4 << 20,
+        64 << 20,
+    ] {
+        roundtrip_bytes(&stager, &stream, size, "default config")?;
+    }
+    Ok(())
+}
+
+fn concurrent_threads_two_streams() -> R {
+    let dev = dev0()?;
+    let stager = Stager::new(&dev, config(4, 256, 6))?;
+    let streams = [dev.stream()?, dev.stream()?];
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let (stager, stream) = (&stager, &streams[t % 2]);
+                s.spawn(move || -> R {
+                    let (mut rng, _) = rng();
+                    for i in 0..12 {
+                        let size = rng.random_range(1..6usize << 20);
+                        roundtrip_bytes(stager, stream, size, &format!("thread {t}, round {i}"))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| "a thread panicked")?)
+    })
+}
+
+fn many_upload_download_all() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(4, 256, 8))?;
+    let (mut rng, seed) = rng();
+    // Mixed sizes (including 0 and bigger than a slot) and two element types.
+    let sizes: Vec<usize> = (0..300)
+        .map(|i| match i % 7 {
+            0 => 0,
+            1 => rng.random_range(300_000..700_000),
+            _ => rng.random_range(1..5000),
+        })
+        .collect();
+    let srcs: Vec<Vec<u32>> = sizes
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.next_u32() | 1).collect())
+        .collect();
+    let small: Vec<Vec<u8>> = (0..50)
+        .map(|i| (0..i * 37 + 1).map(|_| rng.random::<u8>() | 1).collect())
+        .collect();
+    let mut dsts: Vec<DeviceBuffer<u32>> = sizes
+        .iter()
+        .map(|&n| DeviceBuffer::new(&dev, n))
+        .collect::<Result<_, _>>()?;
+    let mut dsts8: Vec<DeviceBuffer<u8>> = small
+        .iter()
+        .map(|v| DeviceBuffer::new(&dev, v.len()))
+        .collect::<Result<_, _>>()?;
+    for d in &mut dsts {
+        stream.memset(d, 0xEE)?;
+    }
+    let mut list = Uploads::new();
+    for (s, d) in srcs.iter().zip(&mut dsts) {
+        list.push(s, d)?;
+    }
+    for (s, d) in small.iter().zip(&mut dsts8) {
+        list.push(s, d)?;
+    }
+    ensure(list.len() == 350, || "list length".into())?;
+    stager.upload_all(&stream, list)?;
+    // Check with plain copies, then download everything back with the stager.
+    for (i, (s, d)) in srcs.iter().zip(&dsts).enumerate() {
+        let mut back = vec![0u32; s.len()];
+        stream.copy_d2h(d, &mut back[..])?.wait()?;
+        same(&format!("upload_all tensor {i}"), &back, s, seed)?;
+    }
+    let mut backs: Vec<Vec<u32>> = sizes.iter().map(|&n| vec![7u32; n]).collect();
+    let mut backs8: Vec<Vec<u8>> = small.iter().map(|v| vec![7u8; v.len()]).collect();
+    let mut list = Downloads::new();
+    for (d, b) in dsts.iter().zip(&mut backs) {
+        list.push(d, b)?;
+    }
+    for (d, b) in dsts8.iter().zip(&mut backs8) {
+        list.push(d, b)?;
+    }
+    stager.download_all(&stream, list)?;
+    for (i, (b, s)) in backs.iter().zip(&srcs).enumerate() {
+        same(&format!("download_all tensor {i}"), b, s, seed)?;
+    }
+    for (i, (b, s)) in backs8.iter().zip(&small).enumerate() {
+        same(&format!("download_all u8 tensor {i}"), b, s, seed)?;
+    }
+    Ok(())
+}
+
+fn packed_mixed_types() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(4, 512, 8))?;
+    let (mut rng, seed) = rng();
+    let floats: Vec<Vec<f32>> = (0..1000)
+        .map(|_| (0..1000).map(|_| rng.random::<f32>() + 0.5).collect())
+        .collect();
+    let labels: Vec<i64> = (0..1000).map(|_| rng.random_range(1..1000)).collect();
+    let odd: Vec<u8> = (0..4099).map(|_| rng.random::<u8>() | 1).collect();
+    let mut packer = Packer::new();
+    let hf: Vec<_> = floats
+        .iter()
+        .map(|f| packer.push(f))
+        .collect::<Result<_, _>>()?;
+    let hodd = packer.push(&odd)?;
+    let hl = packer.push(&labels)?;
+    let empty: [u16; 0] = [];
+    let he = packer.push(&empty)?;
+    let batch = stager.upload_packed(&stream, &packer)?;
+    for (i, (h, f)) in hf.iter().zip(&floats).enumerate() {
+        let v = batch.get(*h)?;
+        ensure(v.as_device_ptr() as usize % 256 == 0, || "alignment".into())?;
+        let mut back = vec![0f32; f.len()];
+        stream.copy_d2h(&v, &mut back[..])?.wait()?;
+        same(&format!("packed tensor {i}"), &back, f, seed)?;
+    }
+    let mut back = vec![0u8; odd.len()];
+    stream.copy_d2h(&batch.get(hodd)?, &mut back[..])?.wait()?;
+    same("packed u8", &back, &odd, seed)?;
+    let mut back = vec![0i64; labels.len()];
+    stream.copy_d2h(&batch.get(hl)?, &mut back[..])?.wait()?;
+    same("packed labels", &back, &labels, seed)?;
+    ensure(batch.get(he)?.is_empty(), || "empty slice".into())
+}
+
+fn packed_foreign_handle_refused() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(2, 64, 2))?;
+    let a = vec![1u32; 100];
+    let b = vec![2u32; 10];
+    let mut pa = Packer::new();
+    let ha = pa.push(&a)?;
+    let mut pb = Packer::new();
+    pb.push(&b)?;
+    let batch = stager.upload_packed(&stream, &pb)?;
+    ensure(
+        matches!(batch.get(ha), Err(Error::InvalidArgument { .. })),
+        || "a handle from another packer must be refused".into(),
+    )
+}
+
+fn temp_file(bytes: &[u8]) -> std::io::Result<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("pinstream-staging-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}.bin", rand::random::<u64>()));
+    std::fs::File::create(&path)?.write_all(bytes)?;
+    Ok(path)
+}
+
+fn file_offsets() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(4, 256, 6))?;
+    let (data, seed) = random_bytes((9 << 20) + 333);
+    let path = temp_file(&data)?;
+    let file = FileSource::open(&path)?;
+    ensure(file.len() == data.len() as u64, || "length".into())?;
+    for (off, len) in [
+        (0usize, data.len()),
+        (1, 100),
+        (4096, 1 << 20),
+        (12345, (5 << 20) + 1),
+        (data.len() - 7, 7),
+    ] {
+        let mut g = Guarded::new(&stream, len)?;
+        stager.upload_file(&stream, &file, off as u64, &mut g.view_mut())?;
+        same(
+            &format!("file at {off}, {len} bytes"),
+            &g.read(&stream)?,
+            &data[off..off + len],
+            seed,
+        )?;
+    }
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
+
+fn file_short_and_missing() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(2, 64, 2))?;
+    let (data, _) = random_bytes(100_000);
+    let path = temp_file(&data)?;
+    let file = FileSource::open(&path)?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, 100_001)?;
+    match stager.upload_file(&stream, &file, 0, &mut d) {
+        Err(Error::Io {
+            path: p,
+            offset: 0,
+            len: 100_001,
+            ..
+        }) if p == path.display().to_string() => {}
+        other => return Err(format!("a range past the end gave {other:?}").into()),
+    }
+    let mut d = DeviceBuffer::<u8>::new(&dev, 10)?;
+    ensure(
+        matches!(
+            stager.upload_file(&stream, &file, u64::MAX - 3, &mut d),
+            Err(Error::Io { .. })
+        ),
+        || "an offset that overflows must be an Io error".into(),
+    )?;
+    let missing = path.with_extension("missing");
+    match FileSource::open(&missing) {
+        Err(Error::Io { path: p, .. }) if p == missing.display().to_string() => {}
+        other => return Err(format!("a missing file gave {other:?}").into()),
+    }
+    let _ = std::fs::remove_file(&path);
+    Ok(())
+}
+
+fn file_truncated_after_open() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(3, 64, 3))?;
+    let (data, seed) = random_bytes(4 << 20);
+    let path = temp_file(&data)?;
+    let file = FileSource::open(&path)?;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)?
+        .set_len(1 << 20)?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, data.len())?;
+    match stager.upload_file(&stream, &file, 0, &mut d) {
+        Err(Error::Io { message, .. }) if message.contains("ends") => {}
+        other => return Err(format!("a file cut short gave {other:?}").into()),
+    }
+    // Nothing stays claimed: every slot works again, and the buffer is usable.
+    roundtrip_bytes(&stager, &stream, 3 << 20, "after a short read")?;
+    let (fresh, _) = random_bytes(d.len());
+    stager.upload(&stream, &fresh, &mut d)?;
+    let mut back = vec![0u8; d.len()];
+    stream.copy_d2h(&d, &mut back[..])?.wait()?;
+    let _ = std::fs::remove_file(&path);
+    same("buffer after a failed file upload", &back, &fresh, seed)
+}
+
+fn file_direct() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(4, 256, 4))?;
+    let (data, seed) = random_bytes((3 << 20) + 5000);
+    // /tmp may be tmpfs (no O_DIRECT); try the working directory's filesystem too.
+    let mut tried = Vec::new();
+    for dir in [std::env::current_dir()?, std::env::temp_dir()] {
+        let path = dir.join(format!(".pinstream-direct-{}.bin", rand::random::<u64>()));
+        std::fs::File::create(&path)?.write_all(&data)?;
+        let opened = FileSource::open_direct(&path);
+        let result = (|| -> R {
+            let file = match opened {
+                Ok(f) => f,
+                Err(Error::Io { message, .. }) if message.contains("O_DIRECT") => {
+                    tried.push(format!("{}: {message}", dir.display()));
+                    return Ok(());
+                }
+                Err(e) => return Err(e.into()),
+            };
+            ensure(file.is_direct(), || "direct flag".into())?;
+            let mut d = DeviceBuffer::<u8>::new(&dev, 4096)?;
+            ensure(
+                matches!(
+                    stager.upload_file(&stream, &file, 100, &mut d),
+                    Err(Error::InvalidArgument { .. })
+                ),
+                || "a misaligned O_DIRECT offset must be refused".into(),
+            )?;
+            // Unaligned length at the end of the file.
+            for (off, len) in [(0usize, data.len()), (8192, data.len() - 8192), (4096, 777)] {
+                let mut g = Guarded::new(&stream, len)?;
+                stager.upload_file(&stream, &file, off as u64, &mut g.view_mut())?;
+                same(
+                    &format!("O_DIRECT at {off}, {len} bytes"),
+                    &g.read(&stream)?,
+                    &data[off..off + len],
+                    seed,
+                )?;
+            }
+            tried.push(format!("{}: ok", dir.display()));
+            Ok(())
+        })();
+        let _ = std::fs::remove_file(&path);
+        result?;
+    }
+    println!("O_DIRECT: {}", tried.join("; "));
+    Ok(())
+}
+
+fn errors_typed_and_nothing_lost() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(2, 64, 2))?;
+    let src = vec![1u8; 1000];
+    let mut d = DeviceBuffer::<u8>::new(&dev, 999)?;
+    ensure(
+        matches!(
+            stager.upload(&stream, &src, &mut d),
+            Err(Error::LengthMismatch { .. })
+        ),
+        || "length mismatch".into(),
+    )?;
+    let mut back = vec![0u8; 1001];
+    ensure(
+        matches!(
+            stager.download(&stream, &d, &mut back),
+            Err(Error::LengthMismatch { .. })
+        ),
+        || "download length mismatch".into(),
+    )?;
+    for bad in [
+        config(0, 64, 1),
+        config(1, 65, 1),
+        config(1, 64, 0),
+        StagerConfig {
+            slots: 4096,
+            slot_bytes: 1 << 30,
+            ..StagerConfig::default()
+        },
+    ] {
+        ensure(
+            matches!(
+                Stager::new(&dev, bad.clone()),
+                Err(Error::InvalidArgument { .. })
+            ),
+            || format!("{bad:?} must be refused"),
+        )?;
+    }
+    let mut list = Uploads::new();
+    let mut small = DeviceBuffer::<u8>::new(&dev, 10)?;
+    ensure(
+        matches!(
+            list.push(&src, &mut small),
+            Err(Error::LengthMismatch { .. })
+        ),
+        || "list length mismatch".into(),
+    )?;
+    ensure(list.is_empty(), || {
+        "a refused pair must not be added".into()
+    })?;
+    // The stager still works after the refusals.
+    roundtrip_bytes(&stager, &stream, 1 << 20, "after errors")
+}
+
+fn upload_returns_before_device() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    // 16 MiB of slots: an 8 MiB upload fits without waiting for any DMA.
+    let stager = Stager::new(&dev, config(4, 1024, 16))?;
+    let (mut src, seed) = random_bytes(8 << 20);
+    let want = src.clone();
+    let mut d = DeviceBuffer::<u8>::new(&dev, src.len())?;
+    stream.spin(Duration::from_millis(300))?;
+    let t = Instant::now();
+    stager.upload(&stream, &src, &mut d)?;
+    let took = t.elapsed();
+    // The source is ours again: scribble over it.
+    src.fill(0);
+    ensure(took < Duration::from_millis(150), || {
+        format!("upload behind a 300 ms kernel took {took:?}: it waited for the device")
+    })?;
+    let mut back = vec![0u8; want.len()];
+    stream.copy_d2h(&d, &mut back[..])?.wait()?;
+    same("upload behind a busy stream", &back, &want, seed)
+}
+
+fn drop_engine_with_dma_in_flight() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let (src, seed) = random_bytes(8 << 20);
+    let mut d = DeviceBuffer::<u8>::new(&dev, src.len())?;
+    {
+        let stager = Stager::new(&dev, config(4, 1024, 16))?;
+        stream.spin(Duration::from_millis(200))?;
+        stager.upload(&stream, &src, &mut d)?;
+        let t = Instant::now();
+        drop(stager);
+        // The drop waited for the DMAs reading its slots.
+        ensure(stream.is_idle()?, || {
+            format!(
+                "the stager was freed after {:?} with its DMAs still queued",
+                t.elapsed()
+            )
+        })?;
+    }
+    // Reuse the memory the slots had (a new pinned allocation may land there) while checking.
+    let _other =
+        pinstream::PinnedBuffer::<u8>::new(&dev, 16 << 20, pinstream::HostAlloc::PORTABLE)?;
+    let mut back = vec![0u8; src.len()];
+    stream.copy_d2h(&d, &mut back[..])?.wait()?;
+    same("upload with the stager dropped", &back, &src, seed)
+}
+
+fn upload_after_kernel_use() -> R {
+    // The destination was last written by a kernel on another stream: the upload lands after it.
+    let dev = dev0()?;
+    let (s1, s2) = (dev.stream()?, dev.stream()?);
+    let stager = Stager::new(&dev, config(4, 256, 8))?;
+    let (src, seed) = random_bytes(4 << 20);
+    let mut d = DeviceBuffer::<u8>::new(&dev, src.len())?;
+    s1.spin(Duration::from_millis(100))?;
+    s1.memset(&mut d, 0x77)?;
+    stager.upload(&s2, &src, &mut d)?;
+    let mut back = vec![0u8; src.len()];
+    s2.copy_d2h(&d, &mut back[..])?.wait()?;
+    same(
+        "upload ordered after a memset on another stream",
+        &back,
+        &src,
+        seed,
+    )
+}
+
+fn wrong_device() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let stager = Stager::new(&d0, config(2, 64, 2))?;
+    let s1 = d1.stream()?;
+    let src = vec![1u8; 1 << 20];
+    let mut d = DeviceBuffer::<u8>::new(&d0, src.len())?;
+    ensure(
+        matches!(
+            stager.upload(&s1, &src, &mut d),
+            Err(Error::WrongDevice { .. })
+        ),
+        || "a stream on another device must be refused".into(),
+    )?;
+    let s0 = d0.stream()?;
+    let mut d1buf = DeviceBuffer::<u8>::new(&d1, src.len())?;
+    ensure(
+        matches!(
+            stager.upload(&s0, &src, &mut d1buf),
+            Err(Error::WrongDevice { .. })
+        ),
+        || "a destination on another device must be refused".into(),
+    )
+}
