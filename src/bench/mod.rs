@@ -4,6 +4,7 @@
 
 mod gate;
 pub mod scenarios;
+pub mod staging;
 pub mod sweep;
 
 pub use gate::Gate;
@@ -116,4 +117,15 @@ pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
 /// Seconds of a `Duration`.
 pub(crate) fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
+}
+
+/// A size in binary units when it is a whole number of them: `4K`, `2M`, `1G`, else bytes.
+pub fn size_name(bytes: usize) -> String {
+    const UNITS: [(usize, &str); 3] = [(1 << 30, "G"), (1 << 20, "M"), (1 << 10, "K")];
+    for (unit, name) in UNITS {
+        if bytes >= unit && bytes % unit == 0 {
+            return format!("{}{name}", bytes / unit);
+        }
+    }
+    bytes.to_string()
 }

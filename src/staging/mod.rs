@@ -138,7 +138,7 @@ impl StagerConfig {
 }
 
 /// Parses `123`, `64K`, `2M`, `1G` (powers of 1024).
-pub(crate) fn parse_size(s: &str) -> Option<usize> {
+pub fn parse_size(s: &str) -> Option<usize> {
     let s = s.trim();
     let (num, mul) = match s.char_indices().last()? {
         (i, 'k' | 'K') => (&s[..i], KIB),

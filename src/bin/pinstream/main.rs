@@ -3,6 +3,7 @@
 mod bandwidth;
 mod info;
 mod normalize;
+mod staging;
 
 use std::process::ExitCode;
 
@@ -27,6 +28,8 @@ enum Command {
     Bandwidth(bandwidth::BandwidthArgs),
     /// Normalize images with the fused kernel (or the CPU reference) into a .npy file.
     Normalize(normalize::NormalizeArgs),
+    /// The staging engine against pageable and pinned copies: sizes, many tensors, files, tuning.
+    Staging(staging::StagingArgs),
 }
 
 /// Exit status when the machine has no usable CUDA device or driver.
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Info => info::run(),
         Command::Bandwidth(args) => bandwidth::run(args),
         Command::Normalize(args) => normalize::run(args),
+        Command::Staging(args) => staging::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
