@@ -93,6 +93,11 @@ pub(crate) struct Job {
     /// Workers inside the job.
     active: Mutex<usize>,
     left: Condvar,
+    /// Recorded on the caller's stream before any piece: each worker's stream waits for it.
+    start: Option<Event>,
+    /// Recorded on each worker's stream after its last DMA of the job: the caller's stream
+    /// waits for all of them before the job's end is tracked.
+    done: Mutex<Vec<Event>>,
 }
 
 impl Job {
@@ -115,6 +120,8 @@ impl Job {
             error: Mutex::new(None),
             active: Mutex::new(0),
             left: Condvar::new(),
+            start: None,
+            done: Mutex::new(Vec::new()),
         }
     }
 
@@ -160,7 +167,28 @@ pub(crate) struct Shared {
     live: AtomicUsize,
     queue: Mutex<Queue>,
     work: Condvar,
+    /// Jobs in the queue, read by spinning workers without the lock.
+    pending: AtomicUsize,
+    /// Events for jobs' start and done points, reused.
+    events: Mutex<Vec<Event>>,
 }
+
+impl Shared {
+    fn event(&self) -> Result<Event> {
+        match lock(&self.events).pop() {
+            Some(e) => Ok(e),
+            None => Event::new(&self.device),
+        }
+    }
+
+    fn give_back(&self, events: impl IntoIterator<Item = Event>) {
+        lock(&self.events).extend(events);
+    }
+}
+
+/// How long an idle worker polls for the next job before it sleeps: back-to-back calls then
+/// find the workers awake (a wake-up through the kernel costs tens of microseconds).
+const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The thread pool and slots of one `Stager`.
 pub(crate) struct Engine {
@@ -204,6 +232,8 @@ impl Engine {
                 shutdown: false,
             }),
             work: Condvar::new(),
+            pending: AtomicUsize::new(0),
+            events: Mutex::new(Vec::new()),
         });
         let mut engine = Engine {
             shared,
@@ -211,9 +241,12 @@ impl Engine {
         };
         for i in 0..workers {
             let shared = engine.shared.clone();
+            // Each worker queues its DMAs on its own stream, so the copy engines see several
+            // streams' copies at once instead of one queue.
+            let stream = Stream::new(device)?;
             let handle = std::thread::Builder::new()
                 .name(format!("pinstream-stager-{}-{i}", device.ordinal()))
-                .spawn(move || worker(shared))
+                .spawn(move || worker(shared, stream))
                 .map_err(|e| {
                     Error::invalid("Stager::new", format!("cannot start a worker thread: {e}"))
                 })?;
@@ -224,23 +257,48 @@ impl Engine {
 
     /// Runs `job` on the calling thread and the workers; returns when no thread touches the
     /// job's host memory any more.
-    pub fn execute(&self, job: Job) -> Arc<Job> {
-        let job = Arc::new(job);
+    pub fn execute(&self, mut job: Job) -> Arc<Job> {
         let shared = &self.shared;
-        let helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty();
+        let mut helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty();
+        if helpers {
+            // Workers' streams start after everything queued on the caller's stream so far.
+            match shared
+                .event()
+                .and_then(|e| job.stream.record(&e).map(|()| e))
+            {
+                Ok(e) => job.start = Some(e),
+                Err(_) => helpers = false,
+            }
+        }
+        let job = Arc::new(job);
         if helpers {
             lock(&shared.queue).jobs.push(job.clone());
+            shared.pending.fetch_add(1, Ordering::Release);
             shared.work.notify_all();
         }
-        run_job(shared, &job);
+        run_job(shared, &job, &job.stream);
         if helpers {
             // No one joins after this...
             lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
+            shared.pending.fetch_sub(1, Ordering::Release);
             // ...and everyone who joined has left before the caller's borrows end.
             let mut active = lock(&job.active);
             while *active > 0 {
                 active = job.left.wait(active).unwrap_or_else(|e| e.into_inner());
             }
+            drop(active);
+            // The caller's stream continues after every worker's DMAs.
+            let done = std::mem::take(&mut *lock(&job.done));
+            for e in &done {
+                if let Err(err) = job.stream.wait(e) {
+                    // The caller's tracking cannot cover these DMAs: wait for them here.
+                    if let Err(wait) = e.synchronize() {
+                        job.fail(wait);
+                    }
+                    job.fail(err);
+                }
+            }
+            shared.give_back(done);
         }
         job
     }
@@ -257,9 +315,13 @@ impl Drop for Engine {
     }
 }
 
-fn worker(shared: Arc<Shared>) {
+fn worker(shared: Arc<Shared>, stream: Stream) {
     let _ = shared.device.make_current();
     loop {
+        let until = std::time::Instant::now() + SPIN;
+        while shared.pending.load(Ordering::Acquire) == 0 && std::time::Instant::now() < until {
+            std::hint::spin_loop();
+        }
         let job = {
             let mut q = lock(&shared.queue);
             loop {
@@ -274,23 +336,53 @@ fn worker(shared: Arc<Shared>) {
                 q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        run_job(&shared, &job);
+        work_on(&shared, &job, &stream);
         let mut active = lock(&job.active);
         *active -= 1;
         job.left.notify_all();
     }
 }
 
-fn run_job(shared: &Shared, job: &Job) {
+/// A worker's share of a job on its own stream, which first waits for the job's start and
+/// afterwards records a done event for the caller.
+fn work_on(shared: &Shared, job: &Job, stream: &Stream) {
+    if let Some(start) = &job.start {
+        if let Err(e) = stream.wait(start) {
+            job.fail(e);
+            return;
+        }
+    }
+    if !run_job(shared, job, stream) {
+        return;
+    }
+    let done = shared.event().and_then(|e| stream.record(&e).map(|()| e));
+    match done {
+        Ok(e) => lock(&job.done).push(e),
+        Err(e) => {
+            // The caller's stream cannot be made to wait for this stream's DMAs: finish them
+            // here instead. If even that fails the context is broken (sticky error) and no
+            // DMA of it will run again.
+            if let Err(wait) = stream.synchronize() {
+                job.fail(wait);
+            }
+            job.fail(e);
+        }
+    }
+}
+
+/// Takes pieces until none is left; returns whether this thread queued any DMA.
+fn run_job(shared: &Shared, job: &Job, stream: &Stream) -> bool {
+    let mut queued = false;
     loop {
         if job.failed.load(Ordering::Relaxed) {
-            return;
+            return queued;
         }
         let i = job.next.fetch_add(1, Ordering::Relaxed);
         let Some(piece) = job.plan.pieces.get(i) else {
-            return;
+            return queued;
         };
-        let outcome = catch_unwind(AssertUnwindSafe(|| run_piece(shared, job, piece)));
+        queued = true;
+        let outcome = catch_unwind(AssertUnwindSafe(|| run_piece(shared, job, stream, piece)));
         match outcome {
             Ok(Ok(())) => {}
             Ok(Err(e)) => job.fail(e),
@@ -365,7 +457,7 @@ fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
     }
 }
 
-fn run_piece(shared: &Shared, job: &Job, piece: &Piece) -> Result<()> {
+fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Result<()> {
     let mut claim = claim(shared, job.op)?;
     let slot = claim.slot();
     // The previous DMA on this slot (from any job, on any stream) is over before the host
@@ -381,13 +473,25 @@ fn run_piece(shared: &Shared, job: &Job, piece: &Piece) -> Result<()> {
             for s in segments {
                 fill(job, slot, s.host, s.slot_off, s.len)?;
             }
-            let queued = queue_runs(job, slot, runs, sys::cudaMemcpyKind::cudaMemcpyHostToDevice);
-            after_dma(&mut claim, job)?;
+            let queued = queue_runs(
+                job,
+                stream,
+                slot,
+                runs,
+                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+            );
+            after_dma(&mut claim, stream)?;
             queued
         }
         Direction::Download => {
-            let queued = queue_runs(job, slot, runs, sys::cudaMemcpyKind::cudaMemcpyDeviceToHost);
-            after_dma(&mut claim, job)?;
+            let queued = queue_runs(
+                job,
+                stream,
+                slot,
+                runs,
+                sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
+            );
+            after_dma(&mut claim, stream)?;
             queued?;
             let slot = claim.slot();
             if let Err(e) = slot.event.synchronize() {
@@ -415,6 +519,7 @@ fn run_piece(shared: &Shared, job: &Job, piece: &Piece) -> Result<()> {
 /// Queues the piece's DMAs; stops at the first failure.
 fn queue_runs(
     job: &Job,
+    stream: &Stream,
     slot: &Slot,
     runs: &[super::plan::Run],
     kind: sys::cudaMemcpyKind,
@@ -427,7 +532,7 @@ fn queue_runs(
             sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (dev, at.cast_const()),
             _ => (at, dev.cast_const()),
         };
-        memcpy(&job.stream, dst, src, r.len, kind, "staged")?;
+        memcpy(stream, dst, src, r.len, kind, "staged")?;
         job.queued.store(true, Ordering::Release);
     }
     Ok(())
@@ -435,10 +540,10 @@ fn queue_runs(
 
 /// Records the slot's event after its DMAs; if that fails, waits for the stream instead, and
 /// retires the slot if even that fails.
-fn after_dma(claim: &mut Claim<'_>, job: &Job) -> Result<()> {
-    let recorded = job.stream.record(&claim.slot().event);
+fn after_dma(claim: &mut Claim<'_>, stream: &Stream) -> Result<()> {
+    let recorded = stream.record(&claim.slot().event);
     if let Err(e) = recorded {
-        if let Err(wait) = job.stream.synchronize() {
+        if let Err(wait) = stream.synchronize() {
             claim.retire(&wait);
         }
         return Err(e);
