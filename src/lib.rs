@@ -47,6 +47,7 @@ pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, HostAlloc, HostKind,
-    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, Registered,
+    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PoolBacking, PoolBlock,
+    PoolConfig, PoolStats, Registered,
 };
 pub use stream::Stream;
