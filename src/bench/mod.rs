@@ -1,8 +1,9 @@
 //! Measurement code behind `pinstream bandwidth` and the criterion benches: a gate kernel that
-//! holds a stream while copies are queued, statistics, the transfer sweep, and the experiments
-//! of PyTorch's pin_memory / non_blocking guide.
+//! holds a stream while copies are queued, statistics, the transfer sweep, the cost of pooled
+//! pinned memory, and the experiments of PyTorch's pin_memory / non_blocking guide.
 
 mod gate;
+pub mod pool;
 pub mod scenarios;
 pub mod staging;
 pub mod sweep;

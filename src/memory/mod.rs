@@ -1,10 +1,12 @@
 //! Memory: `DeviceBuffer<T>` (and views), `PinnedBuffer<T>` (`cudaHostAlloc`) and
-//! `Registered<'a, T>` (`cudaHostRegister` over a borrowed slice), plus the traits that say
-//! which of them a copy accepts on each side.
+//! `Registered<'a, T>` (`cudaHostRegister` over a borrowed slice), `PinnedPool` (a cache of
+//! pinned blocks, `PoolBlock<T>`), plus the traits that say which of them a copy accepts on each
+//! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer};
+pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};
@@ -51,6 +53,7 @@ pub(crate) use flag_set;
 pub(crate) mod bounce;
 mod device;
 mod pinned;
+mod pool;
 mod registered;
 pub(crate) mod tracker;
 
@@ -59,9 +62,9 @@ pub(crate) mod tracker;
 pub enum HostKind {
     /// Ordinary (pageable) memory: the runtime stages copies through its own pinned buffers.
     Pageable,
-    /// `cudaHostAlloc` memory (`PinnedBuffer`).
+    /// `cudaHostAlloc` memory (`PinnedBuffer`, `PoolBlock` of a `HostAlloc` pool).
     Pinned,
-    /// `cudaHostRegister`ed memory (`Registered`).
+    /// `cudaHostRegister`ed memory (`Registered`, `PoolBlock` of a `Register` pool).
     Registered,
 }
 
@@ -111,9 +114,11 @@ pub(crate) mod sealed {
 pub trait DeviceSlice<T: Pod>: sealed::DeviceMem<T> {}
 /// Device memory a copy or kernel may write: `DeviceBuffer`, `DeviceViewMut`.
 pub trait DeviceSliceMut<T: Pod>: DeviceSlice<T> {}
-/// Host memory a copy may read: `PinnedBuffer`, `Registered`, or a plain `[T]` / `Vec<T>`.
+/// Host memory a copy may read: `PinnedBuffer`, `PoolBlock`, `Registered`, or a plain `[T]` /
+/// `Vec<T>`.
 pub trait HostSlice<T: Pod>: sealed::HostMem<T> {}
-/// Host memory a copy may write: `PinnedBuffer`, `Registered`, or a plain `[T]` / `Vec<T>`.
+/// Host memory a copy may write: `PinnedBuffer`, `PoolBlock`, `Registered`, or a plain `[T]` /
+/// `Vec<T>`.
 pub trait HostSliceMut<T: Pod>: HostSlice<T> {}
 
 impl<T: Pod> sealed::HostMem<T> for [T] {
