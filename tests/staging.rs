@@ -59,6 +59,7 @@ fn main() {
         drop_engine_with_dma_in_flight,
     );
     gpu("order/upload_after_kernel_use", upload_after_kernel_use);
+    gpu("pool/slots_from_a_shared_pool", slots_from_a_shared_pool);
     trials.push(Trial::test("wrong_device_is_refused", wrong_device).with_ignored_flag(!two_gpus));
     libtest_mimic::run(&args, trials).exit();
 }
@@ -651,4 +652,30 @@ fn wrong_device() -> R {
         ),
         || "a destination on another device must be refused".into(),
     )
+}
+
+fn slots_from_a_shared_pool() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let pool = pinstream::PinnedPool::new(&dev, pinstream::PoolConfig::default())?;
+    {
+        let stager = Stager::with_pool(&pool, config(3, 256, 5))?;
+        let s = pool.stats();
+        ensure(s.in_use_bytes == 5 * (256 << 10), || {
+            format!("slots in use: {s:?}")
+        })?;
+        roundtrip_bytes(&stager, &stream, 5 << 20, "pool slots")?;
+    }
+    let s = pool.stats();
+    ensure(
+        s.in_use_bytes == 0 && s.cached_bytes == 5 * (256 << 10),
+        || format!("slots must go back to the pool: {s:?}"),
+    )?;
+    // A second stager takes them from the cache.
+    let stager = Stager::with_pool(&pool, config(3, 256, 5))?;
+    let s2 = pool.stats();
+    ensure(s2.hits >= s.hits + 5, || {
+        format!("slots from the cache: {s2:?}")
+    })?;
+    roundtrip_bytes(&stager, &stream, 3 << 20, "pool slots, second stager")
 }

@@ -20,7 +20,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::memory::sealed::HostMem;
-use crate::memory::{HostAlloc, PinnedBuffer};
+use crate::memory::{PinnedPool, PoolBlock};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -32,8 +32,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// A pinned slot and the event recorded after the last DMA that read or wrote it.
 struct Slot {
-    /// Never dropped through `PinnedBuffer`'s own `Drop` while a DMA may use it: see `Drop`.
-    mem: std::mem::ManuallyDrop<PinnedBuffer<u8>>,
+    /// A block of the stager's pool. Only given back after its last DMA: see `Drop`.
+    mem: std::mem::ManuallyDrop<PoolBlock<u8>>,
     ptr: *mut u8,
     len: usize,
     event: Event,
@@ -50,7 +50,7 @@ impl Drop for Slot {
         match self.event.synchronize() {
             Ok(()) => {
                 // SAFETY: the last DMA that touched the slot has finished (waited above), and the
-                // buffer is dropped once, here.
+                // block is given back to its pool once, here.
                 unsafe { std::mem::ManuallyDrop::drop(&mut self.mem) }
             }
             // A DMA may still use it: leak it.
@@ -209,10 +209,16 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// `slots` pinned slots of `slot_bytes` each and `workers` threads (the caller of each job
     /// is one more).
-    pub fn new(device: &Device, workers: usize, slots: usize, slot_bytes: usize) -> Result<Engine> {
+    pub fn new(
+        pool: &PinnedPool,
+        workers: usize,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> Result<Engine> {
+        let device = &pool.device();
         let mut made = Vec::with_capacity(slots);
         for _ in 0..slots {
-            let mut mem = PinnedBuffer::<u8>::new(device, slot_bytes, HostAlloc::PORTABLE)?;
+            let mut mem = pool.alloc::<u8>(slot_bytes)?;
             let ptr = mem.host_region_mut().ptr.cast::<u8>();
             made.push(Slot {
                 mem: std::mem::ManuallyDrop::new(mem),

@@ -42,7 +42,7 @@ use crate::device::Device;
 use crate::error::{byte_len, Error, Result};
 use crate::memory::sealed::DeviceRegion;
 use crate::memory::tracker::{self, Tracker};
-use crate::memory::{DeviceSlice, DeviceSliceMut};
+use crate::memory::{DeviceSlice, DeviceSliceMut, PinnedPool, PoolConfig};
 use crate::stream::Stream;
 use engine::{Direction, Engine, Host, Job};
 use plan::Transfer;
@@ -161,10 +161,18 @@ pub struct Stager {
 }
 
 impl Stager {
-    /// Pins the slots and starts the workers on `device`.
+    /// Pins the slots (from a pool of its own) and starts the workers on `device`.
     pub fn new(device: &Device, config: StagerConfig) -> Result<Stager> {
         config.validate()?;
-        let engine = Engine::new(device, config.threads - 1, config.slots, config.slot_bytes)?;
+        let pool = PinnedPool::new(device, PoolConfig::default())?;
+        Stager::with_pool(&pool, config)
+    }
+
+    /// As `new`, with the slots taken from `pool` (they go back to it, after their last DMA,
+    /// when the stager is dropped).
+    pub fn with_pool(pool: &PinnedPool, config: StagerConfig) -> Result<Stager> {
+        config.validate()?;
+        let engine = Engine::new(pool, config.threads - 1, config.slots, config.slot_bytes)?;
         Ok(Stager { engine, config })
     }
 

@@ -45,9 +45,23 @@ pub struct StagingArgs {
     /// Also read the file with O_DIRECT.
     #[arg(long)]
     direct: bool,
+    /// Pinned pool cost at this size (fresh cudaHostAlloc, fresh mmap + register on
+    /// --pool-threads threads, and a request served from the cache); 0 to skip.
+    #[arg(long, value_parser = parse_size_or_zero, default_value = "1G")]
+    pool_size: usize,
+    /// Pre-faulting threads of the register backing.
+    #[arg(long, default_value_t = 8)]
+    pool_threads: usize,
     /// Output format.
     #[arg(long, value_parser = ["table", "csv"], default_value = "table")]
     format: String,
+}
+
+fn parse_size_or_zero(s: &str) -> std::result::Result<usize, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_size(s)
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -223,6 +237,22 @@ pub fn run(args: StagingArgs) -> Result<()> {
                 );
             }
         }
+    }
+    if args.pool_size > 0 {
+        let c = pinstream::bench::pool::pool_cost(&device, args.pool_size, args.pool_threads)?;
+        println!(
+            "pool {}: cudaHostAlloc {:.3} s, mmap + {} threads + cudaHostRegister {:.3} s ({:.2}x faster), \
+             from the cache {:.1} us median ({:.1} max, {} of {} hits)",
+            size_name(c.bytes),
+            c.host_alloc_seconds,
+            c.register_threads,
+            c.register_seconds,
+            c.host_alloc_seconds / c.register_seconds.max(1e-9),
+            c.cached_us,
+            c.cached_max_us,
+            c.cached_hits,
+            c.cached_samples
+        );
     }
     if let Some(path) = &args.file {
         let ms = staging::file(
