@@ -48,6 +48,10 @@ fn main() {
         t("memory/flags", memory_flags),
         t("bench/stats_and_pattern", stats_and_pattern),
         t("cli/normalize_cpu_writes_npy", normalize_cpu_writes_npy),
+        t(
+            "cli/bandwidth_help_and_arguments",
+            bandwidth_help_and_arguments,
+        ),
         // On a machine with a GPU these have nothing to check: ignored there, not passed.
         Trial::test(
             "no_device/every_entry_point_reports_it",
@@ -580,6 +584,43 @@ fn normalize_cpu_writes_npy() -> R {
             format!("{what}: {:?} {stderr}", o.status)
         })?;
         ensure(!out2.exists(), || format!("{what}: a file was written"))?;
+    }
+    Ok(())
+}
+
+/// `pinstream bandwidth --help` lists the `staged` kind and the file options; bad values of the
+/// new arguments are one-line errors with status 1, found before any device is touched (so this
+/// runs the same with or without a GPU).
+fn bandwidth_help_and_arguments() -> R {
+    let bin = pinstream_bin()?;
+    let run = |args: &[&str]| {
+        std::process::Command::new(&bin)
+            .arg("bandwidth")
+            .args(args)
+            .output()
+    };
+    let o = run(&["--help"])?;
+    let help = String::from_utf8_lossy(&o.stdout);
+    ensure(o.status.success(), || format!("--help: {:?}", o.status))?;
+    for needle in ["staged", "--file <FILE>", "--file-bytes", "O_DIRECT"] {
+        ensure(help.contains(needle), || {
+            format!("missing {needle:?} in:\n{help}")
+        })?;
+    }
+    for (args, needle) in [
+        (&["--kinds", "staged,bogus"][..], "registered, staged"),
+        (&["--file-bytes", "0"][..], "--file-bytes"),
+        (&["--file-bytes", "12Q"][..], "unknown unit"),
+    ] {
+        let o = run(args)?;
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        ensure(o.status.code() == Some(1), || {
+            format!("{args:?}: status {:?}, stderr {stderr}", o.status)
+        })?;
+        ensure(
+            stderr.lines().count() == 1 && stderr.contains(needle),
+            || format!("{args:?}: {stderr}"),
+        )?;
     }
     Ok(())
 }

@@ -100,6 +100,7 @@ fn main() {
     gpu("deliberate_api_errors".into(), deliberate_api_errors);
     gpu("bandwidth_sweep_small".into(), bandwidth_sweep_small);
     gpu("bandwidth_sweep_chunked".into(), bandwidth_sweep_chunked);
+    gpu("bandwidth_file_rows".into(), bandwidth_file_rows);
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
@@ -911,6 +912,46 @@ fn bandwidth_sweep_chunked() -> R {
     Ok(())
 }
 
+/// `pinstream bandwidth --file`'s rows: read + copy and upload_file (O_DIRECT where the
+/// filesystem of the working directory or /tmp allows it), h2d, host clock, checked, the whole
+/// file when it is smaller than asked for.
+fn bandwidth_file_rows() -> R {
+    use pinstream::bench::sweep;
+    use pinstream::{Stager, StagerConfig};
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, StagerConfig::default())?;
+    let len = (3 << 20) + 5;
+    let (data, _) = common::random_bytes(len);
+    let mut seen_direct = Vec::new();
+    for dir in [std::env::current_dir()?, std::env::temp_dir()] {
+        let path = dir.join(format!("pinstream-gpu-file-{}.bin", std::process::id()));
+        std::fs::write(&path, &data)?;
+        let rows = sweep::file_rows(&stager, &stream, &path, 64 << 20, 3);
+        let _ = std::fs::remove_file(&path);
+        let rows = rows?;
+        let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
+        ensure(
+            kinds.starts_with(&["file read+copy", "file upload_file"]) && kinds.len() <= 3,
+            || format!("{kinds:?}"),
+        )?;
+        for r in &rows {
+            ensure(
+                r.verified
+                    && r.direction == "h2d"
+                    && r.bytes == len
+                    && r.gbps.median > 0.0
+                    && r.host_gbps.as_ref() == Some(&r.gbps)
+                    && r.note.is_some(),
+                || format!("{r:?}"),
+            )?;
+        }
+        seen_direct.push(format!("{}: {}", dir.display(), kinds.len() == 3));
+    }
+    println!("O_DIRECT rows: {}", seen_direct.join("; "));
+    Ok(())
+}
+
 /// A small bandwidth sweep: every kind and direction, every row verified and plausible, and as
 /// many rows as `Options::row_count` promises.
 fn bandwidth_sweep_small() -> R {
@@ -948,7 +989,25 @@ fn bandwidth_sweep_small() -> R {
                 r.kind, r.direction, r.host_memcpy_gbps
             )
         })?;
+        // Staged rows: host clock (gbps and host_gbps the same samples), the engine in the
+        // note, h2d and d2h only.
+        let staged = r.kind == "staged";
+        ensure(staged == r.note.is_some(), || {
+            format!("{} {}: note {:?}", r.kind, r.direction, r.note)
+        })?;
+        if staged {
+            ensure(
+                r.note.as_deref().is_some_and(|n| n.contains("threads="))
+                    && r.host_gbps.as_ref() == Some(&r.gbps)
+                    && (r.direction == "h2d" || r.direction == "d2h"),
+                || format!("{r:?}"),
+            )?;
+        }
     }
+    ensure(
+        rows.iter().filter(|r| r.kind == "staged").count() == 2 * opts.sizes.len(),
+        || "one staged h2d and d2h row per size".into(),
+    )?;
     let lat = sweep::latency(&dev, 20)?;
     ensure(
         lat.len() == 4

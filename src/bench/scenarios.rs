@@ -1,13 +1,17 @@
 //! The experiments of PyTorch's "A guide on good usage of non_blocking and pin_memory()",
 //! reproduced with pinstream: what pinning buys, when async copies help, and when copies overlap
-//! with compute.
+//! with compute. Scenarios (a) to (c) also run the same copies through a [`Stager`] (the
+//! engine's defaults, overridden by the `PINSTREAM_STAGING_*` variables): from the same pageable
+//! memory, one call per tensor, one call per list, one packed batch.
 
 use std::time::{Duration, Instant};
 
+use super::staging::describe;
 use super::{pattern, secs, Stats};
 use crate::device::Device;
 use crate::error::Result;
 use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use crate::staging::{Packer, Stager, StagerConfig, Uploads};
 
 /// One measured case of one scenario.
 #[derive(Clone, Debug)]
@@ -32,10 +36,13 @@ fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     Ok(Stats::new(t).map_or(0.0, |s| s.median))
 }
 
-/// Runs scenarios (a) to (d) on `device`.
+/// Runs scenarios (a) to (d) on `device`, with the staged cases of (a) to (c) moved by one
+/// [`Stager`] built from [`StagerConfig::from_env`].
 pub fn run(device: &Device) -> Result<Vec<Case>> {
     let mut out = Vec::new();
     let s = device.stream()?;
+    let stager = Stager::new(device, StagerConfig::from_env()?)?;
+    let how = describe(&stager);
     let case = |scenario, case: &str, ms, note: String| Case {
         scenario,
         case: case.to_string(),
@@ -76,6 +83,17 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
             "{:.1}x the pageable copy: pinning only pays when reused",
             a3 / a1
         ),
+    ));
+    // The same pageable tensor through the engine's pinned slots and threads.
+    let a4 = median_ms(|| {
+        stager.upload(&s, &data, &mut d)?;
+        s.synchronize()
+    })?;
+    out.push(case(
+        "a",
+        "4 MB staged upload (same pageable tensor)",
+        a4,
+        format!("{:.1}x faster than pageable; {how}", a1 / a4),
     ));
 
     // (b) 1000 tensors of 4 KB.
@@ -123,6 +141,42 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
         b3,
         format!("{:.1}x faster", b1 / b3),
     ));
+    // The same pageable tensors, staged: one call for the list (each into its own buffer, as
+    // separate tensors would be), and one packed batch (a new device arena each time).
+    let mut dsts: Vec<DeviceBuffer<u8>> = (0..k)
+        .map(|_| DeviceBuffer::new(device, small))
+        .collect::<Result<_>>()?;
+    let b4 = median_ms(|| {
+        let mut list = Uploads::new();
+        for (h, d) in host.iter().zip(dsts.iter_mut()) {
+            list.push(&h[..], d)?;
+        }
+        stager.upload_all(&s, list)?;
+        s.synchronize()
+    })?;
+    let b5 = median_ms(|| {
+        let mut packer = Packer::new();
+        for h in &host {
+            packer.push(&h[..])?;
+        }
+        let batch = stager.upload_packed(&s, &packer)?;
+        s.synchronize()?;
+        drop(batch);
+        Ok(())
+    })?;
+    out.push(case(
+        "b",
+        "1000 x 4 KB pageable, staged upload_all (one call)",
+        b4,
+        format!("{:.1}x faster; {how}", b1 / b4),
+    ));
+    out.push(case(
+        "b",
+        "1000 x 4 KB pageable, staged upload_packed",
+        b5,
+        format!("{:.1}x faster; {how}", b1 / b5),
+    ));
+    drop(dsts);
 
     // (c) 200 tensors of 4 MB.
     let k = 200;
@@ -161,6 +215,41 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
         ));
     }
     drop(pinned_big);
+    // The pageable tensors staged: one upload per tensor (each returns once its host side is
+    // done, like an async copy; one synchronize at the end), then all of them in one call.
+    let staged_each = median_ms(|| {
+        for (i, src) in big.chunks(n).enumerate() {
+            let mut view = dst.slice_mut(i * n..(i + 1) * n)?;
+            stager.upload(&s, src, &mut view)?;
+        }
+        s.synchronize()
+    })?;
+    drop(dst);
+    let mut dsts: Vec<DeviceBuffer<u8>> = (0..k)
+        .map(|_| DeviceBuffer::new(device, n))
+        .collect::<Result<_>>()?;
+    let staged_all = median_ms(|| {
+        let mut list = Uploads::new();
+        for (src, d) in big.chunks(n).zip(dsts.iter_mut()) {
+            list.push(src, d)?;
+        }
+        stager.upload_all(&s, list)?;
+        s.synchronize()
+    })?;
+    drop(dsts);
+    for (label, ms) in [
+        ("pageable, staged upload each", staged_each),
+        ("pageable, staged upload_all", staged_all),
+    ] {
+        let gb = (k * n) as f64 / ms / 1e6;
+        out.push(case(
+            "c",
+            &format!("200 x 4 MB {label}"),
+            ms,
+            format!("{gb:.1} GB/s; {how}"),
+        ));
+    }
+    drop(big);
 
     // (d) Copy/compute overlap: a kernel on one stream, a 256 MB H2D copy on the same or another.
     let n = 256 << 20;

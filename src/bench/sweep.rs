@@ -1,5 +1,7 @@
 //! The transfer sweep: host memory kinds x directions x sizes, each point gated, warmed up,
 //! sampled at least `min_samples` times for at least `min_sample_time` each, and checked.
+//! Staged copies ([`MemKind::Staged`]) are done by host threads and cannot be gated: they are
+//! timed with the host clock instead, each copy followed by a stream synchronize.
 
 use std::os::raw::c_void;
 use std::time::{Duration, Instant};
@@ -14,6 +16,7 @@ use crate::memory::{
     tracker, DeviceBuffer, HostAlloc, HostRegister, HostSlice, HostSliceMut, PinnedBuffer,
     Registered,
 };
+use crate::staging::{FileSource, Stager, StagerConfig};
 use crate::stream::Stream;
 use crate::sys::cudaMemcpyKind as Kind;
 
@@ -37,15 +40,19 @@ pub enum MemKind {
     Portable,
     /// `cudaHostRegister` over a `Vec<u8>`.
     Registered,
+    /// Plain `Vec<u8>` moved by a [`Stager`] (its pinned slots and worker threads). Timed with
+    /// the host clock, h2d and d2h only.
+    Staged,
 }
 
 impl MemKind {
-    pub const ALL: [MemKind; 5] = [
+    pub const ALL: [MemKind; 6] = [
         MemKind::Pageable,
         MemKind::Pinned,
         MemKind::WriteCombined,
         MemKind::Portable,
         MemKind::Registered,
+        MemKind::Staged,
     ];
 
     pub fn name(self) -> &'static str {
@@ -55,6 +62,7 @@ impl MemKind {
             MemKind::WriteCombined => "write-combined",
             MemKind::Portable => "portable",
             MemKind::Registered => "registered",
+            MemKind::Staged => "staged",
         }
     }
 
@@ -139,28 +147,31 @@ impl Options {
 
     /// How many rows `run` produces, for progress reporting.
     pub fn row_count(&self) -> usize {
-        let per_size_kind: usize = self
-            .directions
-            .iter()
-            .map(|d| match d {
-                Direction::H2D | Direction::D2H => 1,
-                Direction::Bidir => 4,
-                Direction::D2D => 0,
-            })
-            .sum();
-        let bidir_pageable =
-            self.directions.contains(&Direction::Bidir) && self.kinds.contains(&MemKind::Pageable);
+        // Pageable and staged memory have no bidir rows (a pageable copy blocks the host; the
+        // stager's threads cannot be gated); d2d is two rows per size, whatever the kinds.
+        let per_kind = |kind: MemKind| -> usize {
+            self.directions
+                .iter()
+                .map(|d| match d {
+                    Direction::H2D | Direction::D2H => 1,
+                    Direction::Bidir if !matches!(kind, MemKind::Pageable | MemKind::Staged) => 4,
+                    Direction::Bidir | Direction::D2D => 0,
+                })
+                .sum()
+        };
+        let kinds: usize = self.kinds.iter().map(|&k| per_kind(k)).sum();
         let d2d = if self.directions.contains(&Direction::D2D) {
             2
         } else {
             0
         };
-        self.sizes.len() * (self.kinds.len() * per_size_kind + d2d)
-            - if bidir_pageable {
-                4 * self.sizes.len()
-            } else {
-                0
-            }
+        self.sizes.len() * (kinds + d2d)
+    }
+
+    /// Copies per sample so that one sample lasts at least `min_sample_time`, given that one
+    /// copy took `one` seconds.
+    fn reps_for(&self, one: f64) -> usize {
+        ((secs(self.min_sample_time) / one.max(1e-7)).ceil() as usize).clamp(1, 100_000)
     }
 }
 
@@ -180,9 +191,11 @@ pub struct Row {
     pub direction: &'static str,
     pub bytes: usize,
     pub copies_per_sample: usize,
-    /// Decimal GB/s per sample, from CUDA events.
+    /// Decimal GB/s per sample, from CUDA events; from the host clock on staged and file rows
+    /// (the host does the work there), the same samples as `host_gbps`.
     pub gbps: Stats,
-    /// Decimal GB/s per sample from the host clock (pageable copies, which block the host).
+    /// Decimal GB/s per sample from the host clock (pageable copies, which block the host;
+    /// staged and file rows).
     pub host_gbps: Option<Stats>,
     /// Pageable rows: single-thread host memcpy GB/s (median) at the same size, what a copy
     /// staged through pinned memory by one thread cannot beat.
@@ -194,6 +207,9 @@ pub struct Row {
     /// bidir rows: in some sample one direction ran partly alone (the other was more than 1.5x
     /// faster and its extra copies ran out), so that rate is not fully under load.
     pub partly_alone: bool,
+    /// How the copy was done where the kind does not say it all: on staged and file rows the
+    /// engine's threads and slots (`bench::staging::describe`), or the way a file was read.
+    pub note: Option<String>,
 }
 
 struct BidirSample {
@@ -257,6 +273,13 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
         pattern,
         up,
     };
+    // One engine for the whole sweep, reused for every size (it pins its slots and starts its
+    // threads once, as a program using it would).
+    let stager = if opts.kinds.contains(&MemKind::Staged) {
+        Some(Stager::new(device, StagerConfig::from_env()?)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for &kind in &opts.kinds {
         let flags = match kind {
@@ -286,6 +309,13 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
                         ctx.run_kind(kind, &*rs, rd, rows, progress)
                     })
                 })???;
+            }
+            MemKind::Staged => {
+                if let Some(stager) = &stager {
+                    let src = ctx.pattern.clone();
+                    let mut dst = vec![0u8; max];
+                    ctx.run_staged(stager, &src, &mut dst, &mut rows, progress)?;
+                }
             }
         }
     }
@@ -351,6 +381,74 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// Staged rows: `stager` moves `src` (plain memory) to `dev_a` and `dev_b` to `dst`
+    /// (plain memory). The engine's threads do the host side of each copy, so a gate cannot
+    /// hold them back; they are timed with the host clock. Only h2d and d2h: the engine has no
+    /// bidirectional mode that a gate could release together (no bidir rows), and d2d involves
+    /// no host memory (its rows come once per size, not per kind).
+    fn run_staged(
+        &mut self,
+        stager: &Stager,
+        src: &[u8],
+        dst: &mut [u8],
+        rows: &mut Vec<Row>,
+        progress: &mut dyn FnMut(&Row),
+    ) -> Result<()> {
+        let how = super::staging::describe(stager);
+        let min_bytes = stager.config().min_bytes;
+        for &b in &self.opts.sizes.clone() {
+            for &dir in &self.opts.directions.clone() {
+                let mut row = match dir {
+                    Direction::H2D => self.staged_h2d(stager, src, b)?,
+                    Direction::D2H => self.staged_d2h(stager, dst, b)?,
+                    // Skipped for staged memory: see above.
+                    Direction::D2D | Direction::Bidir => continue,
+                };
+                row.note = Some(if b < min_bytes {
+                    format!(
+                        "{how}; under min_bytes={}: plain copy",
+                        super::size_name(min_bytes)
+                    )
+                } else {
+                    how.clone()
+                });
+                progress(&row);
+                rows.push(row);
+            }
+        }
+        Ok(())
+    }
+
+    fn staged_h2d(&mut self, stager: &Stager, src: &[u8], b: usize) -> Result<Row> {
+        let src = src
+            .get(..b)
+            .ok_or_else(|| Error::invalid("bandwidth", "staged source shorter than the size"))?;
+        let m = {
+            let (opts, up) = (self.opts, &self.up);
+            let mut d = self.dev_a.slice_mut(..b)?;
+            host_timed(opts, b, || {
+                stager.upload(up, src, &mut d)?;
+                up.synchronize()
+            })?
+        };
+        let verified = self.check_device(true, b)?;
+        Ok(self.row(MemKind::Staged.name(), "h2d", b, &m, verified))
+    }
+
+    fn staged_d2h(&mut self, stager: &Stager, dst: &mut [u8], b: usize) -> Result<Row> {
+        let dst = dst.get_mut(..b).ok_or_else(|| {
+            Error::invalid("bandwidth", "staged destination shorter than the size")
+        })?;
+        dst.fill(0);
+        let m = {
+            let (opts, up) = (self.opts, &self.up);
+            let s = self.dev_b.slice(..b)?;
+            host_timed(opts, b, || stager.download(up, &s, dst))?
+        };
+        let verified = matches(dst, &self.pattern, b > (256 << 20));
+        Ok(self.row(MemKind::Staged.name(), "d2h", b, &m, verified))
+    }
+
     fn row(
         &self,
         kind: &'static str,
@@ -371,6 +469,7 @@ impl Ctx<'_> {
             verified,
             gate_timed_out: m.timed_out,
             partly_alone: false,
+            note: None,
         }
     }
 
@@ -406,7 +505,7 @@ impl Ctx<'_> {
     /// Copies per sample so that one sample lasts at least `min_sample_time`, given that one
     /// copy took `one` seconds.
     fn reps_for(&self, one: f64) -> usize {
-        ((secs(self.opts.min_sample_time) / one.max(1e-7)).ceil() as usize).clamp(1, 100_000)
+        self.opts.reps_for(one)
     }
 
     /// Whole copies that fit behind a closed gate.
@@ -694,6 +793,105 @@ impl Ctx<'_> {
     }
 }
 
+/// Host-clock samples of a copy the host drives (staged): `op` is one copy that leaves the
+/// stream synchronised (upload + synchronize, or download). After one untimed call and one
+/// timed call (which sets how many copies make a sample of at least `min_sample_time`), the
+/// samples are taken by [`super::staging::measure`], each `reps` calls of `op`.
+fn host_timed(
+    opts: &Options,
+    bytes: usize,
+    mut op: impl FnMut() -> Result<()>,
+) -> Result<Measured> {
+    op()?;
+    let t = Instant::now();
+    op()?;
+    let reps = opts.reps_for(secs(t.elapsed()));
+    let m = super::staging::measure("", bytes.saturating_mul(reps), opts.min_samples, "", || {
+        (0..reps).try_for_each(|_| op())
+    })?;
+    Ok(Measured {
+        host_gbps: Some(m.gbps.clone()),
+        gbps: m.gbps,
+        reps,
+        timed_out: false,
+    })
+}
+
+/// File source rows (h2d) for `pinstream bandwidth --file`: the first `bytes` of `path` (at most
+/// the whole file) to the device, read into pageable memory then copied plainly
+/// (`file read+copy`), through `stager.upload_file` with the page cache warm
+/// (`file upload_file`), and through `upload_file` with `O_DIRECT` (`file O_DIRECT`) where the
+/// filesystem allows it (otherwise skipped, with a note on stderr). Host clock, each sample one
+/// read and copy with the stream synchronised ([`super::staging::file`]).
+///
+/// The first two are checked by `bench::staging::file` (the device data from `upload_file`
+/// against what `read` gave); the `O_DIRECT` row by one more `O_DIRECT` upload compared with
+/// the file.
+pub fn file_rows(
+    stager: &Stager,
+    stream: &Stream,
+    path: &std::path::Path,
+    bytes: usize,
+    samples: usize,
+) -> Result<Vec<Row>> {
+    let how = super::staging::describe(stager);
+    let measured = super::staging::file(stager, stream, path, bytes, samples.max(1), true)?;
+    let mut rows = Vec::new();
+    for m in measured {
+        let (kind, note, verified) = match m.what.as_str() {
+            "file: read + copy" => ("file read+copy", m.note.clone(), true),
+            "file: upload_file" => ("file upload_file", format!("page cache warm; {how}"), true),
+            "file: upload_file O_DIRECT" => (
+                "file O_DIRECT",
+                format!("O_DIRECT; {how}"),
+                check_direct(stager, stream, path, m.bytes)?,
+            ),
+            _ => ("file", m.note.clone(), true),
+        };
+        rows.push(Row {
+            device: stager.device().ordinal().to_string(),
+            kind,
+            direction: "h2d",
+            bytes: m.bytes,
+            copies_per_sample: 1,
+            gbps: m.gbps.clone(),
+            host_gbps: Some(m.gbps),
+            host_memcpy_gbps: None,
+            verified,
+            gate_timed_out: false,
+            partly_alone: false,
+            note: Some(note),
+        });
+    }
+    Ok(rows)
+}
+
+/// One `O_DIRECT` `upload_file` of the first `bytes` of `path`, compared with a plain read.
+fn check_direct(
+    stager: &Stager,
+    stream: &Stream,
+    path: &std::path::Path,
+    bytes: usize,
+) -> Result<bool> {
+    use std::io::Read;
+    let source = FileSource::open_direct(path)?;
+    let mut d = DeviceBuffer::<u8>::new(&stager.device(), bytes)?;
+    stager.upload_file(stream, &source, 0, &mut d)?;
+    let mut want = pattern(bytes)?;
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut want))
+        .map_err(|e| Error::Io {
+            op: "bench::sweep::file_rows",
+            path: path.display().to_string(),
+            offset: 0,
+            len: bytes,
+            message: e.to_string(),
+        })?;
+    let mut got = pattern(bytes)?;
+    stream.copy_d2h(&d, &mut got[..])?.wait()?;
+    Ok(got == want)
+}
+
 fn empty_stats() -> Stats {
     Stats {
         samples: Vec::new(),
@@ -878,6 +1076,7 @@ pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<V
             verified,
             gate_timed_out: timed_out,
             partly_alone: false,
+            note: None,
         });
     }
     Ok(rows)
@@ -917,5 +1116,26 @@ mod tests {
             ..Options::default()
         };
         assert_eq!(opts.row_count(), 4);
+    }
+
+    #[test]
+    fn staged_rows_are_h2d_and_d2h_only() {
+        let opts = Options {
+            sizes: vec![4096, 1 << 20],
+            kinds: vec![MemKind::Staged],
+            ..Options::default()
+        };
+        // h2d + d2h per size, no bidir; d2d's two rows per size come whatever the kinds.
+        assert_eq!(opts.row_count(), 2 * (2 + 2));
+        let all = Options {
+            sizes: vec![4096],
+            ..Options::default()
+        };
+        // Pinned, write-combined, portable, registered: 2 + 4; pageable and staged: 2; d2d 2.
+        assert_eq!(all.row_count(), 4 * 6 + 2 * 2 + 2);
+        assert!(Options::default().kinds.contains(&MemKind::Staged));
+        assert_eq!(MemKind::parse("staged"), Some(MemKind::Staged));
+        assert_eq!(MemKind::Staged.name(), "staged");
+        assert_eq!(MemKind::parse("wc"), Some(MemKind::WriteCombined));
     }
 }

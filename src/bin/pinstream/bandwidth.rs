@@ -1,5 +1,5 @@
 //! `pinstream bandwidth`: the transfer benchmark (sweep, latency, pinning cost, host memcpy,
-//! optional scenarios), printed as a table, CSV or JSON, optionally plotted.
+//! optional scenarios and file reads), printed as a table, CSV or JSON, optionally plotted.
 
 use std::fmt::Write as _;
 use std::io::IsTerminal;
@@ -9,7 +9,7 @@ use clap::Args;
 use pinstream::bench::scenarios::{self, Case};
 use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
 use pinstream::bench::{host_memcpy_gbps, Stats};
-use pinstream::{Device, Error, Result};
+use pinstream::{Device, Error, Result, Stager, StagerConfig};
 
 #[derive(Args, Debug)]
 pub struct BandwidthArgs {
@@ -19,7 +19,9 @@ pub struct BandwidthArgs {
     /// Sizes, e.g. 4K,1M,256M (binary units); default: every power of two from 4K to 1G.
     #[arg(long, value_delimiter = ',', value_parser = parse_size)]
     sizes: Vec<usize>,
-    /// Memory kinds: pageable, pinned, write-combined (wc), portable, registered.
+    /// Memory kinds: pageable, pinned, write-combined (wc), portable, registered, staged
+    /// (pageable memory through the staging engine: host clock, h2d and d2h only; its threads
+    /// and slots come from PINSTREAM_STAGING_* and show in the note column). Default: all.
     #[arg(long, value_delimiter = ',', value_parser = parse_kind)]
     kinds: Vec<MemKind>,
     /// Directions: h2d, d2h, d2d, bidir.
@@ -50,6 +52,14 @@ pub struct BandwidthArgs {
     /// Size used for the pinning-cost measurement.
     #[arg(long, value_parser = parse_size, default_value = "1G")]
     pin_size: usize,
+    /// Also read this file to the (first) device (h2d rows, host clock): read() into pageable memory then
+    /// a plain copy, the staging engine's upload_file with the page cache warm, and upload_file
+    /// with O_DIRECT where the filesystem allows it (skipped with a note otherwise).
+    #[arg(long)]
+    file: Option<std::path::PathBuf>,
+    /// Bytes of --file to read (at most the file's size).
+    #[arg(long, value_parser = parse_size, default_value = "1G")]
+    file_bytes: usize,
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -78,9 +88,8 @@ fn parse_size(s: &str) -> std::result::Result<usize, String> {
 
 fn parse_kind(s: &str) -> std::result::Result<MemKind, String> {
     MemKind::parse(s).ok_or_else(|| {
-        format!(
-            "`{s}` is not a memory kind (pageable, pinned, write-combined, portable, registered)"
-        )
+        let names: Vec<&str> = MemKind::ALL.iter().map(|k| k.name()).collect();
+        format!("`{s}` is not a memory kind ({})", names.join(", "))
     })
 }
 
@@ -244,6 +253,29 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
         report.pinning = sweep::pinning_cost(&devices[0], args.pin_size, 3)?;
         warn_slow(&mut report, link_gbps);
     }
+    if let Some(path) = &args.file {
+        let dev = &devices[0];
+        let stager = Stager::new(dev, StagerConfig::from_env()?)?;
+        let rows = sweep::file_rows(
+            &stager,
+            &dev.stream()?,
+            path,
+            args.file_bytes,
+            opts.min_samples,
+        )?;
+        let direct = if rows.iter().any(|r| r.kind == "file O_DIRECT") {
+            ""
+        } else {
+            "; O_DIRECT skipped (see stderr)"
+        };
+        let bytes = rows.first().map_or(0, |r| r.bytes);
+        let line = format!("{}, {} bytes read{direct}", path.display(), bytes);
+        if args.format == "table" {
+            println!("{:>22}: {line}", "file");
+        }
+        report.context.push(("file".into(), line));
+        report.rows.extend(rows);
+    }
     if args.scenarios || args.scenarios_only {
         report.scenarios = scenarios::run(&devices[0])?;
     }
@@ -288,7 +320,10 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
         return;
     }
     for r in &report.rows {
-        let pinned = r.kind != "pageable" && r.kind != "device";
+        let pinned = r.kind != "pageable"
+            && r.kind != "device"
+            && r.kind != MemKind::Staged.name()
+            && !r.kind.starts_with("file");
         if pinned
             && r.bytes == largest
             && (r.direction == "h2d" || r.direction == "d2h")
@@ -330,7 +365,7 @@ fn table(r: &Report) -> String {
     if !r.rows.is_empty() {
         let _ = writeln!(
             s,
-            "\n{:<6} {:<14} {:<10} {:>6} {:>9} {:>8} {:>8} {:>6} {:>10} {:>7} {:>3}",
+            "\n{:<6} {:<16} {:<10} {:>6} {:>9} {:>8} {:>8} {:>6} {:>10} {:>7} {:>3}  note",
             "device",
             "kind",
             "direction",
@@ -348,9 +383,8 @@ fn table(r: &Report) -> String {
                 .host_gbps
                 .as_ref()
                 .map_or("-".to_string(), |h| format!("{:.2}", h.median));
-            let _ = writeln!(
-                s,
-                "{:<6} {:<14} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>7} {:>3}",
+            let line = format!(
+                "{:<6} {:<16} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>7} {:>3}",
                 row.device,
                 row.kind,
                 row.direction,
@@ -364,8 +398,16 @@ fn table(r: &Report) -> String {
                     .map_or("-".to_string(), |m| format!("{m:.2}")),
                 if row.verified { "yes" } else { "NO" }
             );
+            match &row.note {
+                Some(note) => {
+                    let _ = writeln!(s, "{line}  {note}");
+                }
+                None => {
+                    let _ = writeln!(s, "{line}");
+                }
+            }
         }
-        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, pageable only;\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
+        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, on pageable,\n staged and file rows, whose GB/s is the host clock too (the host does that work: no gate);\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n note: the staging engine's threads and slots, or how a file was read;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
     }
     if !r.latency.is_empty() {
         let _ = writeln!(
@@ -418,11 +460,11 @@ fn stats_fields(st: &Stats) -> String {
 }
 
 fn csv(r: &Report) -> String {
-    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,host_memcpy_gbps,verified,gate_timed_out,partly_alone\n");
+    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,host_memcpy_gbps,verified,gate_timed_out,partly_alone,note\n");
     for row in &r.rows {
         let _ = writeln!(
             s,
-            "{},{},{},{},{},{},{},{},{},{},{}",
+            "{},{},{},{},{},{},{},{},{},{},{},{}",
             row.device,
             row.kind,
             row.direction,
@@ -436,19 +478,30 @@ fn csv(r: &Report) -> String {
                 .map_or(String::new(), |m| format!("{m:.4}")),
             row.verified,
             row.gate_timed_out,
-            row.partly_alone
+            row.partly_alone,
+            row.note.as_deref().map_or(String::new(), csv_field)
         );
     }
     for c in &r.scenarios {
         let _ = writeln!(
             s,
-            "scenario,{},\"{}\",,,{:.4},,,,,,,,",
+            "scenario,{},{},,,{:.4},,,,,,,,,{}",
             c.scenario,
-            c.case.replace('"', "'"),
-            c.ms
+            csv_field(&c.case),
+            c.ms,
+            csv_field(&c.note)
         );
     }
     s
+}
+
+/// A CSV field: quoted (inner quotes doubled) where it holds a comma, quote or line break.
+fn csv_field(v: &str) -> String {
+    if v.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", v.replace('"', "\"\""))
+    } else {
+        v.to_string()
+    }
 }
 
 fn json_str(v: &str) -> String {
@@ -490,7 +543,7 @@ fn json(r: &Report) -> String {
         .iter()
         .map(|row| {
             format!(
-                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"host_memcpy_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{}}}",
+                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"host_memcpy_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{},\"note\":{}}}",
                 json_str(&row.device),
                 json_str(row.kind),
                 json_str(row.direction),
@@ -502,7 +555,8 @@ fn json(r: &Report) -> String {
                     .map_or("null".to_string(), |m| format!("{m:.4}")),
                 row.verified,
                 row.gate_timed_out,
-                row.partly_alone
+                row.partly_alone,
+                row.note.as_deref().map_or("null".to_string(), json_str)
             )
         })
         .collect();
@@ -567,7 +621,9 @@ fn plot(
                 r.kind,
                 r.direction,
             );
-            if r.device != "all" && !keys.iter().any(|x| x.0 == k.0) {
+            // File rows are one size each: no line to draw.
+            if r.device != "all" && !r.kind.starts_with("file") && !keys.iter().any(|x| x.0 == k.0)
+            {
                 keys.push(k);
             }
         }
@@ -658,9 +714,48 @@ mod tests {
     }
 
     #[test]
+    fn kinds_parse() {
+        assert_eq!(parse_kind("staged"), Ok(MemKind::Staged));
+        assert_eq!(parse_kind("wc"), Ok(MemKind::WriteCombined));
+        let e = parse_kind("bogus").unwrap_err();
+        assert!(e.contains("registered, staged"), "{e}");
+    }
+
+    #[test]
+    fn new_arguments_parse() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BandwidthArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "bandwidth",
+            "--kinds",
+            "staged,pinned",
+            "--file",
+            "/tmp/x.bin",
+            "--file-bytes",
+            "256M",
+        ])
+        .unwrap();
+        assert_eq!(cli.args.kinds, vec![MemKind::Staged, MemKind::Pinned]);
+        assert_eq!(
+            cli.args.file.as_deref(),
+            Some(std::path::Path::new("/tmp/x.bin"))
+        );
+        assert_eq!(cli.args.file_bytes, 256 << 20);
+        let cli = Cli::try_parse_from(["bandwidth"]).unwrap();
+        assert!(cli.args.kinds.is_empty() && cli.args.file.is_none());
+        assert_eq!(cli.args.file_bytes, 1 << 30);
+        assert!(Cli::try_parse_from(["bandwidth", "--file-bytes", "0"]).is_err());
+        assert!(Cli::try_parse_from(["bandwidth", "--kinds", "staged,nope"]).is_err());
+    }
+
+    #[test]
     fn csv_lines_have_the_header_s_columns() {
         let stats = Stats::new(vec![1.0, 2.0, 3.0]).unwrap();
-        let row = |kind, memcpy| Row {
+        let row = |kind, memcpy, note: Option<&str>| Row {
             device: "0".into(),
             kind,
             direction: "h2d",
@@ -672,10 +767,15 @@ mod tests {
             verified: true,
             gate_timed_out: false,
             partly_alone: false,
+            note: note.map(String::from),
         };
         let report = Report {
             context: Vec::new(),
-            rows: vec![row("pageable", Some(9.5)), row("pinned", None)],
+            rows: vec![
+                row("pageable", Some(9.5), None),
+                row("pinned", None, None),
+                row("staged", None, Some("threads=8 slot=2M slots=16")),
+            ],
             latency: Vec::new(),
             pinning: Vec::new(),
             scenarios: vec![Case {
@@ -688,15 +788,35 @@ mod tests {
         };
         let out = csv(&report);
         let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines.len(), 4);
+        assert_eq!(lines.len(), 5);
         let want = lines[0].split(',').count();
         for l in &lines {
             assert_eq!(l.split(',').count(), want, "{l}");
         }
+        assert!(lines[0].ends_with(",note"));
         assert!(lines[1].contains(",9.5000,"));
+        assert!(lines[3].ends_with(",threads=8 slot=2M slots=16"));
+        assert!(
+            lines[4].contains(",\"4 MB \"\"pinned\"\" copy\","),
+            "{}",
+            lines[4]
+        );
         let json = json(&report);
         assert!(json.contains("\"host_memcpy_gbps\":9.5000"));
         assert!(json.contains("\"host_memcpy_gbps\":null"));
+        assert!(json.contains("\"note\":\"threads=8 slot=2M slots=16\""));
+        assert!(json.contains("\"note\":null"));
+        let table = table(&report);
+        let staged = table
+            .lines()
+            .find(|l| l.contains("staged"))
+            .expect("a staged line");
+        assert!(
+            staged.ends_with("yes  threads=8 slot=2M slots=16"),
+            "{staged}"
+        );
+        assert_eq!(csv_field("a,b"), "\"a,b\"");
+        assert_eq!(csv_field("plain"), "plain");
     }
 
     #[test]
