@@ -259,10 +259,13 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
              |DriverGetVersion|RuntimeGetVersion|MemGetInfo\
              |StreamCreateWithPriority|StreamDestroy|StreamSynchronize|StreamQuery|StreamWaitEvent\
              |EventCreateWithFlags|EventDestroy|EventRecord|EventSynchronize|EventQuery|EventElapsedTime\
-             |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync\
+             |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync|MemcpyBatchAsync\
              |HostAlloc|FreeHost|HostRegister|HostUnregister|HostGetDevicePointer|PointerGetAttributes)",
         )
         .allowlist_type("cudaError|cudaMemcpyKind|cudaDeviceAttr|cudaDeviceProp|cudaPointerAttributes|cudaMemoryType")
+        // cudaMemcpyBatchAsync's attribute struct (and what it holds) comes with the function;
+        // its `flags` field is a plain unsigned int, so the flag enum is named here.
+        .allowlist_type("cudaMemcpyAttributes|cudaMemcpySrcAccessOrder|cudaMemLocation|cudaMemLocationType|cudaMemcpyFlags")
         .allowlist_type("pinstream_.*")
         .allowlist_function("pinstream_(normalize|denormalize)")
         .allowlist_var("PINSTREAM_.*")

@@ -287,3 +287,134 @@ impl Stream {
         .map(|_| ())
     }
 }
+
+/// How `memcpy_batch` may read its sources (`cudaMemcpySrcAccessOrder`).
+#[allow(dead_code)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BatchSrcAccess {
+    /// In stream order, after everything queued on the stream before the batch (events waited
+    /// on included): what `cudaMemcpyAsync` does. The one to use with trackers.
+    Stream,
+    /// Out of stream order; every read is done when the call returns, so the sources may be
+    /// reused or freed right after it. Nothing queued earlier may still write the sources.
+    DuringCall,
+    /// Out of stream order, possibly after the call returns (meant for memory from outside
+    /// CUDA, e.g. `malloc`). Nothing queued earlier may still write the sources, and they must
+    /// stay unchanged and alive until the stream passes the batch.
+    Any,
+}
+
+impl BatchSrcAccess {
+    fn raw(self) -> sys::cudaMemcpySrcAccessOrder {
+        match self {
+            BatchSrcAccess::Stream => sys::cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderStream,
+            BatchSrcAccess::DuringCall => {
+                sys::cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderDuringApiCall
+            }
+            BatchSrcAccess::Any => sys::cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderAny,
+        }
+    }
+}
+
+/// One `cudaMemcpyBatchAsync` of `count` host-to-device or device-to-host copies on `stream`.
+///
+/// `kind` is `cudaMemcpyHostToDevice` or `cudaMemcpyDeviceToHost` and holds for every copy of
+/// the batch (it only sets the location hints; the runtime finds the direction from the
+/// pointers). Copies within one batch run in no particular order, so no two may overlap where
+/// one writes. The batch as a whole is ordered on the stream like one `cudaMemcpyAsync`; record
+/// an event after it to know when it is done. It cannot be captured into a CUDA graph.
+///
+/// # Safety
+///
+/// Every (dst, src, size) triple names live memory of the right kind, not freed or written by
+/// the host until the stream passes this point (nor a destination read by it before then), and
+/// no destination overlaps another copy's source or destination in the batch. With
+/// `BatchSrcAccess::DuringCall` or `Any` no work queued earlier (on any stream) may still write
+/// a source, as those orders do not wait for it.
+#[allow(dead_code)]
+pub(crate) unsafe fn memcpy_batch(
+    stream: &Stream,
+    dsts: &[*mut c_void],
+    srcs: &[*const c_void],
+    sizes: &[usize],
+    kind: sys::cudaMemcpyKind,
+    src_access: BatchSrcAccess,
+) -> Result<()> {
+    const OP: &str = "memcpy_batch";
+    let count = dsts.len();
+    if srcs.len() != count || sizes.len() != count {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "{count} destinations, {} sources and {} sizes",
+                srcs.len(),
+                sizes.len()
+            ),
+        ));
+    }
+    if count == 0 {
+        return Err(Error::invalid(OP, "an empty batch"));
+    }
+    // The hints only matter for memory without a fixed place (managed memory, or plain host
+    // memory on a system where the GPU reads it directly, as with HMM); CUDA ignores them
+    // otherwise. They say where each side lives: the host side in host memory, the device side
+    // on the stream's device.
+    let host = sys::cudaMemLocation {
+        type_: sys::cudaMemLocationType_cudaMemLocationTypeHost,
+        id: 0,
+    };
+    let device = sys::cudaMemLocation {
+        type_: sys::cudaMemLocationType_cudaMemLocationTypeDevice,
+        id: stream.device().raw(),
+    };
+    let (src_hint, dst_hint, what) = match kind {
+        sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (host, device, "host to device"),
+        sys::cudaMemcpyKind::cudaMemcpyDeviceToHost => (device, host, "device to host"),
+        other => {
+            return Err(Error::invalid(
+                OP,
+                format!("{other:?}: only host-to-device or device-to-host batches"),
+            ))
+        }
+    };
+    // Flags: cudaMemcpyFlagPreferOverlapWithCompute rather than the default. The 13.0 header
+    // calls it a hint to try to overlap the copies with compute work on the SMs, which the
+    // driver may ignore depending on the platform and the copy's parameters. Overlap with the
+    // kernels that consume the data is the staging engine's whole purpose, so where the driver
+    // does weigh copy speed against concurrency this asks for the engine's side of it; where it
+    // does not (NVIDIA's cuda.core notes the flag acts on Tegra only, so likely nothing on an
+    // H100 or H200), it costs nothing. Being a hint, it never changes what is copied or when
+    // the batch completes in stream order.
+    let mut attrs = [sys::cudaMemcpyAttributes {
+        srcAccessOrder: src_access.raw(),
+        srcLocHint: src_hint,
+        dstLocHint: dst_hint,
+        flags: sys::cudaMemcpyFlags_cudaMemcpyFlagPreferOverlapWithCompute,
+    }];
+    // One attribute entry, applying from copy 0 to the end.
+    let mut attr_idxs = [0usize];
+    stream.enter()?;
+    check_with(
+        // SAFETY: the three arrays hold `count` entries each (checked above) and `attrs` /
+        // `attr_idxs` one each, all alive across the call, which reads them before returning;
+        // the stream is live and not the legacy default stream (pinstream streams are created
+        // non-blocking). The copies themselves are the caller's contract (see # Safety).
+        unsafe {
+            sys::cudaMemcpyBatchAsync(
+                dsts.as_ptr(),
+                srcs.as_ptr(),
+                sizes.as_ptr(),
+                count,
+                attrs.as_mut_ptr(),
+                attr_idxs.as_mut_ptr(),
+                attrs.len(),
+                stream.as_raw(),
+            )
+        },
+        "cudaMemcpyBatchAsync",
+        || {
+            let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
+            format!("{count} copies, {total} bytes, {what}, {src_access:?} source order")
+        },
+    )
+}

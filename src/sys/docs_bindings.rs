@@ -334,6 +334,59 @@ pub enum cudaDeviceAttr {
     cudaDevAttrOnlyPartialHostNativeAtomicSupported = 147,
     cudaDevAttrMax = 148,
 }
+pub const cudaMemLocationType_cudaMemLocationTypeInvalid: cudaMemLocationType = 0;
+pub const cudaMemLocationType_cudaMemLocationTypeNone: cudaMemLocationType = 0;
+pub const cudaMemLocationType_cudaMemLocationTypeDevice: cudaMemLocationType = 1;
+pub const cudaMemLocationType_cudaMemLocationTypeHost: cudaMemLocationType = 2;
+pub const cudaMemLocationType_cudaMemLocationTypeHostNuma: cudaMemLocationType = 3;
+pub const cudaMemLocationType_cudaMemLocationTypeHostNumaCurrent: cudaMemLocationType = 4;
+pub type cudaMemLocationType = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct cudaMemLocation {
+    pub type_: cudaMemLocationType,
+    pub id: ::std::os::raw::c_int,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of cudaMemLocation"][::std::mem::size_of::<cudaMemLocation>() - 8usize];
+    ["Alignment of cudaMemLocation"][::std::mem::align_of::<cudaMemLocation>() - 4usize];
+    ["Offset of field: cudaMemLocation::type_"]
+        [::std::mem::offset_of!(cudaMemLocation, type_) - 0usize];
+    ["Offset of field: cudaMemLocation::id"][::std::mem::offset_of!(cudaMemLocation, id) - 4usize];
+};
+pub const cudaMemcpyFlags_cudaMemcpyFlagDefault: cudaMemcpyFlags = 0;
+pub const cudaMemcpyFlags_cudaMemcpyFlagPreferOverlapWithCompute: cudaMemcpyFlags = 1;
+pub type cudaMemcpyFlags = ::std::os::raw::c_uint;
+pub const cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderInvalid: cudaMemcpySrcAccessOrder = 0;
+pub const cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderStream: cudaMemcpySrcAccessOrder = 1;
+pub const cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderDuringApiCall: cudaMemcpySrcAccessOrder =
+    2;
+pub const cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderAny: cudaMemcpySrcAccessOrder = 3;
+pub const cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderMax: cudaMemcpySrcAccessOrder =
+    2147483647;
+pub type cudaMemcpySrcAccessOrder = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct cudaMemcpyAttributes {
+    pub srcAccessOrder: cudaMemcpySrcAccessOrder,
+    pub srcLocHint: cudaMemLocation,
+    pub dstLocHint: cudaMemLocation,
+    pub flags: ::std::os::raw::c_uint,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of cudaMemcpyAttributes"][::std::mem::size_of::<cudaMemcpyAttributes>() - 24usize];
+    ["Alignment of cudaMemcpyAttributes"][::std::mem::align_of::<cudaMemcpyAttributes>() - 4usize];
+    ["Offset of field: cudaMemcpyAttributes::srcAccessOrder"]
+        [::std::mem::offset_of!(cudaMemcpyAttributes, srcAccessOrder) - 0usize];
+    ["Offset of field: cudaMemcpyAttributes::srcLocHint"]
+        [::std::mem::offset_of!(cudaMemcpyAttributes, srcLocHint) - 4usize];
+    ["Offset of field: cudaMemcpyAttributes::dstLocHint"]
+        [::std::mem::offset_of!(cudaMemcpyAttributes, dstLocHint) - 12usize];
+    ["Offset of field: cudaMemcpyAttributes::flags"]
+        [::std::mem::offset_of!(cudaMemcpyAttributes, flags) - 20usize];
+};
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct CUuuid_st {
@@ -783,6 +836,18 @@ unsafe extern "C" {
         src: *const ::std::os::raw::c_void,
         count: usize,
         kind: cudaMemcpyKind,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaMemcpyBatchAsync(
+        dsts: *const *mut ::std::os::raw::c_void,
+        srcs: *const *const ::std::os::raw::c_void,
+        sizes: *const usize,
+        count: usize,
+        attrs: *mut cudaMemcpyAttributes,
+        attrsIdxs: *mut usize,
+        numAttrs: usize,
         stream: cudaStream_t,
     ) -> cudaError_t;
 }
