@@ -160,8 +160,10 @@ struct Queue {
 pub(crate) struct Shared {
     pub device: Device,
     slots: Vec<Slot>,
-    /// Indices of slots nobody has claimed.
-    free: Mutex<Vec<usize>>,
+    /// Indices of slots nobody has claimed, oldest release first: the slot claimed next is
+    /// the one whose DMA was queued longest ago (LIFO would hand out the slot whose DMA was
+    /// just queued, and the claimer would wait for the whole DMA queue ahead of it).
+    free: Mutex<std::collections::VecDeque<usize>>,
     slot_freed: Condvar,
     /// Slots that can still be claimed (a slot whose DMA could not be confirmed is retired).
     live: AtomicUsize,
@@ -229,7 +231,7 @@ impl Engine {
         }
         let shared = Arc::new(Shared {
             device: *device,
-            free: Mutex::new((0..slots).rev().collect()),
+            free: Mutex::new((0..slots).collect()),
             slots: made,
             slot_freed: Condvar::new(),
             live: AtomicUsize::new(slots),
@@ -434,7 +436,7 @@ impl Claim<'_> {
 impl Drop for Claim<'_> {
     fn drop(&mut self) {
         if !self.retired {
-            lock(&self.shared.free).push(self.index);
+            lock(&self.shared.free).push_back(self.index);
             self.shared.slot_freed.notify_one();
         }
     }
@@ -443,7 +445,7 @@ impl Drop for Claim<'_> {
 fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
     let mut free = lock(&shared.free);
     loop {
-        if let Some(index) = free.pop() {
+        if let Some(index) = free.pop_front() {
             return Ok(Claim {
                 shared,
                 index,

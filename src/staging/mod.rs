@@ -69,6 +69,8 @@ const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
 /// Pieces of mid-sized copies are cut down to spread them over the threads, but not below this.
 const MIN_PIECE: usize = 64 * KIB;
+/// Pieces per thread that mid-sized copies are cut into.
+const PIECES_PER_THREAD: usize = 4;
 
 impl Default for StagerConfig {
     fn default() -> Self {
@@ -342,10 +344,12 @@ impl Stager {
         }
     }
 
-    /// Piece size for a call of `bytes`: spread over the threads, between 64 KiB and a slot.
+    /// Piece size for a call of `bytes`: about four pieces per thread, so the first DMA starts
+    /// early and the copy engine never waits for a whole thread's share; between 64 KiB and a
+    /// slot.
     fn piece_bytes(&self, bytes: usize) -> usize {
         bytes
-            .div_ceil(self.config.threads)
+            .div_ceil(self.config.threads.saturating_mul(PIECES_PER_THREAD))
             .next_multiple_of(MIN_PIECE)
             .clamp(MIN_PIECE, self.config.slot_bytes)
     }
