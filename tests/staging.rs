@@ -22,7 +22,10 @@ const GUARD: usize = 4096;
 const GUARD_BYTE: u8 = 0xA5;
 
 fn main() {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // One trial at a time: a device-wide synchronisation in one trial (cudaFree, cudaHostAlloc)
+    // would stall the timing checks of another.
+    args.test_threads.get_or_insert(1);
     let no_gpu = !pinstream::available();
     let two_gpus = Device::count().is_ok_and(|n| n >= 2);
     let mut trials = Vec::new();

@@ -217,7 +217,7 @@ impl Stager {
             Host::Memory,
             &[t],
             &[d.tracker],
-            0,
+            None,
         )
     }
 
@@ -248,7 +248,7 @@ impl Stager {
             Host::Memory,
             &[t],
             &[s.tracker],
-            0,
+            None,
         )
     }
 
@@ -283,7 +283,7 @@ impl Stager {
             file.host(),
             &[t],
             &[d.tracker],
-            0,
+            None,
         )
     }
 
@@ -299,7 +299,7 @@ impl Stager {
             Host::Memory,
             &list.transfers,
             &list.trackers,
-            0,
+            None,
         )
     }
 
@@ -314,7 +314,7 @@ impl Stager {
             Host::Memory,
             &list.transfers,
             &list.trackers,
-            0,
+            None,
         )
     }
 
@@ -363,7 +363,7 @@ impl Stager {
         host: Host,
         transfers: &[Transfer],
         trackers: &[&Tracker],
-        merge_gap: u64,
+        merge_gap: Option<u64>,
     ) -> Result<()> {
         let total = transfers
             .iter()

@@ -192,7 +192,7 @@ impl Stager {
             Host::Memory,
             &transfers,
             &[d.tracker],
-            (PACK_ALIGN - 1) as u64,
+            Some((PACK_ALIGN - 1) as u64),
         )?;
         Ok(PackedBatch {
             id: packer.id,

@@ -4,8 +4,10 @@
 //! and a device address. A *piece* is what one worker does with one slot: it copies one or more
 //! *segments* between the host and the slot, and moves one or more *runs* between the slot and
 //! the device (one DMA each). Consecutive transfers whose device ranges follow each other (within
-//! `merge_gap` bytes, for the packed arena whose padding is its own) share a run, so a thousand
-//! small tensors packed together cost one DMA per slot, not a thousand.
+//! `merge_gap` bytes) share a run, so a thousand small tensors packed together cost one DMA per
+//! slot, not a thousand. Only the packed arena merges: it is one allocation whose padding is its
+//! own. Separate destinations never do, even when they happen to be adjacent in the address
+//! space: a DMA may not cross from one allocation into the next (the runtime refuses it).
 
 use std::ops::Range;
 
@@ -56,9 +58,10 @@ pub(crate) struct Plan {
 const RUN_ALIGN: usize = 256;
 
 /// Cuts `transfers` into pieces of at most `piece` bytes of slot space. Device ranges that
-/// follow the previous run within `merge_gap` bytes extend it (the gap is moved too, so only use
-/// a non-zero gap where the device bytes in gaps belong to the caller).
-pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: u64) -> Plan {
+/// follow the previous run within `merge_gap` bytes extend it (the gap is moved too, so only pass
+/// `Some` where all destinations lie in one allocation whose gaps belong to the caller); `None`
+/// never merges two transfers.
+pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: Option<u64>) -> Plan {
     let piece = piece.max(RUN_ALIGN);
     let mut p = Plan::default();
     // Slot bytes used by the open piece, and where its segments and runs start.
@@ -83,10 +86,10 @@ pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: u64) -> Plan
             let dev = t.dev + off as u64;
             // Extend the open run, or start a new one.
             let extend = match p.runs.last() {
-                Some(r) if p.runs.len() > run_start => {
+                Some(r) if p.runs.len() > run_start => merge_gap.and_then(|gap| {
                     let end = r.dev + r.len as u64;
-                    (dev >= end && dev - end <= merge_gap).then(|| (dev - end) as usize)
-                }
+                    (dev >= end && dev - end <= gap).then(|| (dev - end) as usize)
+                }),
                 _ => None,
             };
             let slot_off = match extend {
@@ -132,7 +135,7 @@ mod tests {
 
     /// Replays a plan on byte arrays: host -> slot -> device, checking every invariant.
     fn replay(transfers: &[Transfer], piece: usize, gap: u64) {
-        let plan = plan(transfers, piece, gap);
+        let plan = plan(transfers, piece, (gap > 0).then_some(gap));
         let host_len = transfers
             .iter()
             .map(|t| t.host as usize + t.len)
@@ -202,7 +205,7 @@ mod tests {
                 len: 10_000,
             }],
             4096,
-            0,
+            None,
         );
         assert_eq!(p.pieces.len(), 3);
         assert_eq!(p.runs.len(), 3);
@@ -219,7 +222,7 @@ mod tests {
             })
             .collect();
         replay(&scattered, 8192, 0);
-        let p = plan(&scattered, 8192, 0);
+        let p = plan(&scattered, 8192, None);
         assert_eq!(p.runs.len(), 100);
         assert!(p.pieces.len() < 100 / 4);
         // Packed: destinations 256-aligned with padding: one run per piece.
@@ -236,7 +239,7 @@ mod tests {
             })
             .collect();
         replay(&packed, 8192, 255);
-        let p = plan(&packed, 8192, 255);
+        let p = plan(&packed, 8192, Some(255));
         assert_eq!(p.runs.len(), p.pieces.len());
     }
 
@@ -273,8 +276,28 @@ mod tests {
     }
 
     #[test]
+    fn adjacent_destinations_are_not_merged() {
+        // Two allocations that happen to touch: one DMA each, never one across both.
+        let ts = [
+            Transfer {
+                host: 0,
+                dev: 4096,
+                len: 1000,
+            },
+            Transfer {
+                host: 1000,
+                dev: 5096,
+                len: 1000,
+            },
+        ];
+        assert_eq!(plan(&ts, 65536, None).runs.len(), 2);
+        assert_eq!(plan(&ts, 65536, Some(255)).runs.len(), 1);
+        replay(&ts, 65536, 0);
+    }
+
+    #[test]
     fn empty() {
-        assert!(plan(&[], 4096, 0).pieces.is_empty());
+        assert!(plan(&[], 4096, None).pieces.is_empty());
         let p = plan(
             &[Transfer {
                 host: 0,
@@ -282,7 +305,7 @@ mod tests {
                 len: 0,
             }],
             4096,
-            0,
+            None,
         );
         assert!(p.pieces.is_empty());
     }
