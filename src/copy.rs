@@ -289,7 +289,6 @@ impl Stream {
 }
 
 /// How `memcpy_batch` may read its sources (`cudaMemcpySrcAccessOrder`).
-#[allow(dead_code)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BatchSrcAccess {
     /// In stream order, after everything queued on the stream before the batch (events waited
@@ -298,10 +297,6 @@ pub(crate) enum BatchSrcAccess {
     /// Out of stream order; every read is done when the call returns, so the sources may be
     /// reused or freed right after it. Nothing queued earlier may still write the sources.
     DuringCall,
-    /// Out of stream order, possibly after the call returns (meant for memory from outside
-    /// CUDA, e.g. `malloc`). Nothing queued earlier may still write the sources, and they must
-    /// stay unchanged and alive until the stream passes the batch.
-    Any,
 }
 
 impl BatchSrcAccess {
@@ -311,7 +306,6 @@ impl BatchSrcAccess {
             BatchSrcAccess::DuringCall => {
                 sys::cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderDuringApiCall
             }
-            BatchSrcAccess::Any => sys::cudaMemcpySrcAccessOrder_cudaMemcpySrcAccessOrderAny,
         }
     }
 }
@@ -329,9 +323,8 @@ impl BatchSrcAccess {
 /// Every (dst, src, size) triple names live memory of the right kind, not freed or written by
 /// the host until the stream passes this point (nor a destination read by it before then), and
 /// no destination overlaps another copy's source or destination in the batch. With
-/// `BatchSrcAccess::DuringCall` or `Any` no work queued earlier (on any stream) may still write
+/// `BatchSrcAccess::DuringCall` no work queued earlier (on any stream) may still write
 /// a source, as those orders do not wait for it.
-#[allow(dead_code)]
 pub(crate) unsafe fn memcpy_batch(
     stream: &Stream,
     dsts: &[*mut c_void],
@@ -417,4 +410,56 @@ pub(crate) unsafe fn memcpy_batch(
             format!("{count} copies, {total} bytes, {what}, {src_access:?} source order")
         },
     )
+}
+
+/// Copies each plain slice of `srcs` into the device buffer at the same index with one
+/// `cudaMemcpyBatchAsync` that reads the sources during the call, then waits for the stream
+/// (the measured alternative to packing; see `bench::staging::many`).
+pub(crate) fn batch_h2d_pageable(
+    stream: &Stream,
+    srcs: &[&[u8]],
+    dsts: &mut [crate::memory::DeviceBuffer<u8>],
+) -> Result<()> {
+    const OP: &str = "batch_h2d_pageable";
+    if srcs.len() != dsts.len() {
+        return Err(Error::LengthMismatch {
+            op: OP,
+            src: srcs.len(),
+            dst: dsts.len(),
+        });
+    }
+    let mut d = Vec::with_capacity(dsts.len());
+    let mut s = Vec::with_capacity(srcs.len());
+    let mut n = Vec::with_capacity(srcs.len());
+    for (src, dst) in srcs.iter().zip(dsts.iter_mut()) {
+        let r = crate::memory::sealed::DeviceMem::device_region(&*dst);
+        same_len(OP, src.len(), r.len)?;
+        stream.same_device(OP, r.device)?;
+        if r.len == 0 {
+            continue;
+        }
+        // Every destination waits for its own earlier uses on this stream first.
+        r.tracker.wait_on(stream)?;
+        d.push(r.ptr);
+        s.push(src.as_ptr().cast::<c_void>());
+        n.push(r.len);
+    }
+    if d.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: each source is a live borrowed slice read during the call (DuringCall), which
+    // nothing on the GPU writes; each destination is a distinct device buffer borrowed mutably
+    // (so no two overlap) whose earlier uses the stream waits for (above); the stream is
+    // synchronised before the borrows end, so nothing is read or freed under the copies.
+    unsafe {
+        memcpy_batch(
+            stream,
+            &d,
+            &s,
+            &n,
+            sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+            BatchSrcAccess::DuringCall,
+        )?
+    };
+    stream.synchronize()
 }

@@ -40,6 +40,10 @@ fn main() {
         concurrent_threads_two_streams,
     );
     gpu("many/upload_download_all", many_upload_download_all);
+    gpu(
+        "many/upload_download_all_no_batch",
+        many_upload_download_all_no_batch,
+    );
     gpu("packed/mixed_types", packed_mixed_types);
     gpu(
         "packed/foreign_handle_refused",
@@ -77,6 +81,7 @@ fn config(threads: usize, slot_kib: usize, slots: usize) -> StagerConfig {
         slot_bytes: slot_kib << 10,
         slots,
         min_bytes: 0,
+        batch_copies: true,
     }
 }
 
@@ -246,9 +251,23 @@ fn concurrent_threads_two_streams() -> R {
 }
 
 fn many_upload_download_all() -> R {
+    many_lists(true)
+}
+
+fn many_upload_download_all_no_batch() -> R {
+    many_lists(false)
+}
+
+fn many_lists(batch_copies: bool) -> R {
     let dev = dev0()?;
     let stream = dev.stream()?;
-    let stager = Stager::new(&dev, config(4, 256, 8))?;
+    let stager = Stager::new(
+        &dev,
+        StagerConfig {
+            batch_copies,
+            ..config(4, 256, 8)
+        },
+    )?;
     let (mut rng, seed) = rng();
     // Mixed sizes (including 0 and bigger than a slot) and two element types.
     let sizes: Vec<usize> = (0..300)

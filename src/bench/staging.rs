@@ -183,7 +183,7 @@ pub fn many(
     let mut dsts: Vec<DeviceBuffer<f32>> = (0..count)
         .map(|_| DeviceBuffer::new(&device, elems))
         .collect::<Result<_>>()?;
-    let note = format!("{count} x {elems} f32; {}", describe(stager));
+    let note = format!("{count} x {elems} f32, batch copies; {}", describe(stager));
     let mut out = Vec::new();
     out.push(measure(
         "many: loop of copies",
@@ -211,6 +211,44 @@ pub fn many(
             stream.synchronize()
         },
     )?);
+    let plain = Stager::new(
+        &device,
+        crate::staging::StagerConfig {
+            batch_copies: false,
+            ..stager.config().clone()
+        },
+    )?;
+    out.push(measure(
+        "many: upload_all, no batch",
+        bytes,
+        samples,
+        format!("one cudaMemcpyAsync per tensor; {}", describe(&plain)),
+        || {
+            let mut list = Uploads::new();
+            for (s, d) in srcs.iter().zip(dsts.iter_mut()) {
+                list.push(s, d)?;
+            }
+            plain.upload_all(stream, list)?;
+            stream.synchronize()
+        },
+    )?);
+    drop(plain);
+    let mut raw: Vec<DeviceBuffer<u8>> = (0..count)
+        .map(|_| DeviceBuffer::new(&device, elems * 4))
+        .collect::<Result<_>>()?;
+    let byte_srcs: Vec<&[u8]> = srcs.iter().map(|s| bytemuck::cast_slice(s)).collect();
+    out.push(measure(
+        "many: cudaMemcpyBatchAsync",
+        bytes,
+        samples,
+        "one batch straight from the pageable tensors (source read during the call)",
+        || crate::copy::batch_h2d_pageable(stream, &byte_srcs, &mut raw),
+    )?);
+    for i in [0, count / 2, count - 1] {
+        let mut back = vec![0u8; elems * 4];
+        stream.copy_d2h(&raw[i], &mut back[..])?.wait()?;
+        verify("cudaMemcpyBatchAsync", &back, byte_srcs[i])?;
+    }
     let mut last = None;
     out.push(measure(
         "many: upload_packed",

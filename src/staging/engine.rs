@@ -15,7 +15,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use super::plan::{Piece, Plan};
-use crate::copy::memcpy;
+use crate::copy::{memcpy, BatchSrcAccess};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
@@ -85,6 +85,8 @@ pub(crate) struct Job {
     pub host: Host,
     pub stream: Stream,
     pub plan: Plan,
+    /// Pieces with several runs move them with one `cudaMemcpyBatchAsync`.
+    pub batch: bool,
     next: AtomicUsize,
     failed: AtomicBool,
     /// Set once any DMA was queued: the caller must then track the work even if it failed.
@@ -114,6 +116,7 @@ impl Job {
             host,
             stream,
             plan,
+            batch: false,
             next: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
             queued: AtomicBool::new(false),
@@ -532,6 +535,9 @@ fn queue_runs(
     runs: &[super::plan::Run],
     kind: sys::cudaMemcpyKind,
 ) -> Result<()> {
+    if job.batch && runs.len() > 1 {
+        return queue_batch(job, stream, slot, runs, kind);
+    }
     for r in runs {
         // The slot side stays inside the slot (the planner keeps `slot_off + len <= piece`).
         let at = slot.ptr.wrapping_add(r.slot_off).cast::<c_void>();
@@ -544,6 +550,42 @@ fn queue_runs(
         job.queued.store(true, Ordering::Release);
     }
     Ok(())
+}
+
+/// The piece's runs as one `cudaMemcpyBatchAsync` in stream order.
+fn queue_batch(
+    job: &Job,
+    stream: &Stream,
+    slot: &Slot,
+    runs: &[super::plan::Run],
+    kind: sys::cudaMemcpyKind,
+) -> Result<()> {
+    let mut dsts = Vec::with_capacity(runs.len());
+    let mut srcs = Vec::with_capacity(runs.len());
+    let mut sizes = Vec::with_capacity(runs.len());
+    for r in runs {
+        let at = slot.ptr.wrapping_add(r.slot_off).cast::<c_void>();
+        let dev = r.dev as usize as *mut c_void;
+        let (dst, src) = match kind {
+            sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (dev, at.cast_const()),
+            _ => (at, dev.cast_const()),
+        };
+        dsts.push(dst);
+        srcs.push(src);
+        sizes.push(r.len);
+    }
+    // SAFETY: as for one run in `queue_runs`: each slot range lies in the claimed slot, whose
+    // event (recorded after this batch) guards its reuse; each device range lies in a
+    // destination (or source) the caller holds borrowed and tracked, the runs of a piece never
+    // overlap, and stream order (`BatchSrcAccess::Stream`) keeps the batch after the stream's
+    // wait for the job's start.
+    let queued = unsafe {
+        crate::copy::memcpy_batch(stream, &dsts, &srcs, &sizes, kind, BatchSrcAccess::Stream)
+    };
+    if queued.is_ok() {
+        job.queued.store(true, Ordering::Release);
+    }
+    queued
 }
 
 /// Records the slot's event after its DMAs; if that fails, waits for the stream instead, and

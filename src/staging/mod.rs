@@ -63,6 +63,9 @@ pub struct StagerConfig {
     /// Copies smaller than this skip the engine and go through [`Stream::copy_h2d`] /
     /// [`Stream::copy_d2h`].
     pub min_bytes: usize,
+    /// Move the many small runs of one slot (lists of small tensors) with one
+    /// `cudaMemcpyBatchAsync` instead of one `cudaMemcpyAsync` each.
+    pub batch_copies: bool,
 }
 
 const KIB: usize = 1 << 10;
@@ -81,6 +84,7 @@ impl Default for StagerConfig {
             slot_bytes: 2 * MIB,
             slots: 2 * threads,
             min_bytes: 256 * KIB,
+            batch_copies: true,
         }
     }
 }
@@ -88,7 +92,8 @@ impl Default for StagerConfig {
 impl StagerConfig {
     /// The defaults, with each field overridden by its environment variable where set:
     /// `PINSTREAM_STAGING_THREADS`, `PINSTREAM_STAGING_SLOT_BYTES`, `PINSTREAM_STAGING_SLOTS`,
-    /// `PINSTREAM_STAGING_MIN_BYTES` (sizes accept `K`/`M`/`G` suffixes, powers of 1024).
+    /// `PINSTREAM_STAGING_MIN_BYTES` (sizes accept `K`/`M`/`G` suffixes, powers of 1024), and
+    /// `PINSTREAM_STAGING_BATCH=0` to turn `batch_copies` off.
     pub fn from_env() -> Result<StagerConfig> {
         let mut c = StagerConfig::default();
         let read = |name: &'static str, field: &mut usize| -> Result<()> {
@@ -106,6 +111,9 @@ impl StagerConfig {
         read("PINSTREAM_STAGING_SLOT_BYTES", &mut c.slot_bytes)?;
         read("PINSTREAM_STAGING_SLOTS", &mut c.slots)?;
         read("PINSTREAM_STAGING_MIN_BYTES", &mut c.min_bytes)?;
+        if let Ok(v) = std::env::var("PINSTREAM_STAGING_BATCH") {
+            c.batch_copies = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
         c.validate()?;
         Ok(c)
     }
@@ -374,11 +382,11 @@ impl Stager {
         }
         let plan = plan::plan(transfers, self.piece_bytes(total), merge_gap);
         stream.enter()?;
+        let mut job = Job::new(op, direction, host, stream.clone(), plan);
+        job.batch = self.config.batch_copies;
         let mut outcome = Ok(());
         tracker::ordered(stream, trackers, || {
-            let job = self
-                .engine
-                .execute(Job::new(op, direction, host, stream.clone(), plan));
+            let job = self.engine.execute(job);
             outcome = job.result();
             // Once a DMA was queued, the device side must be tracked even if a piece failed.
             if job.queued_any() {
