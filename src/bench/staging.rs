@@ -141,6 +141,34 @@ pub fn compare(
     stream.copy_d2h(&d, &mut back[..])?.wait()?;
     verify("staged h2d", &back, &src)?;
 
+    // The same source in transparent huge pages (MADV_HUGEPAGE), for both ways.
+    let mut thp = crate::memory::HugePageBuf::new(bytes, stager.config().threads)?;
+    thp.as_mut_slice()[..bytes].copy_from_slice(&src);
+    let thp_src = &thp.as_slice()[..bytes];
+    out.push(measure(
+        "pageable h2d, THP source",
+        bytes,
+        samples,
+        "MADV_HUGEPAGE",
+        || {
+            stream.copy_h2d(thp_src, &mut d)?;
+            stream.synchronize()
+        },
+    )?);
+    out.push(measure(
+        "staged h2d, THP source",
+        bytes,
+        samples,
+        format!("MADV_HUGEPAGE; {}", describe(stager)),
+        || {
+            stager.upload(stream, thp_src, &mut d)?;
+            stream.synchronize()
+        },
+    )?);
+    stream.copy_d2h(&d, &mut back[..])?.wait()?;
+    verify("staged h2d, THP source", &back, &src)?;
+    drop(thp);
+
     out.push(measure(
         "pageable d2h",
         bytes,
