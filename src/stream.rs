@@ -141,6 +141,26 @@ impl Stream {
         )
     }
 
+    /// `record` for a thread whose current device is already the stream's (the staging
+    /// workers set it once), without the `cudaSetDevice` call.
+    pub(crate) fn record_here(&self, event: &crate::event::Event) -> Result<()> {
+        self.same_device("Stream::record", event.device())?;
+        // SAFETY: event and stream are live and on the same device, which is current.
+        check(
+            unsafe { sys::cudaEventRecord(event.as_raw(), self.inner.raw) },
+            "cudaEventRecord",
+        )
+    }
+
+    /// `wait` without the `cudaSetDevice` call, as `record_here`.
+    pub(crate) fn wait_here(&self, event: &crate::event::Event) -> Result<()> {
+        // SAFETY: event and stream are live; cross-device waits are allowed.
+        check(
+            unsafe { sys::cudaStreamWaitEvent(self.inner.raw, event.as_raw(), 0) },
+            "cudaStreamWaitEvent",
+        )
+    }
+
     /// Makes all later work on this stream wait for `event` (which may be on another device).
     /// Waiting for an event never recorded is a no-op.
     pub fn wait<E: AnyEvent>(&self, event: &E) -> Result<()> {

@@ -287,7 +287,7 @@ impl Engine {
             shared.pending.fetch_add(1, Ordering::Release);
             shared.work.notify_all();
         }
-        run_job(shared, &job, &job.stream);
+        run_job(shared, &job, &job.stream, || Ok(()));
         if helpers {
             // No one joins after this...
             lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
@@ -357,16 +357,18 @@ fn worker(shared: Arc<Shared>, stream: Stream) {
 /// A worker's share of a job on its own stream, which first waits for the job's start and
 /// afterwards records a done event for the caller.
 fn work_on(shared: &Shared, job: &Job, stream: &Stream) {
-    if let Some(start) = &job.start {
-        if let Err(e) = stream.wait(start) {
-            job.fail(e);
-            return;
-        }
-    }
-    if !run_job(shared, job, stream) {
+    // The wait for the job's start is only queued once this worker has a piece: a worker that
+    // joins as the last pieces are taken costs no runtime call.
+    let start = || match &job.start {
+        Some(start) => stream.wait_here(start),
+        None => Ok(()),
+    };
+    if !run_job(shared, job, stream, start) {
         return;
     }
-    let done = shared.event().and_then(|e| stream.record(&e).map(|()| e));
+    let done = shared
+        .event()
+        .and_then(|e| stream.record_here(&e).map(|()| e));
     match done {
         Ok(e) => lock(&job.done).push(e),
         Err(e) => {
@@ -381,9 +383,16 @@ fn work_on(shared: &Shared, job: &Job, stream: &Stream) {
     }
 }
 
-/// Takes pieces until none is left; returns whether this thread queued any DMA.
-fn run_job(shared: &Shared, job: &Job, stream: &Stream) -> bool {
+/// Takes pieces until none is left; `first` runs before the first piece this thread takes.
+/// Returns whether this thread took any piece (and so may have queued DMAs).
+fn run_job(
+    shared: &Shared,
+    job: &Job,
+    stream: &Stream,
+    first: impl FnOnce() -> Result<()>,
+) -> bool {
     let mut queued = false;
+    let mut first = Some(first);
     loop {
         if job.failed.load(Ordering::Relaxed) {
             return queued;
@@ -392,6 +401,12 @@ fn run_job(shared: &Shared, job: &Job, stream: &Stream) -> bool {
         let Some(piece) = job.plan.pieces.get(i) else {
             return queued;
         };
+        if let Some(first) = first.take() {
+            if let Err(e) = first() {
+                job.fail(e);
+                return queued;
+            }
+        }
         queued = true;
         let outcome = catch_unwind(AssertUnwindSafe(|| run_piece(shared, job, stream, piece)));
         match outcome {
@@ -591,7 +606,7 @@ fn queue_batch(
 /// Records the slot's event after its DMAs; if that fails, waits for the stream instead, and
 /// retires the slot if even that fails.
 fn after_dma(claim: &mut Claim<'_>, stream: &Stream) -> Result<()> {
-    let recorded = stream.record(&claim.slot().event);
+    let recorded = stream.record_here(&claim.slot().event);
     if let Err(e) = recorded {
         if let Err(wait) = stream.synchronize() {
             claim.retire(&wait);

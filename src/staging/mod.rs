@@ -70,10 +70,14 @@ pub struct StagerConfig {
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
-/// Pieces of mid-sized copies are cut down to spread them over the threads, but not below this.
+/// Slot sizes are multiples of this.
 const MIN_PIECE: usize = 64 * KIB;
+/// Mid-sized copies are cut into pieces smaller than a slot to spread them over the threads,
+/// but not below this: every piece costs two or three runtime calls, which the runtime
+/// serialises across threads.
+const MIN_SPLIT: usize = 256 * KIB;
 /// Pieces per thread that mid-sized copies are cut into.
-const PIECES_PER_THREAD: usize = 4;
+const PIECES_PER_THREAD: usize = 2;
 
 impl Default for StagerConfig {
     fn default() -> Self {
@@ -354,14 +358,17 @@ impl Stager {
         }
     }
 
-    /// Piece size for a call of `bytes`: about four pieces per thread, so the first DMA starts
-    /// early and the copy engine never waits for a whole thread's share; between 64 KiB and a
+    /// Piece size for a call of `bytes`: about two pieces per thread, so the first DMA starts
+    /// early and the copy engine never waits for a whole thread's share; between 256 KiB and a
     /// slot.
     fn piece_bytes(&self, bytes: usize) -> usize {
         bytes
             .div_ceil(self.config.threads.saturating_mul(PIECES_PER_THREAD))
             .next_multiple_of(MIN_PIECE)
-            .clamp(MIN_PIECE, self.config.slot_bytes)
+            .clamp(
+                MIN_SPLIT.min(self.config.slot_bytes),
+                self.config.slot_bytes,
+            )
     }
 
     #[allow(clippy::too_many_arguments)]
