@@ -87,6 +87,8 @@ pub(crate) struct Job {
     pub plan: Plan,
     /// Pieces with several runs move them with one `cudaMemcpyBatchAsync`.
     pub batch: bool,
+    /// Workers that may join (besides the caller).
+    pub helpers: usize,
     next: AtomicUsize,
     failed: AtomicBool,
     /// Set once any DMA was queued: the caller must then track the work even if it failed.
@@ -119,6 +121,7 @@ impl Job {
             stream,
             plan,
             batch: false,
+            helpers: usize::MAX,
             next: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
             queued: AtomicBool::new(false),
@@ -293,7 +296,7 @@ impl Engine {
     /// job's host memory any more.
     pub fn execute(&self, mut job: Job) -> Arc<Job> {
         let shared = &self.shared;
-        let mut helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty();
+        let mut helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty() && job.helpers > 0;
         if helpers && job.direction == Direction::Upload {
             return self.execute_upload(job);
         }
@@ -458,10 +461,18 @@ fn worker(shared: Arc<Shared>, stream: Stream) {
                 if q.shutdown {
                     return;
                 }
-                if let Some(job) = q.jobs.iter().find(|j| j.has_work()) {
+                let mut joined = None;
+                for job in q.jobs.iter().filter(|j| j.has_work()) {
                     // Joined under the queue lock, while the job is still queued.
-                    *lock(&job.active) += 1;
-                    break job.clone();
+                    let mut active = lock(&job.active);
+                    if *active < job.helpers {
+                        *active += 1;
+                        joined = Some(job.clone());
+                        break;
+                    }
+                }
+                if let Some(job) = joined {
+                    break job;
                 }
                 q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }

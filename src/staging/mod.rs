@@ -78,6 +78,8 @@ const MIN_PIECE: usize = 64 * KIB;
 const MIN_SPLIT: usize = 256 * KIB;
 /// Pieces per thread that mid-sized copies are cut into.
 const PIECES_PER_THREAD: usize = 2;
+/// A call gets one thread per this many bytes (up to `threads`).
+const BYTES_PER_THREAD: usize = 2 * MIB;
 
 impl Default for StagerConfig {
     fn default() -> Self {
@@ -89,7 +91,7 @@ impl Default for StagerConfig {
             threads,
             slot_bytes: 2 * MIB,
             slots: 2 * threads,
-            min_bytes: 256 * KIB,
+            min_bytes: MIB,
             batch_copies: true,
         }
     }
@@ -358,12 +360,21 @@ impl Stager {
         }
     }
 
+    /// Threads that work on a call of `bytes`: one per `BYTES_PER_THREAD`, at most all. More
+    /// threads on a mid-sized copy only contend (on the H100 host an 8 MiB upload took 0.51 ms
+    /// on 4 threads and 1.03 ms on 12).
+    fn threads_for(&self, bytes: usize) -> usize {
+        bytes
+            .div_ceil(BYTES_PER_THREAD)
+            .clamp(1, self.config.threads)
+    }
+
     /// Piece size for a call of `bytes`: about two pieces per thread, so the first DMA starts
     /// early and the copy engine never waits for a whole thread's share; between 256 KiB and a
     /// slot.
     fn piece_bytes(&self, bytes: usize) -> usize {
         bytes
-            .div_ceil(self.config.threads.saturating_mul(PIECES_PER_THREAD))
+            .div_ceil(self.threads_for(bytes).saturating_mul(PIECES_PER_THREAD))
             .next_multiple_of(MIN_PIECE)
             .clamp(
                 MIN_SPLIT.min(self.config.slot_bytes),
@@ -393,6 +404,7 @@ impl Stager {
         stream.enter()?;
         let mut job = Job::new(op, direction, host, stream.clone(), plan);
         job.batch = self.config.batch_copies;
+        job.helpers = self.threads_for(total) - 1;
         let mut outcome = Ok(());
         tracker::ordered(stream, trackers, || {
             let job = self.engine.execute(job);
