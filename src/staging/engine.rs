@@ -102,8 +102,6 @@ pub(crate) struct Job {
     /// Recorded on each worker's stream after its last DMA of the job: the caller's stream
     /// waits for all of them before the job's end is tracked.
     done: Mutex<Vec<Event>>,
-    /// Uploads: (piece, slot) pairs the workers have filled, for the caller to move.
-    ready: Mutex<Vec<(usize, usize)>>,
 }
 
 impl Job {
@@ -130,27 +128,6 @@ impl Job {
             left: Condvar::new(),
             start: None,
             done: Mutex::new(Vec::new()),
-            ready: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// The next piece nobody has taken, if any (and the job has not failed).
-    fn take_piece(&self) -> Option<usize> {
-        if self.failed.load(Ordering::Relaxed) {
-            return None;
-        }
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
-        (i < self.plan.pieces.len()).then_some(i)
-    }
-
-    fn record_outcome(&self, outcome: std::thread::Result<Result<()>>) {
-        match outcome {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => self.fail(e),
-            Err(panic) => self.fail(Error::Panicked {
-                op: self.op,
-                message: panic_message(&*panic),
-            }),
         }
     }
 
@@ -297,9 +274,6 @@ impl Engine {
     pub fn execute(&self, mut job: Job) -> Arc<Job> {
         let shared = &self.shared;
         let mut helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty() && job.helpers > 0;
-        if helpers && job.direction == Direction::Upload {
-            return self.execute_upload(job);
-        }
         if helpers {
             // Workers' streams start after everything queued on the caller's stream so far.
             match shared
@@ -339,99 +313,6 @@ impl Engine {
                 }
             }
             shared.give_back(done);
-        }
-        job
-    }
-}
-
-impl Engine {
-    /// An upload with workers: they fill slots, the caller moves them (every DMA of the job is
-    /// queued by one thread on the caller's stream: no runtime calls from the workers, which
-    /// the runtime would serialise, and no stream joins).
-    fn execute_upload(&self, job: Job) -> Arc<Job> {
-        let shared = &self.shared;
-        let job = Arc::new(job);
-        let pieces = job.plan.pieces.len();
-        lock(&shared.queue).jobs.push(job.clone());
-        shared.pending.fetch_add(1, Ordering::Release);
-        shared.work.notify_all();
-        let mut queued = true;
-        let mut finished = 0usize;
-        loop {
-            let ready = std::mem::take(&mut *lock(&job.ready));
-            for (piece, index) in ready {
-                finished += 1;
-                let mut claim = Claim {
-                    shared,
-                    index,
-                    retired: false,
-                };
-                if !job.failed.load(Ordering::Relaxed) {
-                    let outcome = catch_unwind(AssertUnwindSafe(|| {
-                        move_piece(&job, &mut claim, &job.plan.pieces[piece])
-                    }));
-                    job.record_outcome(outcome);
-                }
-            }
-            if finished == pieces {
-                break;
-            }
-            // The caller fills a piece itself only with a slot it can have at once: it must
-            // never block on a slot, since only the caller gives back the slots the workers
-            // filled.
-            let mut taken = false;
-            if let Some(mut claim) = try_claim(shared) {
-                if let Some(i) = job.take_piece() {
-                    finished += 1;
-                    taken = true;
-                    let outcome = catch_unwind(AssertUnwindSafe(|| {
-                        let piece = &job.plan.pieces[i];
-                        fill_into(&job, &mut claim, piece)?;
-                        move_piece(&job, &mut claim, piece)
-                    }));
-                    job.record_outcome(outcome);
-                }
-            }
-            if taken {
-                continue;
-            }
-            if job.next.load(Ordering::Relaxed) < pieces && !job.failed.load(Ordering::Relaxed) {
-                // Pieces are left but every slot is out: move what the workers have filled.
-                std::thread::yield_now();
-                continue;
-            }
-            // Every piece is taken: no one may join any more.
-            if queued {
-                lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
-                shared.pending.fetch_sub(1, Ordering::Release);
-                queued = false;
-            }
-            // After a failure, pieces that were given up never arrive: stop once every worker
-            // has left and nothing is ready.
-            if job.failed.load(Ordering::Relaxed)
-                && *lock(&job.active) == 0
-                && lock(&job.ready).is_empty()
-            {
-                break;
-            }
-            std::thread::yield_now();
-        }
-        if queued {
-            lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
-            shared.pending.fetch_sub(1, Ordering::Release);
-        }
-        let mut active = lock(&job.active);
-        while *active > 0 {
-            active = job.left.wait(active).unwrap_or_else(|e| e.into_inner());
-        }
-        drop(active);
-        // Slots filled after a failure go back unmoved.
-        for (_, index) in std::mem::take(&mut *lock(&job.ready)) {
-            drop(Claim {
-                shared,
-                index,
-                retired: false,
-            });
         }
         job
     }
@@ -477,29 +358,10 @@ fn worker(shared: Arc<Shared>, stream: Stream) {
                 q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        if job.direction == Direction::Upload {
-            fill_only(&shared, &job);
-        } else {
-            work_on(&shared, &job, &stream);
-        }
+        work_on(&shared, &job, &stream);
         let mut active = lock(&job.active);
         *active -= 1;
         job.left.notify_all();
-    }
-}
-
-/// A worker's share of an upload: fill slots and hand them to the caller, who moves them.
-fn fill_only(shared: &Shared, job: &Job) {
-    while let Some(i) = job.take_piece() {
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            let claim = fill_piece(shared, job, &job.plan.pieces[i])?;
-            let index = claim.index;
-            // The claim goes to the caller with the pair; it releases the slot after the DMA.
-            std::mem::forget(claim);
-            lock(&job.ready).push((i, index));
-            Ok(())
-        }));
-        job.record_outcome(outcome);
     }
 }
 
@@ -558,7 +420,14 @@ fn run_job(
         }
         queued = true;
         let outcome = catch_unwind(AssertUnwindSafe(|| run_piece(shared, job, stream, piece)));
-        job.record_outcome(outcome);
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => job.fail(e),
+            Err(panic) => job.fail(Error::Panicked {
+                op: job.op,
+                message: panic_message(&*panic),
+            }),
+        }
     }
 }
 
@@ -602,16 +471,6 @@ impl Drop for Claim<'_> {
     }
 }
 
-/// A free slot if there is one now.
-fn try_claim(shared: &Shared) -> Option<Claim<'_>> {
-    let index = lock(&shared.free).pop_front()?;
-    Some(Claim {
-        shared,
-        index,
-        retired: false,
-    })
-}
-
 fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
     let mut free = lock(&shared.free);
     loop {
@@ -633,39 +492,6 @@ fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
             .wait(free)
             .unwrap_or_else(|e| e.into_inner());
     }
-}
-
-/// Claims a slot and copies the piece's host side into it (uploads).
-fn fill_piece<'a>(shared: &'a Shared, job: &Job, piece: &Piece) -> Result<Claim<'a>> {
-    let mut claim = claim(shared, job.op)?;
-    fill_into(job, &mut claim, piece)?;
-    Ok(claim)
-}
-
-/// Copies the piece's host side into the claimed slot, after the slot's last DMA.
-fn fill_into(job: &Job, claim: &mut Claim<'_>, piece: &Piece) -> Result<()> {
-    if let Err(e) = claim.slot().event.synchronize() {
-        claim.retire(&e);
-        return Err(e);
-    }
-    for s in &job.plan.segments[piece.segments.clone()] {
-        fill(job, claim.slot(), s.host, s.slot_off, s.len)?;
-    }
-    Ok(())
-}
-
-/// Queues a filled piece's DMAs on the caller's stream and records its slot's event.
-fn move_piece(job: &Job, claim: &mut Claim<'_>, piece: &Piece) -> Result<()> {
-    let runs = &job.plan.runs[piece.runs.clone()];
-    let queued = queue_runs(
-        job,
-        &job.stream,
-        claim.slot(),
-        runs,
-        sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-    );
-    after_dma(claim, &job.stream)?;
-    queued
 }
 
 fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Result<()> {

@@ -79,7 +79,7 @@ const MIN_SPLIT: usize = 256 * KIB;
 /// Pieces per thread that mid-sized copies are cut into.
 const PIECES_PER_THREAD: usize = 2;
 /// A call gets one thread per this many bytes (up to `threads`).
-const BYTES_PER_THREAD: usize = 2 * MIB;
+const BYTES_PER_THREAD: usize = MIB;
 
 impl Default for StagerConfig {
     fn default() -> Self {
@@ -361,8 +361,7 @@ impl Stager {
     }
 
     /// Threads that work on a call of `bytes`: one per `BYTES_PER_THREAD`, at most all. More
-    /// threads on a mid-sized copy only contend (on the H100 host an 8 MiB upload took 0.51 ms
-    /// on 4 threads and 1.03 ms on 12).
+    /// threads on a mid-sized copy only contend (BENCHMARKS.md).
     fn threads_for(&self, bytes: usize) -> usize {
         bytes
             .div_ceil(BYTES_PER_THREAD)
