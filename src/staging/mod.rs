@@ -91,7 +91,7 @@ impl Default for StagerConfig {
             threads,
             slot_bytes: 2 * MIB,
             slots: 2 * threads,
-            min_bytes: MIB,
+            min_bytes: 4 * MIB,
             batch_copies: true,
         }
     }
