@@ -59,6 +59,55 @@ impl Drop for Slot {
     }
 }
 
+/// Timestamps of one job's steps, printed to stderr when `PINSTREAM_STAGING_TRACE` is set (a
+/// diagnostic for the mid-sized copies, where overheads rival the copy).
+#[derive(Debug)]
+pub(crate) struct Trace {
+    t0: std::time::Instant,
+    events: Mutex<Vec<(std::time::Duration, u64, &'static str, usize)>>,
+}
+
+thread_local! {
+    static THREAD_NO: u64 = {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    };
+}
+
+impl Trace {
+    pub fn enabled() -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var_os("PINSTREAM_STAGING_TRACE").is_some())
+    }
+
+    fn new() -> Trace {
+        Trace {
+            t0: std::time::Instant::now(),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn mark(&self, what: &'static str, piece: usize) {
+        let t = self.t0.elapsed();
+        let thread = THREAD_NO.with(|n| *n);
+        lock(&self.events).push((t, thread, what, piece));
+    }
+
+    /// One line per step, in time order.
+    pub fn print(&self, op: &str, bytes: usize) {
+        let mut ev = std::mem::take(&mut *lock(&self.events));
+        ev.sort_by_key(|e| e.0);
+        let mut out = format!("pinstream trace: {op} {bytes} bytes\n");
+        for (t, thread, what, piece) in ev {
+            out.push_str(&format!(
+                "  {:>9.1} us  t{thread:<3} {what:<10} {piece}\n",
+                t.as_secs_f64() * 1e6
+            ));
+        }
+        eprint!("{out}");
+    }
+}
+
 /// Where a job's host side lives.
 #[derive(Clone, Debug)]
 pub(crate) enum Host {
@@ -89,6 +138,7 @@ pub(crate) struct Job {
     pub batch: bool,
     /// Workers that may join (besides the caller).
     pub helpers: usize,
+    pub trace: Option<Trace>,
     next: AtomicUsize,
     failed: AtomicBool,
     /// Set once any DMA was queued: the caller must then track the work even if it failed.
@@ -120,6 +170,7 @@ impl Job {
             plan,
             batch: false,
             helpers: usize::MAX,
+            trace: Trace::enabled().then(Trace::new),
             next: AtomicUsize::new(0),
             failed: AtomicBool::new(false),
             queued: AtomicBool::new(false),
@@ -128,6 +179,12 @@ impl Job {
             left: Condvar::new(),
             start: None,
             done: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn mark(&self, what: &'static str, piece: usize) {
+        if let Some(t) = &self.trace {
+            t.mark(what, piece);
         }
     }
 
@@ -272,6 +329,7 @@ impl Engine {
     /// Runs `job` on the calling thread and the workers; returns when no thread touches the
     /// job's host memory any more.
     pub fn execute(&self, mut job: Job) -> Arc<Job> {
+        job.mark("execute", 0);
         let shared = &self.shared;
         let mut helpers = job.plan.pieces.len() > 1 && !self.workers.is_empty() && job.helpers > 0;
         if helpers {
@@ -289,8 +347,10 @@ impl Engine {
             lock(&shared.queue).jobs.push(job.clone());
             shared.pending.fetch_add(1, Ordering::Release);
             shared.work.notify_all();
+            job.mark("notified", 0);
         }
         run_job(shared, &job, &job.stream, || Ok(()));
+        job.mark("caller-end", 0);
         if helpers {
             // No one joins after this...
             lock(&shared.queue).jobs.retain(|j| !Arc::ptr_eq(j, &job));
@@ -313,6 +373,7 @@ impl Engine {
                 }
             }
             shared.give_back(done);
+            job.mark("joined", 0);
         }
         job
     }
@@ -358,7 +419,9 @@ fn worker(shared: Arc<Shared>, stream: Stream) {
                 q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
+        job.mark("join", 0);
         work_on(&shared, &job, &stream);
+        job.mark("leave", 0);
         let mut active = lock(&job.active);
         *active -= 1;
         job.left.notify_all();
@@ -495,14 +558,18 @@ fn claim<'a>(shared: &'a Shared, op: &'static str) -> Result<Claim<'a>> {
 }
 
 fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Result<()> {
+    let index = piece.segments.start;
+    job.mark("piece", index);
     let mut claim = claim(shared, job.op)?;
     let slot = claim.slot();
+    job.mark("claimed", index);
     // The previous DMA on this slot (from any job, on any stream) is over before the host
     // touches it.
     if let Err(e) = slot.event.synchronize() {
         claim.retire(&e);
         return Err(e);
     }
+    job.mark("synced", index);
     let segments = &job.plan.segments[piece.segments.clone()];
     let runs = &job.plan.runs[piece.runs.clone()];
     match job.direction {
@@ -510,6 +577,7 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
             for s in segments {
                 fill(job, slot, s.host, s.slot_off, s.len)?;
             }
+            job.mark("filled", index);
             let queued = queue_runs(
                 job,
                 stream,
@@ -518,6 +586,7 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
                 sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
             );
             after_dma(&mut claim, stream)?;
+            job.mark("queued", index);
             queued
         }
         Direction::Download => {
@@ -530,11 +599,13 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
             );
             after_dma(&mut claim, stream)?;
             queued?;
+            job.mark("queued", index);
             let slot = claim.slot();
             if let Err(e) = slot.event.synchronize() {
                 claim.retire(&e);
                 return Err(e);
             }
+            job.mark("landed", index);
             for s in segments {
                 // SAFETY: `s.host..+len` lies in the caller's destination slice, borrowed
                 // mutably for the whole call (the caller waits for every worker before it
@@ -548,6 +619,7 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
                     )
                 };
             }
+            job.mark("copied", index);
             Ok(())
         }
     }

@@ -407,6 +407,9 @@ impl Stager {
         let mut outcome = Ok(());
         tracker::ordered(stream, trackers, || {
             let job = self.engine.execute(job);
+            if let Some(t) = &job.trace {
+                t.print(op, total);
+            }
             outcome = job.result();
             // Once a DMA was queued, the device side must be tracked even if a piece failed.
             if job.queued_any() {
