@@ -81,7 +81,7 @@ fn config(threads: usize, slot_kib: usize, slots: usize) -> StagerConfig {
         slot_bytes: slot_kib << 10,
         slots,
         min_bytes: 0,
-        batch_copies: true,
+        ..StagerConfig::default()
     }
 }
 

@@ -66,6 +66,12 @@ pub struct StagerConfig {
     /// Move the many small runs of one slot (lists of small tensors) with one
     /// `cudaMemcpyBatchAsync` instead of one `cudaMemcpyAsync` each.
     pub batch_copies: bool,
+    /// A call gets one thread per this many bytes (up to `threads`): more threads on a
+    /// mid-sized copy only contend. At least 64 KiB.
+    pub bytes_per_thread: usize,
+    /// Pieces each of those threads takes in a mid-sized call (pieces never exceed a slot).
+    /// At least 1.
+    pub pieces_per_thread: usize,
 }
 
 const KIB: usize = 1 << 10;
@@ -76,10 +82,6 @@ const MIN_PIECE: usize = 64 * KIB;
 /// but not below this: every piece costs two or three runtime calls, which the runtime
 /// serialises across threads.
 const MIN_SPLIT: usize = 256 * KIB;
-/// Pieces per thread that mid-sized copies are cut into.
-const PIECES_PER_THREAD: usize = 2;
-/// A call gets one thread per this many bytes (up to `threads`).
-const BYTES_PER_THREAD: usize = MIB;
 
 impl Default for StagerConfig {
     fn default() -> Self {
@@ -93,6 +95,8 @@ impl Default for StagerConfig {
             slots: 2 * threads,
             min_bytes: 4 * MIB,
             batch_copies: true,
+            bytes_per_thread: MIB,
+            pieces_per_thread: 2,
         }
     }
 }
@@ -100,8 +104,9 @@ impl Default for StagerConfig {
 impl StagerConfig {
     /// The defaults, with each field overridden by its environment variable where set:
     /// `PINSTREAM_STAGING_THREADS`, `PINSTREAM_STAGING_SLOT_BYTES`, `PINSTREAM_STAGING_SLOTS`,
-    /// `PINSTREAM_STAGING_MIN_BYTES` (sizes accept `K`/`M`/`G` suffixes, powers of 1024), and
-    /// `PINSTREAM_STAGING_BATCH=0` to turn `batch_copies` off.
+    /// `PINSTREAM_STAGING_MIN_BYTES`, `PINSTREAM_STAGING_BYTES_PER_THREAD`,
+    /// `PINSTREAM_STAGING_PIECES_PER_THREAD` (sizes accept `K`/`M`/`G` suffixes, powers of
+    /// 1024), and `PINSTREAM_STAGING_BATCH=0` to turn `batch_copies` off.
     pub fn from_env() -> Result<StagerConfig> {
         let mut c = StagerConfig::default();
         let read = |name: &'static str, field: &mut usize| -> Result<()> {
@@ -119,6 +124,14 @@ impl StagerConfig {
         read("PINSTREAM_STAGING_SLOT_BYTES", &mut c.slot_bytes)?;
         read("PINSTREAM_STAGING_SLOTS", &mut c.slots)?;
         read("PINSTREAM_STAGING_MIN_BYTES", &mut c.min_bytes)?;
+        read(
+            "PINSTREAM_STAGING_BYTES_PER_THREAD",
+            &mut c.bytes_per_thread,
+        )?;
+        read(
+            "PINSTREAM_STAGING_PIECES_PER_THREAD",
+            &mut c.pieces_per_thread,
+        )?;
         if let Ok(v) = std::env::var("PINSTREAM_STAGING_BATCH") {
             c.batch_copies = !matches!(v.trim(), "0" | "false" | "no" | "off");
         }
@@ -136,6 +149,18 @@ impl StagerConfig {
             return bad(format!(
                 "slot_bytes = {} is not a multiple of 64 KiB (at least 64 KiB)",
                 self.slot_bytes
+            ));
+        }
+        if self.bytes_per_thread < MIN_PIECE {
+            return bad(format!(
+                "bytes_per_thread = {} is below 64 KiB",
+                self.bytes_per_thread
+            ));
+        }
+        if self.pieces_per_thread == 0 || self.pieces_per_thread > 1024 {
+            return bad(format!(
+                "pieces_per_thread = {} is not in 1..=1024",
+                self.pieces_per_thread
             ));
         }
         if self.slots == 0 || self.slots > 4096 {
@@ -360,11 +385,11 @@ impl Stager {
         }
     }
 
-    /// Threads that work on a call of `bytes`: one per `BYTES_PER_THREAD`, at most all. More
+    /// Threads that work on a call of `bytes`: one per `bytes_per_thread`, at most all. More
     /// threads on a mid-sized copy only contend (BENCHMARKS.md).
     fn threads_for(&self, bytes: usize) -> usize {
         bytes
-            .div_ceil(BYTES_PER_THREAD)
+            .div_ceil(self.config.bytes_per_thread)
             .clamp(1, self.config.threads)
     }
 
@@ -373,7 +398,10 @@ impl Stager {
     /// slot.
     fn piece_bytes(&self, bytes: usize) -> usize {
         bytes
-            .div_ceil(self.threads_for(bytes).saturating_mul(PIECES_PER_THREAD))
+            .div_ceil(
+                self.threads_for(bytes)
+                    .saturating_mul(self.config.pieces_per_thread),
+            )
             .next_multiple_of(MIN_PIECE)
             .clamp(
                 MIN_SPLIT.min(self.config.slot_bytes),
