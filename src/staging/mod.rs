@@ -181,7 +181,7 @@ impl StagerConfig {
 }
 
 /// Parses `123`, `64K`, `2M`, `1G` (powers of 1024).
-pub fn parse_size(s: &str) -> Option<usize> {
+pub(crate) fn parse_size(s: &str) -> Option<usize> {
     let s = s.trim();
     let (num, mul) = match s.char_indices().last()? {
         (i, 'k' | 'K') => (&s[..i], KIB),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use pinstream::bench::scenarios::{self, Case};
 use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
-use pinstream::bench::{host_memcpy_gbps, Stats};
+use pinstream::bench::{host_memcpy_gbps, size_name, Stats};
 use pinstream::{Device, Error, Result, Stager, StagerConfig};
 
 #[derive(Args, Debug)]
@@ -62,7 +62,7 @@ pub struct BandwidthArgs {
     file_bytes: usize,
 }
 
-fn parse_size(s: &str) -> std::result::Result<usize, String> {
+pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();
     let (num, mult) = match t.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
         Some((i, _)) => {
@@ -101,15 +101,6 @@ fn bad(op: &'static str, reason: impl Into<String>) -> Error {
     Error::InvalidArgument {
         op,
         reason: reason.into(),
-    }
-}
-
-fn human(bytes: usize) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
-        b => format!("{b}"),
     }
 }
 
@@ -206,7 +197,7 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
             "copies".into(),
             format!(
                 "issued as pieces of at most {} (at most {} per copy)",
-                human(c),
+                size_name(c),
                 sweep::MAX_PIECES
             ),
         ));
@@ -224,7 +215,7 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
             let rows = sweep::run(dev, &opts, &mut |r| {
                 if let Some(b) = &bar {
                     b.inc(1);
-                    b.set_message(format!("{} {} {}", r.kind, r.direction, human(r.bytes)));
+                    b.set_message(format!("{} {} {}", r.kind, r.direction, size_name(r.bytes)));
                 }
             })?;
             if let Some(b) = bar {
@@ -333,7 +324,7 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
                 "{} {} at {}: {:.1} GB/s is under 80% of the link's {:.1} GB/s",
                 r.kind,
                 r.direction,
-                human(r.bytes),
+                size_name(r.bytes),
                 r.gbps.median,
                 link
             ));
@@ -346,7 +337,7 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
                  one's time ran alone",
                 r.kind,
                 r.direction,
-                human(r.bytes)
+                size_name(r.bytes)
             ));
         }
         if r.gate_timed_out {
@@ -354,7 +345,7 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
                 "{} {} {}: the gate timed out; enqueue time is in this figure",
                 r.kind,
                 r.direction,
-                human(r.bytes)
+                size_name(r.bytes)
             ));
         }
     }
@@ -388,7 +379,7 @@ fn table(r: &Report) -> String {
                 row.device,
                 row.kind,
                 row.direction,
-                human(row.bytes),
+                size_name(row.bytes),
                 row.gbps.median,
                 row.gbps.min,
                 row.gbps.max,
@@ -433,7 +424,7 @@ fn table(r: &Report) -> String {
                 s,
                 "  {:<32} {:>6} {:>12.4} {:>13.4}",
                 p.what,
-                human(p.bytes),
+                size_name(p.bytes),
                 p.pin_s_per_gib.median,
                 p.unpin_s_per_gib.median
             );
@@ -661,7 +652,7 @@ fn plot(
         .configure_mesh()
         .x_desc("bytes per copy")
         .y_desc("GB/s")
-        .x_label_formatter(&|x| human(*x as usize))
+        .x_label_formatter(&|x| size_name(*x as usize))
         .draw()
         .map_err(|e| e.to_string())?;
     for (i, (label, pts)) in series.iter().enumerate() {
@@ -708,9 +699,9 @@ mod tests {
         assert!(parse_size("0").is_err());
         assert!(parse_size("12Q").is_err());
         assert!(parse_size("K").is_err());
-        assert_eq!(human(4096), "4K");
-        assert_eq!(human(1 << 30), "1G");
-        assert_eq!(human(1000), "1000");
+        assert_eq!(size_name(4096), "4K");
+        assert_eq!(size_name(1 << 30), "1G");
+        assert_eq!(size_name(1000), "1000");
     }
 
     #[test]

@@ -27,8 +27,8 @@ pub struct StagingArgs {
     /// Slots per thread.
     #[arg(long, default_value_t = 2)]
     slots_per_thread: usize,
-    /// Copies below this skip the engine.
-    #[arg(long, value_parser = parse_size)]
+    /// Copies below this skip the engine (0: none do).
+    #[arg(long, value_parser = parse_size_or_zero)]
     min_bytes: Option<usize>,
     /// Grid over --threads x --slot at each size (staged copies only, plus the plain peers once).
     #[arg(long)]
@@ -57,16 +57,14 @@ pub struct StagingArgs {
     format: String,
 }
 
+use crate::bandwidth::parse_size;
+
+/// `parse_size`, also accepting 0 (to turn a measurement or the threshold off).
 fn parse_size_or_zero(s: &str) -> std::result::Result<usize, String> {
     if s.trim() == "0" {
         return Ok(0);
     }
     parse_size(s)
-}
-
-fn parse_size(s: &str) -> std::result::Result<usize, String> {
-    pinstream::staging::parse_size(s)
-        .ok_or_else(|| format!("`{s}` is not a size like 64K, 2M or 1G"))
 }
 
 fn config(args: &StagingArgs, threads: Option<usize>, slot: Option<usize>) -> Result<StagerConfig> {
