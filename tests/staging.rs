@@ -379,6 +379,13 @@ fn packed_foreign_handle_refused() -> R {
     ensure(
         matches!(batch.get(ha), Err(Error::InvalidArgument { .. })),
         || "a handle from another packer must be refused".into(),
+    )?;
+    // A slice pushed after the upload lies beyond the arena: refused, not a view past its end.
+    let late = vec![3u32; 1000];
+    let hl = pb.push(&late)?;
+    ensure(
+        matches!(batch.get(hl), Err(Error::InvalidArgument { .. })),
+        || "a handle pushed after the upload must be refused".into(),
     )
 }
 
