@@ -34,6 +34,7 @@ fn main() {
     };
     gpu("roundtrip/threads_and_sizes", roundtrip_threads_and_sizes);
     gpu("roundtrip/typed", roundtrip_typed);
+    gpu("roundtrip/streaming_and_ramp", roundtrip_streaming_and_ramp);
     gpu("roundtrip/default_config", roundtrip_default_config);
     gpu(
         "concurrent/threads_two_streams",
@@ -182,6 +183,56 @@ fn roundtrip_threads_and_sizes() -> R {
     let stager = Stager::new(&dev, config(4, 2048, 8))?;
     for size in [(4 << 20) + 7, 64 << 20, (100 << 20) + 1] {
         roundtrip_bytes(&stager, &stream, size, "4 threads, 2 MiB slots")?;
+    }
+    Ok(())
+}
+
+/// Streaming stores (with unaligned host sides: offsets 1..63 into the source) and a ramp of
+/// piece sizes, each alone and together.
+fn roundtrip_streaming_and_ramp() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    for (streaming, first) in [(true, 2048usize), (false, 64), (true, 64), (true, 256)] {
+        let stager = Stager::new(
+            &dev,
+            StagerConfig {
+                streaming_stores: streaming,
+                first_piece_bytes: first << 10,
+                ..config(4, 2048, 8)
+            },
+        )?;
+        let what = format!("streaming {streaming}, first piece {first} KiB");
+        for size in [4097, (1 << 20) + 13, (9 << 20) + 4095, 40 << 20] {
+            roundtrip_bytes(&stager, &stream, size, &what)?;
+        }
+        // Unaligned host ranges on both sides.
+        let (src, seed) = random_bytes((3 << 20) + 64);
+        let mut g = Guarded::new(&stream, 3 << 20)?;
+        for off in [1usize, 17, 63] {
+            let part = &src[off..off + (3 << 20)];
+            stager.upload(&stream, part, &mut g.view_mut())?;
+            same(
+                &format!("{what}: upload at +{off}"),
+                &g.read(&stream)?,
+                part,
+                seed,
+            )?;
+            let mut host = vec![0x5Au8; (3 << 20) + 128];
+            stager.download(&stream, &g.view(), &mut host[off..off + (3 << 20)])?;
+            ensure(
+                host[..off]
+                    .iter()
+                    .chain(&host[off + (3 << 20)..])
+                    .all(|&b| b == 0x5A),
+                || format!("{what}: download at +{off} wrote outside (seed {seed})"),
+            )?;
+            same(
+                &format!("{what}: download at +{off}"),
+                &host[off..off + (3 << 20)],
+                part,
+                seed,
+            )?;
+        }
     }
     Ok(())
 }

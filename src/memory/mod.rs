@@ -53,6 +53,7 @@ pub(crate) use flag_set;
 
 pub(crate) mod bounce;
 mod device;
+pub(crate) mod nt;
 mod pinned;
 mod pool;
 mod registered;

@@ -136,6 +136,8 @@ pub(crate) struct Job {
     pub plan: Plan,
     /// Pieces with several runs move them with one `cudaMemcpyBatchAsync`.
     pub batch: bool,
+    /// Host copies use streaming stores (`memory::nt`).
+    pub streaming: bool,
     /// Workers that may join (besides the caller).
     pub helpers: usize,
     pub trace: Option<Trace>,
@@ -169,6 +171,7 @@ impl Job {
             stream,
             plan,
             batch: false,
+            streaming: false,
             helpers: usize::MAX,
             trace: Trace::enabled().then(Trace::new),
             next: AtomicUsize::new(0),
@@ -612,9 +615,10 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
                 // returns), and pieces never overlap on the host side; the slot range lies in
                 // the slot (checked by the planner) and its DMA has finished (waited above).
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        slot.ptr.add(s.slot_off),
+                    host_copy(
+                        job.streaming,
                         s.host as usize as *mut u8,
+                        slot.ptr.add(s.slot_off),
                         s.len,
                     )
                 };
@@ -699,6 +703,20 @@ fn after_dma(claim: &mut Claim<'_>, stream: &Stream) -> Result<()> {
     Ok(())
 }
 
+/// A host copy, with streaming stores when the job asks for them.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping(src, dst, len)`.
+unsafe fn host_copy(streaming: bool, dst: *mut u8, src: *const u8, len: usize) {
+    if streaming {
+        // SAFETY: the caller's contract is `nt::copy`'s.
+        unsafe { crate::memory::nt::copy(dst, src, len) }
+    } else {
+        // SAFETY: the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
+    }
+}
+
 /// Copies `len` bytes of the job's host side at `host` into the slot at `slot_off`.
 fn fill(job: &Job, slot: &Slot, host: u64, slot_off: usize, len: usize) -> Result<()> {
     let dst = slot.ptr.wrapping_add(slot_off);
@@ -707,7 +725,7 @@ fn fill(job: &Job, slot: &Slot, host: u64, slot_off: usize, len: usize) -> Resul
             // SAFETY: `host..+len` lies in the caller's source slice, borrowed for the whole
             // call (the caller waits for every worker before it returns); the slot range lies in
             // the slot, which this thread has claimed and whose last DMA has finished.
-            unsafe { std::ptr::copy_nonoverlapping(host as usize as *const u8, dst, len) };
+            unsafe { host_copy(job.streaming, dst, host as usize as *const u8, len) };
             Ok(())
         }
         Host::File { fd, path, direct } => {

@@ -61,8 +61,27 @@ const RUN_ALIGN: usize = 256;
 /// follow the previous run within `merge_gap` bytes extend it (the gap is moved too, so only pass
 /// `Some` where all destinations lie in one allocation whose gaps belong to the caller); `None`
 /// never merges two transfers.
+#[cfg(test)]
 pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: Option<u64>) -> Plan {
-    let piece = piece.max(RUN_ALIGN);
+    plan_ramped(transfers, piece, piece, merge_gap)
+}
+
+/// As [`plan`], but the first piece holds at most `first` bytes and each next one twice the
+/// previous, up to `piece`: the first DMA starts after a small fill instead of a whole slot's.
+pub(crate) fn plan_ramped(
+    transfers: &[Transfer],
+    piece: usize,
+    first: usize,
+    merge_gap: Option<u64>,
+) -> Plan {
+    let full = piece.max(RUN_ALIGN);
+    let first = first.clamp(RUN_ALIGN, full);
+    let limit = |index: usize| -> usize {
+        u32::try_from(index)
+            .ok()
+            .and_then(|i| first.checked_shl(i).filter(|&l| l >> i == first))
+            .map_or(full, |l| l.min(full))
+    };
     let mut p = Plan::default();
     // Slot bytes used by the open piece, and where its segments and runs start.
     let mut used = 0usize;
@@ -83,6 +102,7 @@ pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: Option<u64>)
         p.bytes += t.len;
         let mut off = 0usize;
         while off < t.len {
+            let piece = limit(p.pieces.len());
             let dev = t.dev + off as u64;
             // Extend the open run, or start a new one.
             let extend = match p.runs.last() {
@@ -120,7 +140,7 @@ pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: Option<u64>)
             });
             used = slot_off + n;
             off += n;
-            if used >= piece {
+            if used >= limit(p.pieces.len()) {
                 close(&mut p, &mut used, &mut seg_start, &mut run_start);
             }
         }
@@ -135,7 +155,26 @@ mod tests {
 
     /// Replays a plan on byte arrays: host -> slot -> device, checking every invariant.
     fn replay(transfers: &[Transfer], piece: usize, gap: u64) {
-        let plan = plan(transfers, piece, (gap > 0).then_some(gap));
+        replay_ramped(transfers, piece, piece, gap);
+    }
+
+    /// As `replay`, with a ramp: piece `i` uses at most `first << i` bytes of its slot.
+    fn replay_ramped(transfers: &[Transfer], piece: usize, first: usize, gap: u64) {
+        let plan = plan_ramped(transfers, piece, first, (gap > 0).then_some(gap));
+        let full = piece.max(RUN_ALIGN);
+        let first = first.clamp(RUN_ALIGN, full);
+        for (i, pc) in plan.pieces.iter().enumerate() {
+            let limit = match first.checked_shl(i as u32) {
+                Some(l) if l >> i == first => l.min(full),
+                _ => full,
+            };
+            let used = plan.runs[pc.runs.clone()]
+                .iter()
+                .map(|r| r.slot_off + r.len)
+                .max()
+                .unwrap_or(0);
+            assert!(used <= limit, "piece {i} uses {used} of {limit}");
+        }
         let host_len = transfers
             .iter()
             .map(|t| t.host as usize + t.len)
@@ -272,7 +311,24 @@ mod tests {
                 })
                 .collect();
             replay(&ts, piece, gap);
+            let first = 256 * (1 + (next() % 8) as usize);
+            replay_ramped(&ts, piece, first, gap);
         }
+    }
+
+    #[test]
+    fn ramp_starts_small_and_doubles() {
+        let t = [Transfer {
+            host: 0,
+            dev: 0,
+            len: 8 << 20,
+        }];
+        let p = plan_ramped(&t, 2 << 20, 256 << 10, None);
+        let sizes: Vec<usize> = p.runs.iter().map(|r| r.len).collect();
+        assert_eq!(&sizes[..4], &[256 << 10, 512 << 10, 1 << 20, 2 << 20]);
+        assert!(sizes[4..].iter().all(|&s| s <= 2 << 20));
+        assert_eq!(sizes.iter().sum::<usize>(), 8 << 20);
+        replay_ramped(&t[..], 2 << 20, 256 << 10, 0);
     }
 
     #[test]
