@@ -196,7 +196,7 @@ fn roundtrip_streaming_and_ramp() -> R {
         let stager = Stager::new(
             &dev,
             StagerConfig {
-                streaming_stores: streaming,
+                streaming_max_bytes: if streaming { usize::MAX } else { 0 },
                 first_piece_bytes: first << 10,
                 ..config(4, 2048, 8)
             },

@@ -74,14 +74,16 @@ pub fn measure(
     })
 }
 
-/// `threads=N slot=2M slots=M`, for notes.
+/// `threads=N slot=2M slots=M first=256K nt<=256M`, for notes.
 pub fn describe(stager: &Stager) -> String {
     let c = stager.config();
     format!(
-        "threads={} slot={} slots={}",
+        "threads={} slot={} slots={} first={} nt<={}",
         c.threads,
         super::size_name(c.slot_bytes),
-        c.slots
+        c.slots,
+        super::size_name(c.first_piece_bytes),
+        super::size_name(c.streaming_max_bytes),
     )
 }
 

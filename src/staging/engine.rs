@@ -136,7 +136,7 @@ pub(crate) struct Job {
     pub plan: Plan,
     /// Pieces with several runs move them with one `cudaMemcpyBatchAsync`.
     pub batch: bool,
-    /// Host copies use streaming stores (`memory::nt`).
+    /// Slot fills use streaming stores (`memory::nt`).
     pub streaming: bool,
     /// Workers that may join (besides the caller).
     pub helpers: usize,
@@ -615,10 +615,9 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
                 // returns), and pieces never overlap on the host side; the slot range lies in
                 // the slot (checked by the planner) and its DMA has finished (waited above).
                 unsafe {
-                    host_copy(
-                        job.streaming,
-                        s.host as usize as *mut u8,
+                    std::ptr::copy_nonoverlapping(
                         slot.ptr.add(s.slot_off),
+                        s.host as usize as *mut u8,
                         s.len,
                     )
                 };

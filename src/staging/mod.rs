@@ -76,9 +76,11 @@ pub struct StagerConfig {
     /// previous, up to the piece size: the first DMA starts after a small fill. A value at or
     /// above `slot_bytes` turns the ramp off. At least 64 KiB.
     pub first_piece_bytes: usize,
-    /// Fill slots (and, downloading, the caller's buffer) with streaming stores, which skip
-    /// reading the destination's cache lines first: a third less memory traffic on the host.
-    pub streaming_stores: bool,
+    /// Uploads up to this many bytes fill the slots with streaming stores, which skip reading
+    /// the slot's cache lines first (a third less host memory traffic): 4 MiB uploads twice as
+    /// fast on the H100 host, 64 MiB 15 % faster, but 1 GiB 9 % slower, and downloads slower
+    /// (BENCHMARKS.md). 0 turns them off.
+    pub streaming_max_bytes: usize,
 }
 
 const KIB: usize = 1 << 10;
@@ -104,8 +106,8 @@ impl Default for StagerConfig {
             batch_copies: true,
             bytes_per_thread: MIB,
             pieces_per_thread: 2,
-            first_piece_bytes: 2 * MIB,
-            streaming_stores: false,
+            first_piece_bytes: 256 * KIB,
+            streaming_max_bytes: 256 * MIB,
         }
     }
 }
@@ -114,9 +116,9 @@ impl StagerConfig {
     /// The defaults, with each field overridden by its environment variable where set:
     /// `PINSTREAM_STAGING_THREADS`, `PINSTREAM_STAGING_SLOT_BYTES`, `PINSTREAM_STAGING_SLOTS`,
     /// `PINSTREAM_STAGING_MIN_BYTES`, `PINSTREAM_STAGING_BYTES_PER_THREAD`,
-    /// `PINSTREAM_STAGING_PIECES_PER_THREAD`, `PINSTREAM_STAGING_FIRST_PIECE` (sizes accept
-    /// `K`/`M`/`G` suffixes, powers of 1024), `PINSTREAM_STAGING_BATCH` and
-    /// `PINSTREAM_STAGING_STREAMING` (`0`/`1`) for `batch_copies` and `streaming_stores`.
+    /// `PINSTREAM_STAGING_PIECES_PER_THREAD`, `PINSTREAM_STAGING_FIRST_PIECE`,
+    /// `PINSTREAM_STAGING_STREAMING_MAX` (sizes accept `K`/`M`/`G` suffixes, powers of 1024),
+    /// and `PINSTREAM_STAGING_BATCH=0` to turn `batch_copies` off.
     pub fn from_env() -> Result<StagerConfig> {
         let mut c = StagerConfig::default();
         let read = |name: &'static str, field: &mut usize| -> Result<()> {
@@ -143,13 +145,13 @@ impl StagerConfig {
             &mut c.pieces_per_thread,
         )?;
         read("PINSTREAM_STAGING_FIRST_PIECE", &mut c.first_piece_bytes)?;
-        let flag = |name: &'static str, field: &mut bool| {
-            if let Ok(v) = std::env::var(name) {
-                *field = !matches!(v.trim(), "0" | "false" | "no" | "off");
-            }
-        };
-        flag("PINSTREAM_STAGING_BATCH", &mut c.batch_copies);
-        flag("PINSTREAM_STAGING_STREAMING", &mut c.streaming_stores);
+        read(
+            "PINSTREAM_STAGING_STREAMING_MAX",
+            &mut c.streaming_max_bytes,
+        )?;
+        if let Ok(v) = std::env::var("PINSTREAM_STAGING_BATCH") {
+            c.batch_copies = !matches!(v.trim(), "0" | "false" | "no" | "off");
+        }
         c.validate()?;
         Ok(c)
     }
@@ -457,7 +459,8 @@ impl Stager {
         stream.enter()?;
         let mut job = Job::new(op, direction, host, stream.clone(), plan);
         job.batch = self.config.batch_copies;
-        job.streaming = self.config.streaming_stores;
+        job.streaming =
+            matches!(direction, Direction::Upload) && total <= self.config.streaming_max_bytes;
         job.helpers = self.threads_for(total) - 1;
         let mut outcome = Ok(());
         tracker::ordered(stream, trackers, || {

@@ -66,7 +66,7 @@ pub(crate) fn plan(transfers: &[Transfer], piece: usize, merge_gap: Option<u64>)
     plan_ramped(transfers, piece, piece, merge_gap)
 }
 
-/// As [`plan`], but the first piece holds at most `first` bytes and each next one twice the
+/// As `plan`, but the first piece holds at most `first` bytes and each next one twice the
 /// previous, up to `piece`: the first DMA starts after a small fill instead of a whole slot's.
 pub(crate) fn plan_ramped(
     transfers: &[Transfer],
