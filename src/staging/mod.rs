@@ -104,8 +104,8 @@ impl Default for StagerConfig {
             slots: 2 * threads,
             min_bytes: 4 * MIB,
             batch_copies: true,
-            bytes_per_thread: MIB,
-            pieces_per_thread: 2,
+            bytes_per_thread: 512 * KIB,
+            pieces_per_thread: 1,
             first_piece_bytes: 256 * KIB,
             streaming_max_bytes: 256 * MIB,
         }
