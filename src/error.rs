@@ -109,6 +109,14 @@ pub enum Error {
     /// A worker thread panicked while working for this call; the call's work was stopped and
     /// waited for.
     Panicked { op: &'static str, message: String },
+    /// A prefetcher's source failed (returned an error, panicked, or gave a batch whose pixels
+    /// do not match its spec) at this batch; the batches before it came out whole.
+    Loader {
+        /// The global batch index the source was called with.
+        batch: u64,
+        /// The source's error, or the panic's message.
+        message: String,
+    },
     /// Any other error the CUDA runtime reported.
     Cuda {
         call: &'static str,
@@ -175,6 +183,9 @@ impl fmt::Display for Error {
                 "{op}: {path}: {len} bytes at offset {offset}: {message}"
             ),
             Error::Panicked { op, message } => write!(f, "{op}: a worker panicked: {message}"),
+            Error::Loader { batch, message } => {
+                write!(f, "prefetch: the source failed at batch {batch}: {message}")
+            }
             Error::Cuda { call, detail, cuda } if detail.is_empty() => {
                 write!(f, "{call} failed: {cuda}")
             }

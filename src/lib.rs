@@ -34,6 +34,7 @@ mod error;
 mod event;
 pub mod kernels;
 pub mod memory;
+pub mod prefetch;
 pub mod staging;
 mod stream;
 
