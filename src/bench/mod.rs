@@ -4,6 +4,7 @@
 
 mod gate;
 pub mod pool;
+pub mod prefetch;
 pub mod scenarios;
 pub mod staging;
 pub mod sweep;

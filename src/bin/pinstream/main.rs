@@ -3,6 +3,7 @@
 mod bandwidth;
 mod info;
 mod normalize;
+mod prefetch;
 mod staging;
 
 use std::process::ExitCode;
@@ -30,6 +31,8 @@ enum Command {
     Normalize(normalize::NormalizeArgs),
     /// The staging engine against pageable and pinned copies: sizes, many tensors, files, tuning.
     Staging(staging::StagingArgs),
+    /// A training loop fed three ways (serial, APEX-style, the prefetcher) against the ideal.
+    Prefetch(prefetch::PrefetchArgs),
 }
 
 /// Exit status when the machine has no usable CUDA device or driver.
@@ -52,6 +55,7 @@ fn main() -> ExitCode {
         Command::Bandwidth(args) => bandwidth::run(args),
         Command::Normalize(args) => normalize::run(args),
         Command::Staging(args) => staging::run(args),
+        Command::Prefetch(args) => prefetch::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,337 @@
+//! `pinstream prefetch`: a training loop's time per batch with a calibrated busy kernel as the
+//! step, three ways, from the same synthetic pageable batches:
+//! - `serial`: load, plain pageable copy, fused normalize, compute, one after another;
+//! - `apex`: APEX's `data_prefetcher` — one batch ahead on a side stream, a pageable copy that
+//!   blocks the host, and three passes for the normalize (`float()`, `sub_`, `div_`: a cast,
+//!   then two passes of the same 8 bytes per element as the in-place `sub_` and `div_`);
+//! - `pinstream`: the [`Prefetcher`] (loader threads, staged upload, fused normalize, depth K).
+//!
+//! Next to them, the parts measured alone (host clock, median of 7): the staged, pinned and
+//! pageable upload of one batch, the fused normalize, and the ideal time per batch
+//! `max(compute, staged upload + normalize)`.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::{secs, Stats};
+use crate::device::Device;
+use crate::error::Result;
+use crate::kernels::{self, Layout, Normalize, Spec};
+use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use crate::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
+use crate::staging::{Stager, StagerConfig};
+use crate::stream::Stream;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// Samples per batch.
+    pub batch: usize,
+    /// Channels, height, width of a sample.
+    pub chw: (usize, usize, usize),
+    /// Input layout (the output is NCHW f32).
+    pub layout: Layout,
+    /// GPU time of the training step.
+    pub compute: Duration,
+    /// Measured batches (after `warmup`).
+    pub batches: usize,
+    pub warmup: usize,
+    /// Prefetcher depth and loader threads (also the loader threads of `apex`).
+    pub depth: usize,
+    pub threads: usize,
+}
+
+impl Setup {
+    /// The batch's spec.
+    pub fn spec(&self) -> Spec {
+        let (c, h, w) = self.chw;
+        Spec::uniform(self.batch, c, h, w, Normalize::imagenet()).layouts(self.layout, Layout::Nchw)
+    }
+
+    /// Bytes of one batch's pixels.
+    pub fn bytes(&self) -> usize {
+        let (c, h, w) = self.chw;
+        self.batch * c * h * w
+    }
+}
+
+/// Synthetic pixels of batch `i`: every byte written (as a decoder would), varying with `i`,
+/// never all zero.
+pub fn synth(i: u64, out: &mut Vec<u8>, len: usize) {
+    out.resize(len, 0);
+    out.fill((i % 251) as u8 + 1);
+    for (k, b) in out.iter_mut().step_by(4096).enumerate() {
+        *b = (k as u64).wrapping_add(i) as u8;
+    }
+}
+
+fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t = Vec::new();
+    for _ in 0..7 {
+        let start = Instant::now();
+        f()?;
+        t.push(secs(start.elapsed()) * 1e3);
+    }
+    Ok(Stats::new(t).map_or(0.0, |s| s.median))
+}
+
+/// The parts of one batch, each measured alone (ms).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parts {
+    /// The training step as measured (the busy kernel alone).
+    pub compute_ms: f64,
+    pub staged_ms: f64,
+    pub pinned_ms: f64,
+    pub pageable_ms: f64,
+    pub normalize_ms: f64,
+    /// Writing one synthetic batch on one thread.
+    pub synth_ms: f64,
+}
+
+impl Parts {
+    /// `max(compute, staged upload + normalize)`.
+    pub fn ideal_ms(&self) -> f64 {
+        self.compute_ms.max(self.staged_ms + self.normalize_ms)
+    }
+}
+
+/// Measures the parts on `device`.
+pub fn parts(device: &Device, s: &Setup) -> Result<Parts> {
+    let stream = device.stream()?;
+    let spec = s.spec();
+    let n = s.bytes();
+    let mut host = Vec::new();
+    synth(1, &mut host, n);
+    let mut d_in = DeviceBuffer::<u8>::new(device, n)?;
+    let mut d_out = DeviceBuffer::<f32>::new(device, spec.output_len()?)?;
+    let stager = Stager::new(device, StagerConfig::from_env()?)?;
+    let staged_ms = median_ms(|| {
+        stager.upload(&stream, &host, &mut d_in)?;
+        stream.synchronize()
+    })?;
+    let mut pinned = PinnedBuffer::<u8>::new(device, n, HostAlloc::DEFAULT)?;
+    pinned.as_mut_slice()?.copy_from_slice(&host);
+    let pinned_ms = median_ms(|| stream.copy_h2d(&pinned, &mut d_in)?.wait())?;
+    let pageable_ms = median_ms(|| stream.copy_h2d(&host[..], &mut d_in)?.wait())?;
+    let normalize_ms = median_ms(|| {
+        kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut d_out, None)?;
+        stream.synchronize()
+    })?;
+    let compute_ms = median_ms(|| {
+        stream.spin(s.compute)?;
+        stream.synchronize()
+    })?;
+    let mut i = 0;
+    let synth_ms = median_ms(|| {
+        i += 1;
+        synth(i, &mut host, n);
+        Ok(())
+    })?;
+    Ok(Parts {
+        compute_ms,
+        staged_ms,
+        pinned_ms,
+        pageable_ms,
+        normalize_ms,
+        synth_ms,
+    })
+}
+
+/// Milliseconds per batch over `s.batches` after `s.warmup`: `step(i)` runs batch `i`, and the
+/// stream is synchronised before the clock stops.
+fn timed(s: &Setup, stream: &Stream, mut step: impl FnMut(u64) -> Result<()>) -> Result<f64> {
+    let mut i = 0u64;
+    for _ in 0..s.warmup {
+        step(i)?;
+        i += 1;
+    }
+    stream.synchronize()?;
+    let start = Instant::now();
+    for _ in 0..s.batches {
+        step(i)?;
+        i += 1;
+    }
+    stream.synchronize()?;
+    Ok(secs(start.elapsed()) * 1e3 / s.batches.max(1) as f64)
+}
+
+/// No prefetch: load, pageable copy, fused normalize, compute, in turn.
+pub fn serial(device: &Device, s: &Setup) -> Result<f64> {
+    let stream = device.stream()?;
+    let spec = s.spec();
+    let n = s.bytes();
+    let mut host = Vec::new();
+    let mut d_in = DeviceBuffer::<u8>::new(device, n)?;
+    let mut d_out = DeviceBuffer::<f32>::new(device, spec.output_len()?)?;
+    timed(s, &stream, |i| {
+        synth(i, &mut host, n);
+        stream.copy_h2d(&host[..], &mut d_in)?.wait()?;
+        kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut d_out, None)?;
+        stream.spin(s.compute)
+    })
+}
+
+/// APEX's `data_prefetcher` over a loader with `s.threads` workers: one batch ahead.
+pub fn apex(device: &Device, s: &Setup) -> Result<f64> {
+    let stream = device.stream()?;
+    let side = device.stream()?;
+    let spec = s.spec();
+    let cast = Spec {
+        norm: Normalize::new(&[0.0; 4][..s.chw.0], &[1.0; 4][..s.chw.0]),
+        ..spec.clone()
+    };
+    let n = s.bytes();
+    let out_len = spec.output_len()?;
+    // Loader workers: batches in order through a bounded channel (DataLoader's prefetch).
+    let total = (s.warmup + s.batches + 1) as u64;
+    let threads = s.threads.max(1) as u64;
+    let (tx, rx) = mpsc::sync_channel::<(u64, Vec<u8>)>(2 * threads as usize);
+    let (back_tx, back_rx) = mpsc::channel::<Vec<u8>>();
+    let back_rx = std::sync::Arc::new(std::sync::Mutex::new(back_rx));
+    let mut workers = Vec::new();
+    for t in 0..threads {
+        let (tx, back) = (tx.clone(), back_rx.clone());
+        workers.push(std::thread::spawn(move || {
+            let mut i = t;
+            while i < total {
+                let mut v = back
+                    .lock()
+                    .ok()
+                    .and_then(|r| r.try_recv().ok())
+                    .unwrap_or_default();
+                synth(i, &mut v, n);
+                if tx.send((i, v)).is_err() {
+                    return;
+                }
+                i += threads;
+            }
+        }));
+    }
+    drop(tx);
+    let mut pending = std::collections::BTreeMap::new();
+    let mut next_batch = |want: u64| -> Option<Vec<u8>> {
+        loop {
+            if let Some(v) = pending.remove(&want) {
+                return Some(v);
+            }
+            let (i, v) = rx.recv().ok()?;
+            pending.insert(i, v);
+        }
+    };
+    // Two sets of device buffers: the one the step reads and the one being filled.
+    let mut d_in = [
+        DeviceBuffer::<u8>::new(device, n)?,
+        DeviceBuffer::<u8>::new(device, n)?,
+    ];
+    let mut d_out = [
+        DeviceBuffer::<f32>::new(device, out_len)?,
+        DeviceBuffer::<f32>::new(device, out_len)?,
+    ];
+    let mut scratch = DeviceBuffer::<f32>::new(device, out_len)?;
+    let ready = [crate::Event::new(device)?, crate::Event::new(device)?];
+    let used = [crate::Event::new(device)?, crate::Event::new(device)?];
+    let mut preload = |i: u64| -> Result<()> {
+        let k = (i % 2) as usize;
+        let Some(host) = next_batch(i) else {
+            return Ok(());
+        };
+        side.wait(&used[k])?;
+        side.copy_h2d(&host[..], &mut d_in[k])?.wait()?;
+        let _ = back_tx.send(host);
+        kernels::normalize::<f32, _, _>(&side, &d_in[k], &cast, &mut d_out[k], None)?;
+        side.copy_d2d(&d_out[k], &mut scratch)?; // sub_
+        side.copy_d2d(&scratch, &mut d_out[k])?; // div_
+        side.record(&ready[k])
+    };
+    preload(0)?;
+    let result = timed(s, &stream, |i| {
+        let k = (i % 2) as usize;
+        stream.wait(&ready[k])?;
+        preload(i + 1)?;
+        stream.spin(s.compute)?;
+        stream.record(&used[k])
+    });
+    drop(rx);
+    for w in workers {
+        let _ = w.join();
+    }
+    side.synchronize()?;
+    result
+}
+
+/// The prefetcher on each of `devices` (one shard and one consumer thread per device); time per
+/// batch of all devices together.
+pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
+    let spec = s.spec();
+    let n = s.bytes();
+    let per = (s.warmup + s.batches) as u64;
+    let total = per * devices.len() as u64;
+    let source = Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= total {
+            return Ok(false);
+        }
+        b.spec.clone_from(&spec);
+        synth(i, &mut b.pixels, n);
+        b.extras.clear();
+        Ok(true)
+    });
+    let streams = devices
+        .iter()
+        .map(|d| d.stream())
+        .collect::<Result<Vec<_>>>()?;
+    let config = PrefetchConfig {
+        depth: s.depth,
+        loader_threads: s.threads,
+        stager: StagerConfig::from_env()?,
+        ..PrefetchConfig::default()
+    };
+    let prefetchers = Prefetcher::<f32, i64>::sharded(&streams, source, config)?;
+    let barrier = std::sync::Barrier::new(devices.len());
+    let (warmup, compute) = (s.warmup, s.compute);
+    let times = std::thread::scope(|scope| {
+        let handles: Vec<_> = prefetchers
+            .into_iter()
+            .map(|mut p| {
+                let barrier = &barrier;
+                scope.spawn(move || -> Result<(Instant, Instant, u64)> {
+                    let stream = p.stream().clone();
+                    let mut done = 0u64;
+                    let mut start = Instant::now();
+                    loop {
+                        if done == warmup as u64 {
+                            stream.synchronize()?;
+                            barrier.wait();
+                            start = Instant::now();
+                        }
+                        let Some(b) = p.next() else { break };
+                        let b = b?;
+                        stream.spin(compute)?;
+                        drop(b);
+                        done += 1;
+                    }
+                    stream.synchronize()?;
+                    Ok((start, Instant::now(), done.saturating_sub(warmup as u64)))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(crate::Error::Panicked {
+                        op: "bench::prefetch",
+                        message: "a consumer thread panicked".into(),
+                    })
+                })
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let start = times.iter().map(|t| t.0).min();
+    let end = times.iter().map(|t| t.1).max();
+    let batches: u64 = times.iter().map(|t| t.2).sum();
+    match (start, end) {
+        (Some(a), Some(b)) if batches > 0 => Ok(secs(b - a) * 1e3 / batches as f64),
+        _ => Ok(f64::NAN),
+    }
+}

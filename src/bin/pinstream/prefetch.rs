@@ -1,0 +1,194 @@
+//! `pinstream prefetch`: time per batch of a training loop fed three ways (serial, APEX-style,
+//! the prefetcher) next to the ideal, over a sweep of compute times.
+
+use std::time::Duration;
+
+use clap::Args;
+use pinstream::bench::prefetch::{self, Parts, Setup};
+use pinstream::kernels::Layout;
+use pinstream::{Device, Error, Result};
+
+#[derive(Args, Debug)]
+pub struct PrefetchArgs {
+    /// Samples per batch.
+    #[arg(long, default_value_t = 256)]
+    batch: usize,
+    /// Sample shape CxHxW.
+    #[arg(long, default_value = "3x224x224", value_parser = parse_shape)]
+    shape: (usize, usize, usize),
+    /// Input layout of the synthetic u8 batches (the output is NCHW f32).
+    #[arg(long, value_parser = ["nchw", "nhwc"], default_value = "nchw")]
+    layout: String,
+    /// GPU time of the training step in ms (a list sweeps it).
+    #[arg(long, value_delimiter = ',', default_value = "4")]
+    compute_ms: Vec<f64>,
+    /// Measured batches per point.
+    #[arg(long, default_value_t = 200)]
+    batches: usize,
+    /// Batches before the clock starts.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// Prefetcher depth (device slots).
+    #[arg(long, default_value_t = 2)]
+    depth: usize,
+    /// Loader threads (also the APEX-style loader's workers).
+    #[arg(long, default_value_t = 4)]
+    threads: usize,
+    /// Device ordinal, or `all` (the prefetcher on every device, one shard each).
+    #[arg(long, default_value = "0")]
+    device: String,
+    /// Which ways to run.
+    #[arg(long, value_delimiter = ',', default_value = "serial,apex,pinstream")]
+    modes: Vec<String>,
+    /// Output format.
+    #[arg(long, value_parser = ["table", "csv", "json"], default_value = "table")]
+    format: String,
+}
+
+fn parse_shape(s: &str) -> std::result::Result<(usize, usize, usize), String> {
+    let v: Vec<usize> = s
+        .split('x')
+        .map(|p| p.trim().parse::<usize>())
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|_| format!("{s:?} is not CxHxW"))?;
+    match v[..] {
+        [c, h, w] if (1..=4).contains(&c) && h > 0 && w > 0 => Ok((c, h, w)),
+        _ => Err(format!("{s:?} is not CxHxW with C in 1..=4")),
+    }
+}
+
+struct Row {
+    mode: String,
+    compute_ms: f64,
+    ms_per_batch: f64,
+    ideal_ms: f64,
+    note: String,
+}
+
+pub fn run(args: PrefetchArgs) -> Result<()> {
+    let devices = if args.device == "all" {
+        Device::all()?
+    } else {
+        let ordinal = args.device.parse::<usize>().map_err(|_| {
+            Error::invalid("pinstream prefetch", format!("--device {:?}", args.device))
+        })?;
+        vec![Device::get(ordinal)?]
+    };
+    for m in &args.modes {
+        if !matches!(m.as_str(), "serial" | "apex" | "pinstream") {
+            return Err(Error::invalid(
+                "pinstream prefetch",
+                format!("unknown mode {m:?} (serial, apex, pinstream)"),
+            ));
+        }
+    }
+    let first = devices[0];
+    let mut rows = Vec::new();
+    let mut parts_seen: Vec<(f64, Parts)> = Vec::new();
+    let bar = indicatif::ProgressBar::new((args.compute_ms.len() * (args.modes.len() + 1)) as u64);
+    if args.format != "table" {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    for &c in &args.compute_ms {
+        let setup = Setup {
+            batch: args.batch,
+            chw: args.shape,
+            layout: if args.layout == "nhwc" {
+                Layout::Nhwc
+            } else {
+                Layout::Nchw
+            },
+            compute: Duration::from_secs_f64(c.max(0.0) / 1e3),
+            batches: args.batches,
+            warmup: args.warmup,
+            depth: args.depth,
+            threads: args.threads,
+        };
+        let parts = prefetch::parts(&first, &setup)?;
+        bar.inc(1);
+        for m in &args.modes {
+            bar.set_message(format!("{m}, compute {c} ms"));
+            let (ms, note, per_device) = match m.as_str() {
+                "serial" => (prefetch::serial(&first, &setup)?, "load, pageable copy, fused normalize, step; one at a time".to_string(), 1),
+                "apex" => (prefetch::apex(&first, &setup)?, format!("1 deep, pageable copy on a side stream, 3-pass normalize, {} loader threads", args.threads), 1),
+                _ => (
+                    prefetch::pinstream(&devices, &setup)?,
+                    format!("depth {}, {} loader threads, {} device(s)", args.depth, args.threads, devices.len()),
+                    devices.len(),
+                ),
+            };
+            // For several devices, the aggregate: time per batch of all devices together, against
+            // the ideal divided among them.
+            rows.push(Row {
+                mode: if per_device > 1 { format!("pinstream x{per_device}") } else { m.clone() },
+                compute_ms: parts.compute_ms,
+                ms_per_batch: ms,
+                ideal_ms: parts.ideal_ms() / per_device as f64,
+                note,
+            });
+            bar.inc(1);
+        }
+        parts_seen.push((c, parts));
+    }
+    bar.finish_and_clear();
+    let mb = (args.batch * args.shape.0 * args.shape.1 * args.shape.2) as f64 / 1e6;
+    match args.format.as_str() {
+        "csv" => {
+            println!("mode,compute_ms,ms_per_batch,batches_per_s,ideal_ms,vs_ideal,note");
+            for r in &rows {
+                println!(
+                    "{},{:.4},{:.4},{:.2},{:.4},{:.3},\"{}\"",
+                    r.mode,
+                    r.compute_ms,
+                    r.ms_per_batch,
+                    1e3 / r.ms_per_batch,
+                    r.ideal_ms,
+                    r.ms_per_batch / r.ideal_ms,
+                    r.note.replace('"', "\"\"")
+                );
+            }
+        }
+        "json" => {
+            let items: Vec<String> = rows
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{{\"mode\":\"{}\",\"compute_ms\":{:.4},\"ms_per_batch\":{:.4},\"batches_per_s\":{:.2},\"ideal_ms\":{:.4},\"vs_ideal\":{:.3},\"note\":\"{}\"}}",
+                        r.mode, r.compute_ms, r.ms_per_batch, 1e3 / r.ms_per_batch, r.ideal_ms,
+                        r.ms_per_batch / r.ideal_ms, r.note.replace('\\', "\\\\").replace('"', "\\\"")
+                    )
+                })
+                .collect();
+            println!("[{}]", items.join(","));
+        }
+        _ => {
+            println!(
+                "batch {} x {}x{}x{} u8 {} ({mb:.1} MB) -> NCHW f32, {} batches after {} warm-up",
+                args.batch, args.shape.0, args.shape.1, args.shape.2, args.layout, args.batches, args.warmup
+            );
+            for (c, p) in &parts_seen {
+                println!(
+                    "parts at compute {c} ms: step {:.3} ms, staged upload {:.3} ms ({:.1} GB/s), pinned {:.3}, pageable {:.3}, fused normalize {:.3}, synth on one thread {:.3}; ideal {:.3} ms",
+                    p.compute_ms, p.staged_ms, mb / p.staged_ms, p.pinned_ms, p.pageable_ms, p.normalize_ms, p.synth_ms, p.ideal_ms()
+                );
+            }
+            println!(
+                "{:<14} {:>10} {:>12} {:>10} {:>10} {:>9}  note",
+                "mode", "step ms", "ms/batch", "batch/s", "ideal ms", "vs ideal"
+            );
+            for r in &rows {
+                println!(
+                    "{:<14} {:>10.3} {:>12.3} {:>10.1} {:>10.3} {:>8.3}x  {}",
+                    r.mode,
+                    r.compute_ms,
+                    r.ms_per_batch,
+                    1e3 / r.ms_per_batch,
+                    r.ideal_ms,
+                    r.ms_per_batch / r.ideal_ms,
+                    r.note
+                );
+            }
+        }
+    }
+    Ok(())
+}
