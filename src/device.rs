@@ -19,7 +19,9 @@ pub struct Device {
 /// A CUDA version such as 13.0 (the runtime reports 13000).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Version {
+    /// The major version, 13 in 13.0.
     pub major: u32,
+    /// The minor version, 0 in 13.0.
     pub minor: u32,
 }
 
@@ -43,7 +45,9 @@ impl fmt::Display for Version {
 /// Free and total device memory in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
+    /// Bytes free now (other processes' use included).
     pub free: usize,
+    /// Bytes of device memory in all.
     pub total: usize,
 }
 
@@ -53,10 +57,15 @@ pub struct MemoryInfo {
 pub struct PcieLink {
     /// Transfer rate per lane in GT/s (e.g. 32.0 for Gen5).
     pub current_speed_gts: Option<f64>,
+    /// PCIe generation of the current speed (1 to 6).
     pub current_gen: Option<u32>,
+    /// Lanes in use now (e.g. 16).
     pub current_width: Option<u32>,
+    /// The fastest rate per lane in GT/s that the link supports.
     pub max_speed_gts: Option<f64>,
+    /// PCIe generation of the fastest speed.
     pub max_gen: Option<u32>,
+    /// The most lanes the link supports.
     pub max_width: Option<u32>,
 }
 

@@ -19,7 +19,9 @@ unsafe impl bytemuck::Pod for sys::pinstream_norm_sample {}
 /// are not checked on the host (a zero std gives inf / NaN, as division does).
 #[derive(Clone, Copy, Debug)]
 pub struct DevicePerSample<'a> {
+    /// Mean of each sample's channels, `n * channels` f32, sample-major.
     pub mean: &'a DeviceBuffer<f32>,
+    /// Std of each sample's channels, `n * channels` f32, sample-major.
     pub std: &'a DeviceBuffer<f32>,
 }
 

@@ -29,7 +29,9 @@ pub struct Normalize {
     pub mean: Vec<f32>,
     /// One per input channel; non-zero and finite.
     pub std: Vec<f32>,
+    /// Multiplies the normalized value (1 for plain standardization).
     pub scale: f32,
+    /// Added last (0 for plain standardization).
     pub shift: f32,
 }
 
@@ -69,22 +71,31 @@ impl Normalize {
 /// A window read from the source image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Crop {
+    /// Left column of the window in the source image.
     pub x: usize,
+    /// Top row of the window in the source image.
     pub y: usize,
+    /// Width of the window (the sample's output width).
     pub w: usize,
+    /// Height of the window (the sample's output height).
     pub h: usize,
 }
 
 /// One sample of a batch: its source size, and optionally a crop window and a horizontal mirror.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
+    /// Source height in pixels.
     pub h: usize,
+    /// Source width in pixels.
     pub w: usize,
+    /// Read only this window of the source (`None`: all of it).
     pub crop: Option<Crop>,
+    /// Mirror the output horizontally (after the crop).
     pub mirror: bool,
 }
 
 impl Sample {
+    /// A whole `h x w` source image: no crop, no mirror.
     pub fn new(h: usize, w: usize) -> Sample {
         Sample {
             h,
@@ -106,11 +117,15 @@ impl Sample {
 pub struct Spec {
     /// Input channels, 1..=4.
     pub channels: usize,
+    /// The samples, in the order they are packed in the input and the output.
     pub samples: Vec<Sample>,
+    /// Layout of each input sample.
     pub in_layout: Layout,
+    /// Layout of each output sample (a transpose from the input layout is fused).
     pub out_layout: Layout,
     /// `Some(fill)`: the output has 4 channels, the missing ones set to `fill`.
     pub pad_to_4: Option<f32>,
+    /// The per-channel statistics and the affine map applied to every element.
     pub norm: Normalize,
 }
 
