@@ -11,6 +11,24 @@ use crate::sys;
 
 /// One CUDA device, by ordinal. Cheap to copy; every call that needs it makes the device current
 /// on the calling thread first, so several devices and threads can be used freely.
+///
+/// On a machine without a driver or a GPU, the first call says so with [`Error::NoDevice`]:
+///
+/// ```
+/// use pinstream::Device;
+/// # fn main() -> pinstream::Result<()> {
+/// match Device::all() {
+///     Ok(devices) => {
+///         for dev in devices {
+///             let (major, minor) = dev.compute_capability()?;
+///             println!("{}: {} (sm_{major}{minor})", dev.ordinal(), dev.name()?);
+///         }
+///     }
+///     Err(e) if e.is_no_device() => println!("no CUDA device: {e}"),
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Device {
     ordinal: i32,

@@ -113,6 +113,26 @@ impl Sample {
 
 /// A batch to normalize: samples packed back to back in the input (each `c x h x w` in the input
 /// layout) and in the output (each `c_out x out_h x out_w` in the output layout).
+///
+/// Building and checking a `Spec` needs no GPU; [`cpu::normalize`](super::cpu::normalize) runs
+/// it on the host:
+///
+/// ```
+/// use pinstream::kernels::{cpu, Crop, Layout, Normalize, Spec};
+/// # fn main() -> pinstream::Result<()> {
+/// // Two gray images of different sizes; the second cropped to 2 x 2 and mirrored.
+/// let mut spec = Spec::variable(1, &[(2, 3), (4, 4)], Normalize::new(&[127.5], &[127.5]))
+///     .layouts(Layout::Nhwc, Layout::Nchw);
+/// spec.samples[1].crop = Some(Crop { x: 1, y: 1, w: 2, h: 2 });
+/// spec.samples[1].mirror = true;
+/// spec.validate("example")?;
+/// assert_eq!((spec.input_len()?, spec.output_len()?), (6 + 16, 6 + 4));
+/// let pixels: Vec<u8> = (0..22).map(|i| (i * 10) as u8).collect();
+/// let mut out = vec![0f32; spec.output_len()?];
+/// cpu::normalize(&pixels, &spec, None, &mut out)?;
+/// assert_eq!(out[0], -1.0); // (0 - 127.5) / 127.5
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Spec {
     /// Input channels, 1..=4.
