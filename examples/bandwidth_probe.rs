@@ -3,10 +3,16 @@
 //! device it prints `no CUDA device: <error>` and exits with status 0.
 //! `pinstream bandwidth` is the full benchmark (gated copies, every memory kind, checks).
 
-use pinstream::bench::{gbps, pattern, size_name, Stats};
-use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer, Result, TimingEvent};
+mod common;
 
-fn probe() -> Result<()> {
+use pinstream::bench::{gbps, pattern, size_name, Stats};
+use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer, TimingEvent};
+
+fn main() -> std::process::ExitCode {
+    common::exit_status("bandwidth_probe", probe())
+}
+
+fn probe() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let (start, end) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
@@ -30,18 +36,4 @@ fn probe() -> Result<()> {
         }
     }
     Ok(())
-}
-
-fn main() -> std::process::ExitCode {
-    match probe() {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) if e.is_no_device() => {
-            eprintln!("no CUDA device: {e}");
-            std::process::ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("bandwidth_probe: {e}");
-            std::process::ExitCode::FAILURE
-        }
-    }
 }

@@ -10,6 +10,8 @@
 //! command-line program's dependencies). Without a CUDA device this prints
 //! `no CUDA device: <error>` and exits with status 0.
 
+mod common;
+
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -24,20 +26,8 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match round_trip(mib << 20) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => match e.downcast_ref::<pinstream::Error>() {
-            // No driver, too old a driver, or no GPU: say so, it is not this program's fault.
-            Some(e) if e.is_no_device() => {
-                eprintln!("no CUDA device: {e}");
-                ExitCode::SUCCESS
-            }
-            _ => {
-                eprintln!("copy_roundtrip: {e}");
-                ExitCode::FAILURE
-            }
-        },
-    }
+    // `Error::NoDevice` (no driver or GPU): a line that says so, and status 0.
+    common::exit_status("copy_roundtrip", round_trip(mib << 20))
 }
 
 fn round_trip(bytes: usize) -> Result<(), Box<dyn std::error::Error>> {

@@ -13,6 +13,8 @@
 //! sets) or from the working directory. Without a CUDA device it prints
 //! `no CUDA device: <error>` and exits with status 0.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -25,19 +27,7 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 const SIDE: usize = 224;
 
 fn main() -> ExitCode {
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => match e.downcast_ref::<pinstream::Error>() {
-            Some(e) if e.is_no_device() => {
-                eprintln!("no CUDA device: {e}");
-                ExitCode::SUCCESS
-            }
-            _ => {
-                eprintln!("normalize_images: {e}");
-                ExitCode::FAILURE
-            }
-        },
-    }
+    common::exit_status("normalize_images", run())
 }
 
 /// The sample images' folder: `../shared/data/images` beside the repository, else the copy in

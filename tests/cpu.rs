@@ -571,11 +571,17 @@ fn stats_and_pattern() -> R {
     ensure(distinct > 200, || format!("{distinct} distinct bytes"))
 }
 
-fn normalize_cpu_writes_npy(bin: &Path) -> R {
-    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+/// The sample images: `tests/data/images` under `CARGO_MANIFEST_DIR` where it is set (cargo, and
+/// the packed tests' runner), else under the working directory.
+fn sample_images() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
         .map(PathBuf::from)
-        .unwrap_or_default();
-    let images = root.join("tests/data/images");
+        .unwrap_or_default()
+        .join("tests/data/images")
+}
+
+fn normalize_cpu_writes_npy(bin: &Path) -> R {
+    let images = sample_images();
     let dir = scratch("npy");
     let out = dir.join("batch.npy");
     let run = |args: &[&std::ffi::OsStr]| {
@@ -731,10 +737,7 @@ fn version_names_the_cuda_runtime(bin: &Path) -> R {
 /// `normalize --format json` and `--format csv` print one report with the same fields (and
 /// nothing else on stdout); the table keeps its lines.
 fn normalize_report_formats(bin: &Path) -> R {
-    let root = std::env::var_os("CARGO_MANIFEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    let a = root.join("tests/data/images/astronaut.png");
+    let a = sample_images().join("astronaut.png");
     let dir = scratch("formats");
     let out = dir.join("one.npy");
     let run = |format: &str| {
