@@ -134,6 +134,19 @@ impl Stream {
     /// larger plain slice it returns when the copy has finished. Either way `src` may be reused
     /// as soon as the call returns, on every system (also where the GPU reads pageable memory
     /// directly).
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let dev = Device::get(0)?;
+    /// let stream = dev.stream()?;
+    /// let mut d = DeviceBuffer::<f32>::new(&dev, 256)?;
+    /// let pinned = PinnedBuffer::from_slice(&dev, &[1.0f32; 256], HostAlloc::DEFAULT)?;
+    /// stream.copy_h2d(&pinned, &mut d)?;             // asynchronous
+    /// let plain = vec![2.0f32; 256];
+    /// stream.copy_h2d(&plain[..], &mut d)?.wait()?;  // `wait` blocks until it has landed
+    /// # Ok(()) }
+    /// ```
     pub fn copy_h2d<'s, T, S, D>(&self, src: &'s S, dst: &mut D) -> Result<InFlight<'s>>
     where
         T: Pod,
@@ -208,6 +221,20 @@ impl Stream {
     /// Copies `src` into `dst` (pinned, registered or plain host memory) on this stream. Read the
     /// data through the returned `Pending`. Into plain memory the copy has finished when the
     /// call returns (CUDA's semantics for pageable memory), and `wait()` returns at once.
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let dev = Device::get(0)?;
+    /// let stream = dev.stream()?;
+    /// let d = DeviceBuffer::<u16>::new(&dev, 64)?;
+    /// let mut host = PinnedBuffer::<u16>::new(&dev, 64, HostAlloc::DEFAULT)?;
+    /// let pending = stream.copy_d2h(&d, &mut host)?;
+    /// // `host` is borrowed by `pending` here: reading it would not compile.
+    /// let values: &[u16] = pending.wait()?;
+    /// println!("{}", values.len());
+    /// # Ok(()) }
+    /// ```
     pub fn copy_d2h<'d, T, S, D>(&self, src: &S, dst: &'d mut D) -> Result<Pending<'d, T>>
     where
         T: Pod,
@@ -257,7 +284,18 @@ impl Stream {
         Ok(pending)
     }
 
-    /// Copies `src` into `dst`, both on this stream's device.
+    /// Copies `src` into `dst`, both on this stream's device. Either may be a view.
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, DeviceBuffer};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let dev = Device::get(0)?;
+    /// let stream = dev.stream()?;
+    /// let a = DeviceBuffer::<f32>::new(&dev, 1024)?;
+    /// let mut b = DeviceBuffer::<f32>::new(&dev, 2048)?;
+    /// stream.copy_d2d(&a, &mut b.slice_mut(1024..)?)?; // into the upper half of `b`
+    /// # Ok(()) }
+    /// ```
     pub fn copy_d2d<T, S, D>(&self, src: &S, dst: &mut D) -> Result<()>
     where
         T: Pod,

@@ -11,6 +11,24 @@ use crate::sys;
 
 /// One CUDA device, by ordinal. Cheap to copy; every call that needs it makes the device current
 /// on the calling thread first, so several devices and threads can be used freely.
+///
+/// On a machine without a driver or a GPU, the first call says so with [`Error::NoDevice`]:
+///
+/// ```
+/// use pinstream::Device;
+/// # fn main() -> pinstream::Result<()> {
+/// match Device::all() {
+///     Ok(devices) => {
+///         for dev in devices {
+///             let (major, minor) = dev.compute_capability()?;
+///             println!("{}: {} (sm_{major}{minor})", dev.ordinal(), dev.name()?);
+///         }
+///     }
+///     Err(e) if e.is_no_device() => println!("no CUDA device: {e}"),
+///     Err(e) => return Err(e),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Device {
     ordinal: i32,
@@ -19,7 +37,9 @@ pub struct Device {
 /// A CUDA version such as 13.0 (the runtime reports 13000).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Version {
+    /// The major version, 13 in 13.0.
     pub major: u32,
+    /// The minor version, 0 in 13.0.
     pub minor: u32,
 }
 
@@ -43,7 +63,9 @@ impl fmt::Display for Version {
 /// Free and total device memory in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
+    /// Bytes free now (other processes' use included).
     pub free: usize,
+    /// Bytes of device memory in all.
     pub total: usize,
 }
 
@@ -53,10 +75,15 @@ pub struct MemoryInfo {
 pub struct PcieLink {
     /// Transfer rate per lane in GT/s (e.g. 32.0 for Gen5).
     pub current_speed_gts: Option<f64>,
+    /// PCIe generation of the current speed (1 to 6).
     pub current_gen: Option<u32>,
+    /// Lanes in use now (e.g. 16).
     pub current_width: Option<u32>,
+    /// The fastest rate per lane in GT/s that the link supports.
     pub max_speed_gts: Option<f64>,
+    /// PCIe generation of the fastest speed.
     pub max_gen: Option<u32>,
+    /// The most lanes the link supports.
     pub max_width: Option<u32>,
 }
 

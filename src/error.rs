@@ -67,17 +67,21 @@ pub enum Error {
     NoDevice {
         /// The runtime function that found out.
         call: &'static str,
+        /// The runtime's error (e.g. `cudaErrorNoDevice`, `cudaErrorInsufficientDriver`).
         cuda: CudaError,
     },
     /// An allocation (device or pinned host memory) failed for lack of memory.
     OutOfMemory {
+        /// The allocating runtime function.
         call: &'static str,
         /// The size asked for.
         bytes: usize,
+        /// The runtime's error (`cudaErrorMemoryAllocation`).
         cuda: CudaError,
     },
     /// Source and destination of a copy (or a kernel's operands) have different lengths.
     LengthMismatch {
+        /// The operation, e.g. `Stream::copy_h2d`.
         op: &'static str,
         /// Elements on the source (or expected) side.
         src: usize,
@@ -86,6 +90,7 @@ pub enum Error {
     },
     /// A buffer or event belongs to another device than the stream it is used with.
     WrongDevice {
+        /// The operation, e.g. `Stream::record`.
         op: &'static str,
         /// The device of the stream.
         expected: i32,
@@ -93,9 +98,15 @@ pub enum Error {
         found: i32,
     },
     /// An argument was rejected before any CUDA call was made.
-    InvalidArgument { op: &'static str, reason: String },
+    InvalidArgument {
+        /// The operation that rejected it.
+        op: &'static str,
+        /// What is wrong with it, in words.
+        reason: String,
+    },
     /// Reading or writing a file failed, or it ended before the range asked for.
     Io {
+        /// The operation, e.g. `Stager::upload_file`.
         op: &'static str,
         /// The file's path as the caller gave it.
         path: String,
@@ -108,7 +119,12 @@ pub enum Error {
     },
     /// A worker thread panicked while working for this call; the call's work was stopped and
     /// waited for.
-    Panicked { op: &'static str, message: String },
+    Panicked {
+        /// The call the worker was working for.
+        op: &'static str,
+        /// The panic's message, where it was a string.
+        message: String,
+    },
     /// A prefetcher's source failed (returned an error, panicked, or gave a batch whose pixels
     /// do not match its spec) at this batch; the batches before it came out whole.
     Loader {
@@ -119,9 +135,11 @@ pub enum Error {
     },
     /// Any other error the CUDA runtime reported.
     Cuda {
+        /// The runtime function that failed.
         call: &'static str,
         /// The arguments that matter (sizes, devices, kinds), for the message.
         detail: String,
+        /// The runtime's error.
         cuda: CudaError,
     },
 }

@@ -8,8 +8,8 @@ use crate::error::{check, Error, Result};
 use crate::sys;
 
 macro_rules! event_type {
-    ($name:ident, $flags:expr, $doc:literal) => {
-        #[doc = $doc]
+    ($(#[$doc:meta])* $name:ident, $flags:expr) => {
+        $(#[$doc])*
         #[derive(Debug)]
         pub struct $name {
             raw: sys::cudaEvent_t,
@@ -91,15 +91,45 @@ macro_rules! event_type {
 }
 
 event_type!(
+    /// An event for ordering streams and waiting from the host; it keeps no time, which makes
+    /// recording and waiting cheaper.
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, Event};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let dev = Device::get(0)?;
+    /// let stream = dev.stream()?;
+    /// stream.spin(std::time::Duration::from_millis(1))?; // some queued work
+    /// let done = Event::new(&dev)?;
+    /// stream.record(&done)?;
+    /// while !done.is_complete()? {
+    ///     // do host work meanwhile
+    /// }
+    /// # Ok(()) }
+    /// ```
     Event,
-    sys::cudaEventDisableTiming,
-    "An event for ordering streams and waiting from the host; it keeps no time, which makes \
-     recording and waiting cheaper."
+    sys::cudaEventDisableTiming
 );
 event_type!(
+    /// An event that keeps a GPU timestamp: `start.elapsed(&end)` gives the time between two.
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, DeviceBuffer, TimingEvent};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let dev = Device::get(0)?;
+    /// let stream = dev.stream()?;
+    /// let (src, mut dst) = (DeviceBuffer::<u8>::new(&dev, 1 << 28)?, DeviceBuffer::<u8>::new(&dev, 1 << 28)?);
+    /// let (start, end) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
+    /// stream.record(&start)?;
+    /// stream.copy_d2d(&src, &mut dst)?;
+    /// stream.record(&end)?;
+    /// end.synchronize()?;
+    /// let ms = start.elapsed_ms(&end)?;
+    /// println!("{:.1} GB/s", 2.0 * (1u64 << 28) as f64 / (ms as f64 * 1e6));
+    /// # Ok(()) }
+    /// ```
     TimingEvent,
-    sys::cudaEventDefault,
-    "An event that keeps a GPU timestamp: `start.elapsed(&end)` gives the time between two."
+    sys::cudaEventDefault
 );
 
 impl TimingEvent {

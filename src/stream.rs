@@ -11,6 +11,25 @@ use crate::sys;
 /// A CUDA stream created with `cudaStreamNonBlocking`, so it never synchronises with the legacy
 /// default stream. Cloning is cheap and shares the stream; it is destroyed with the last clone
 /// (work already queued still completes).
+///
+/// Work on one stream runs in order; work on two streams may overlap. Buffers remember their
+/// last use, so a buffer handed from one stream to another is ordered without any call from
+/// you; [`Event`](crate::Event) and [`Stream::wait`] order other work.
+///
+/// ```no_run
+/// use pinstream::{Device, DeviceBuffer, Event};
+/// # fn main() -> pinstream::Result<()> {
+/// let dev = Device::get(0)?;
+/// let (copies, compute) = (dev.stream()?, dev.stream()?);
+/// let input = vec![1u8; 1 << 20];
+/// let mut d = DeviceBuffer::<u8>::new(&dev, input.len())?;
+/// copies.copy_h2d(&input[..], &mut d)?;
+/// let uploaded = Event::new(&dev)?;
+/// copies.record(&uploaded)?;
+/// compute.wait(&uploaded)?; // later work on `compute` starts after the upload
+/// compute.synchronize()?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Stream {
     inner: Arc<Inner>,

@@ -11,7 +11,7 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 use common::{ensure, R};
-use libtest_mimic::{Arguments, Trial};
+use libtest_mimic::{Arguments, Completion, Trial};
 use pinstream::{Device, Error, HostAlloc, HostRegister, PcieLink, Version};
 use toolkit::Source;
 
@@ -47,10 +47,23 @@ fn main() {
         t("error/formatting", error_formatting),
         t("memory/flags", memory_flags),
         t("bench/stats_and_pattern", stats_and_pattern),
-        t("cli/normalize_cpu_writes_npy", normalize_cpu_writes_npy),
         t(
+            "cli/program_found_beside_the_tests",
+            program_found_beside_the_tests,
+        ),
+        cli("cli/normalize_cpu_writes_npy", normalize_cpu_writes_npy),
+        cli("cli/normalize_report_formats", normalize_report_formats),
+        cli(
             "cli/bandwidth_help_and_arguments",
             bandwidth_help_and_arguments,
+        ),
+        cli(
+            "cli/no_arguments_prints_the_help",
+            no_arguments_prints_the_help,
+        ),
+        cli(
+            "cli/version_names_the_cuda_runtime",
+            version_names_the_cuda_runtime,
         ),
         // On a machine with a GPU these have nothing to check: ignored there, not passed.
         Trial::test(
@@ -58,7 +71,7 @@ fn main() {
             every_entry_point_reports_no_device,
         )
         .with_ignored_flag(has_gpu),
-        Trial::test(
+        cli(
             "no_device/info_exits_with_status_2",
             info_exits_with_status_2,
         )
@@ -436,27 +449,78 @@ fn every_entry_point_reports_no_device() -> R {
     })
 }
 
-/// The `pinstream` program: next to the test executable's folder (cargo), or in `.gpu/bin`.
-fn pinstream_bin() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut candidates: Vec<PathBuf> = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("pinstream"))
-        .into_iter()
-        .collect();
-    if let Some(root) = std::env::var_os("CARGO_MANIFEST_DIR") {
-        candidates.push(PathBuf::from(root).join(".gpu/bin/pinstream"));
-    }
-    candidates
-        .into_iter()
-        .find(|p| p.is_file())
-        .ok_or_else(|| "the pinstream program was not found (run via cargo test)".to_string())
+/// Where the `pinstream` program may be, in order, for a test executable at `exe`: beside the
+/// test executable's folder (cargo puts tests in `target/<profile>/deps/` and programs in
+/// `target/<profile>/`), in `bin/` beside it (`../shared/gpu/pack` puts tests in `.gpu/test/`
+/// and programs in `.gpu/bin/`), then where cargo built it for this test (only known when the
+/// test was built by cargo with the program).
+fn bin_candidates(exe: &Path) -> Vec<PathBuf> {
+    let up = exe.parent().and_then(Path::parent);
+    let mut c: Vec<PathBuf> = up
+        .map(|d| vec![d.join("pinstream"), d.join("bin/pinstream")])
+        .unwrap_or_default();
+    c.extend(option_env!("CARGO_BIN_EXE_pinstream").map(PathBuf::from));
+    c
 }
 
-fn info_exits_with_status_2() -> R {
-    let bin = pinstream_bin()?;
-    let out = std::process::Command::new(&bin).arg("info").output()?;
+/// The `pinstream` program, or why there is none: the first of `bin_candidates` that exists.
+fn pinstream_bin() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("no test executable path: {e}"))?;
+    let candidates = bin_candidates(&exe);
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            let looked: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            format!(
+                "the pinstream program was not found (looked at {}); build it with the tests \
+             (cargo test, or ../shared/gpu/pack)",
+                looked.join(", ")
+            )
+        })
+}
+
+/// A trial that runs the `pinstream` program: ignored at run time, with the reason, where the
+/// program is not there (a test executable copied without it), never passed.
+fn cli(name: &str, f: fn(&Path) -> R) -> Trial {
+    Trial::ignorable_test(name, move || match pinstream_bin() {
+        Ok(bin) => f(&bin).map(|()| Completion::Completed),
+        Err(why) => Ok(Completion::ignored_with(why)),
+    })
+}
+
+/// The lookup finds the program in cargo's layout and in the packed one, and nothing beside a
+/// test executable that has none.
+fn program_found_beside_the_tests() -> R {
+    let dir = scratch("layouts");
+    let cargo_test = dir.join("target/release/deps/cpu-0123abcd");
+    let packed_test = dir.join(".gpu/test/cpu-0123abcd");
+    let lone_test = dir.join("elsewhere/tests/cpu-0123abcd");
+    for exe in [&cargo_test, &packed_test, &lone_test] {
+        touch(exe);
+    }
+    touch(&dir.join("target/release/pinstream"));
+    touch(&dir.join(".gpu/bin/pinstream"));
+    let first = |exe: &Path| bin_candidates(exe).into_iter().find(|p| p.is_file());
+    ensure(
+        first(&cargo_test) == Some(dir.join("target/release/pinstream")),
+        || format!("cargo layout: {:?}", bin_candidates(&cargo_test)),
+    )?;
+    ensure(
+        first(&packed_test) == Some(dir.join(".gpu/bin/pinstream")),
+        || format!("packed layout: {:?}", bin_candidates(&packed_test)),
+    )?;
+    // Beside a lone test executable: only cargo's own path, where this test has one.
+    let lone = first(&lone_test);
+    let cargo_path = option_env!("CARGO_BIN_EXE_pinstream").map(PathBuf::from);
+    ensure(lone.is_none() || lone == cargo_path, || {
+        format!("beside a lone test: {lone:?}")
+    })
+}
+
+fn info_exits_with_status_2(bin: &Path) -> R {
+    let out = std::process::Command::new(bin).arg("info").output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {
         format!("status {:?}, stderr {stderr}", out.status)
@@ -507,16 +571,21 @@ fn stats_and_pattern() -> R {
     ensure(distinct > 200, || format!("{distinct} distinct bytes"))
 }
 
-fn normalize_cpu_writes_npy() -> R {
-    let bin = pinstream_bin()?;
-    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+/// The sample images: `tests/data/images` under `CARGO_MANIFEST_DIR` where it is set (cargo, and
+/// the packed tests' runner), else under the working directory.
+fn sample_images() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
         .map(PathBuf::from)
-        .unwrap_or_default();
-    let images = root.join("tests/data/images");
+        .unwrap_or_default()
+        .join("tests/data/images")
+}
+
+fn normalize_cpu_writes_npy(bin: &Path) -> R {
+    let images = sample_images();
     let dir = scratch("npy");
     let out = dir.join("batch.npy");
     let run = |args: &[&std::ffi::OsStr]| {
-        std::process::Command::new(&bin)
+        std::process::Command::new(bin)
             .arg("normalize")
             .args(args)
             .output()
@@ -591,10 +660,9 @@ fn normalize_cpu_writes_npy() -> R {
 /// `pinstream bandwidth --help` lists the `staged` kind and the file options; bad values of the
 /// new arguments are one-line errors with status 1, found before any device is touched (so this
 /// runs the same with or without a GPU).
-fn bandwidth_help_and_arguments() -> R {
-    let bin = pinstream_bin()?;
+fn bandwidth_help_and_arguments(bin: &Path) -> R {
     let run = |args: &[&str]| {
-        std::process::Command::new(&bin)
+        std::process::Command::new(bin)
             .arg("bandwidth")
             .args(args)
             .output()
@@ -623,4 +691,96 @@ fn bandwidth_help_and_arguments() -> R {
         )?;
     }
     Ok(())
+}
+
+/// `pinstream` alone prints the help (the subcommands) to stdout and exits with status 0.
+fn no_arguments_prints_the_help(bin: &Path) -> R {
+    let o = std::process::Command::new(bin).output()?;
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    ensure(o.status.code() == Some(0), || {
+        format!(
+            "status {:?}, stderr {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })?;
+    for needle in [
+        "Usage: pinstream <COMMAND>",
+        "info",
+        "bandwidth",
+        "normalize",
+        "staging",
+    ] {
+        ensure(stdout.contains(needle), || {
+            format!("missing {needle:?} in:\n{stdout}")
+        })?;
+    }
+    Ok(())
+}
+
+/// `pinstream --version` names the crate's version and the CUDA runtime linked in, with or
+/// without a driver.
+fn version_names_the_cuda_runtime(bin: &Path) -> R {
+    let o = std::process::Command::new(bin).arg("--version").output()?;
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    ensure(o.status.success(), || format!("status {:?}", o.status))?;
+    let runtime = Device::runtime_version()?;
+    let want = format!(
+        "pinstream {} (CUDA runtime {runtime}, linked statically)",
+        env!("CARGO_PKG_VERSION")
+    );
+    ensure(stdout.trim_end() == want, || {
+        format!("{stdout:?}, want {want:?}")
+    })
+}
+
+/// `normalize --format json` and `--format csv` print one report with the same fields (and
+/// nothing else on stdout); the table keeps its lines.
+fn normalize_report_formats(bin: &Path) -> R {
+    let a = sample_images().join("astronaut.png");
+    let dir = scratch("formats");
+    let out = dir.join("one.npy");
+    let run = |format: &str| {
+        std::process::Command::new(bin)
+            .arg("normalize")
+            .arg("--input")
+            .arg(&a)
+            .args(["--cpu", "--verify", "--dtype", "u8", "--format", format])
+            .arg("--out")
+            .arg(&out)
+            .output()
+    };
+    let o = run("json")?;
+    ensure(o.status.success(), || {
+        format!(
+            "json: {:?} {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        )
+    })?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure(
+        v["dtype"] == "u8" && v["shape"] == "1x3x512x512" && v["images"] == 1,
+        || format!("{v}"),
+    )?;
+    ensure(
+        v["verify_units"].as_f64().is_some_and(|u| u <= 1.0) && v["bench_kernel_ms"].is_null(),
+        || format!("{v}"),
+    )?;
+    let o = run("csv")?;
+    let csv = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = csv.lines().collect();
+    ensure(o.status.success() && lines.len() == 2, || csv.to_string())?;
+    let fields = v.as_object().ok_or("not an object")?;
+    let header: Vec<&str> = lines[0].split(',').collect();
+    ensure(
+        header.len() == fields.len() && header.iter().all(|h| fields.contains_key(*h)),
+        || format!("csv header {header:?} against json {v}"),
+    )?;
+    let o = run("table")?;
+    let table = String::from_utf8_lossy(&o.stdout);
+    ensure(
+        table.starts_with("verify: max abs error") && table.contains("\nwrote "),
+        || table.to_string(),
+    )
 }

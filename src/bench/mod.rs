@@ -16,9 +16,13 @@ use std::time::{Duration, Instant};
 /// Summary of repeated samples.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Stats {
+    /// The samples, in the order they were taken.
     pub samples: Vec<f64>,
+    /// The middle sample (the mean of the two middle ones for an even count).
     pub median: f64,
+    /// The smallest sample.
     pub min: f64,
+    /// The largest sample.
     pub max: f64,
     /// Coefficient of variation: standard deviation over mean.
     pub cv: f64,

@@ -35,9 +35,11 @@ pub struct Setup {
     pub compute: Duration,
     /// Measured batches (after `warmup`).
     pub batches: usize,
+    /// Batches run before the clock starts.
     pub warmup: usize,
-    /// Prefetcher depth and loader threads (also the loader threads of `apex`).
+    /// Prefetcher depth (device slots).
     pub depth: usize,
+    /// Loader threads of the prefetcher, and the loader workers of `apex`.
     pub threads: usize,
 }
 
@@ -81,9 +83,13 @@ fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
 pub struct Parts {
     /// The training step as measured (the busy kernel alone).
     pub compute_ms: f64,
+    /// Upload of one batch through a `Stager` (host side and DMA).
     pub staged_ms: f64,
+    /// A plain copy of one batch from pinned memory (the link's time).
     pub pinned_ms: f64,
+    /// A plain copy of one batch from pageable memory.
     pub pageable_ms: f64,
+    /// The fused normalize of one batch to f32.
     pub normalize_ms: f64,
     /// Writing one synthetic batch on one thread.
     pub synth_ms: f64,

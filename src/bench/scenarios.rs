@@ -16,10 +16,13 @@ use crate::staging::{Packer, Stager, StagerConfig, Uploads};
 /// One measured case of one scenario.
 #[derive(Clone, Debug)]
 pub struct Case {
+    /// The guide's scenario letter, `a` to `d`.
     pub scenario: &'static str,
+    /// What was done, e.g. `4 MB pinned tensor, non_blocking`.
     pub case: String,
     /// Median wall time in milliseconds (host clock, everything synchronised).
     pub ms: f64,
+    /// What the case shows, or how it was done (empty where there is nothing to add).
     pub note: String,
 }
 

@@ -17,6 +17,7 @@ use crate::stream::Stream;
 pub struct Measure {
     /// What was measured, e.g. `staged h2d`.
     pub what: String,
+    /// Bytes moved per sample.
     pub bytes: usize,
     /// Decimal GB/s per sample (host clock, stream synchronised).
     pub gbps: Stats,

@@ -46,6 +46,7 @@ pub enum MemKind {
 }
 
 impl MemKind {
+    /// Every kind, in the order the sweep measures them.
     pub const ALL: [MemKind; 6] = [
         MemKind::Pageable,
         MemKind::Pinned,
@@ -55,6 +56,7 @@ impl MemKind {
         MemKind::Staged,
     ];
 
+    /// The name used in rows and on the command line, e.g. `write-combined`.
     pub fn name(self) -> &'static str {
         match self {
             MemKind::Pageable => "pageable",
@@ -66,6 +68,7 @@ impl MemKind {
         }
     }
 
+    /// The kind named `s` (as [`MemKind::name`] gives it, or `wc` for write-combined).
     pub fn parse(s: &str) -> Option<MemKind> {
         MemKind::ALL
             .into_iter()
@@ -76,7 +79,9 @@ impl MemKind {
 /// A copy direction.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Direction {
+    /// Host to device.
     H2D,
+    /// Device to host.
     D2H,
     /// Device to device, reported counted once and as read + write.
     D2D,
@@ -85,6 +90,7 @@ pub enum Direction {
 }
 
 impl Direction {
+    /// Every direction, in the order the sweep measures them.
     pub const ALL: [Direction; 4] = [
         Direction::H2D,
         Direction::D2H,
@@ -92,6 +98,7 @@ impl Direction {
         Direction::Bidir,
     ];
 
+    /// The name used in rows and on the command line: `h2d`, `d2h`, `d2d`, `bidir`.
     pub fn name(self) -> &'static str {
         match self {
             Direction::H2D => "h2d",
@@ -101,6 +108,7 @@ impl Direction {
         }
     }
 
+    /// The direction named `s` (as [`Direction::name`] gives it).
     pub fn parse(s: &str) -> Option<Direction> {
         Direction::ALL.into_iter().find(|d| d.name() == s)
     }
@@ -109,12 +117,19 @@ impl Direction {
 /// What to measure and how hard.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// Bytes per copy, one point each (default: every power of two from 4 KiB to 1 GiB).
     pub sizes: Vec<usize>,
+    /// Host memory kinds to measure (default: all).
     pub kinds: Vec<MemKind>,
+    /// Directions to measure (default: all).
     pub directions: Vec<Direction>,
+    /// Samples per point, at least (default 5).
     pub min_samples: usize,
+    /// Copies are repeated within a sample until it lasts at least this long (default 20 ms).
     pub min_sample_time: Duration,
+    /// Samples taken and thrown away before the measured ones (default 1).
     pub warmup_samples: usize,
+    /// How long a gate kernel holds the stream at most while copies are queued (default 1 s).
     pub gate_timeout: Duration,
     /// Issue each copy as consecutive pieces of at most this many bytes (at most
     /// `MAX_PIECES` per copy; a larger piece is used where needed). `None`: one call per copy.
@@ -189,7 +204,9 @@ pub struct Row {
     /// with both directions loaded); bidir-pair is `2 x bytes` over the time until both
     /// directions' copies, started together, have finished.
     pub direction: &'static str,
+    /// Bytes per copy.
     pub bytes: usize,
+    /// Copies timed together in one sample.
     pub copies_per_sample: usize,
     /// Decimal GB/s per sample, from CUDA events; from the host clock on staged and file rows
     /// (the host does the work there), the same samples as `host_gbps`.
@@ -905,7 +922,9 @@ fn empty_stats() -> Stats {
 /// Host-observed latency of one 4-byte copy and its synchronisation, in microseconds.
 #[derive(Clone, Debug)]
 pub struct Latency {
+    /// Memory and direction, e.g. `pinned h2d 4 B`.
     pub what: String,
+    /// Microseconds per copy and synchronize.
     pub micros: Stats,
 }
 
@@ -944,9 +963,13 @@ pub fn latency(device: &Device, iters: usize) -> Result<Vec<Latency>> {
 /// Cost of pinning: seconds per GiB to allocate and to free.
 #[derive(Clone, Debug)]
 pub struct PinCost {
+    /// The call measured, e.g. `cudaHostRegister`.
     pub what: &'static str,
+    /// Bytes pinned per sample.
     pub bytes: usize,
+    /// Seconds per GiB to allocate or register.
     pub pin_s_per_gib: Stats,
+    /// Seconds per GiB to free or unregister.
     pub unpin_s_per_gib: Stats,
 }
 

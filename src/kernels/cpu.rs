@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 pub trait OutputElement: Element + Send + Sync {
     /// Name for messages and files.
     const NAME: &'static str;
+    /// The exact value converted: round to nearest even, integers saturate.
     fn from_f64(v: f64) -> Self;
     /// The value as f64 (for error measurement).
     fn to_f64(self) -> f64;
@@ -189,6 +190,7 @@ impl OutputElement for i8 {
 /// The worst element of a result: where it is and its `OutputElement::rounding_error`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WorstError {
+    /// Index of the worst element.
     pub index: usize,
     /// Error in units of rounding (1 or less is correct; infinite for NaN where a number is due).
     pub units: f64,
@@ -224,7 +226,9 @@ pub fn worst_error<O: OutputElement>(
 /// Per-sample mean and std on the host: `n * channels` each, sample-major.
 #[derive(Clone, Copy, Debug)]
 pub struct PerSample<'a> {
+    /// Mean of each sample's channels, sample-major.
     pub mean: &'a [f32],
+    /// Std of each sample's channels, sample-major.
     pub std: &'a [f32],
 }
 
@@ -349,6 +353,7 @@ pub fn normalize<O: OutputElement>(
 
 /// Input element types of `denormalize` (f32, f16, bf16). Sealed, like `OutputElement`.
 pub trait DenormInput: Element + Send + Sync {
+    /// The value as f64.
     fn to_f64(self) -> f64;
 }
 impl DenormInput for f32 {

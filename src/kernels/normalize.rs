@@ -19,7 +19,9 @@ unsafe impl bytemuck::Pod for sys::pinstream_norm_sample {}
 /// are not checked on the host (a zero std gives inf / NaN, as division does).
 #[derive(Clone, Copy, Debug)]
 pub struct DevicePerSample<'a> {
+    /// Mean of each sample's channels, `n * channels` f32, sample-major.
     pub mean: &'a DeviceBuffer<f32>,
+    /// Std of each sample's channels, `n * channels` f32, sample-major.
     pub std: &'a DeviceBuffer<f32>,
 }
 
@@ -125,6 +127,23 @@ fn sample_table(spec: &Spec) -> Result<Vec<sys::pinstream_norm_sample>> {
 ///
 /// Every argument is checked before anything is queued; a batch with crops, mirrors or samples
 /// of different sizes uploads a small per-sample table first (ordered on the same stream).
+///
+/// ```no_run
+/// use pinstream::kernels::{self, Layout, Normalize, Spec};
+/// use pinstream::{f16, Device, DeviceBuffer};
+/// # fn main() -> pinstream::Result<()> {
+/// let dev = Device::get(0)?;
+/// let stream = dev.stream()?;
+/// // 8 RGB images of 224 x 224, channels-last u8 in, NCHW f16 out.
+/// let spec = Spec::uniform(8, 3, 224, 224, Normalize::imagenet())
+///     .layouts(Layout::Nhwc, Layout::Nchw);
+/// let pixels = vec![128u8; spec.input_len()?];
+/// let mut d_in = DeviceBuffer::<u8>::new(&dev, pixels.len())?;
+/// stream.copy_h2d(&pixels[..], &mut d_in)?;
+/// let mut d_out = DeviceBuffer::<f16>::new(&dev, spec.output_len()?)?;
+/// kernels::normalize::<f16, _, _>(&stream, &d_in, &spec, &mut d_out, None)?;
+/// # Ok(()) }
+/// ```
 pub fn normalize<O, I, D>(
     stream: &Stream,
     input: &I,

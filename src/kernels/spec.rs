@@ -29,7 +29,9 @@ pub struct Normalize {
     pub mean: Vec<f32>,
     /// One per input channel; non-zero and finite.
     pub std: Vec<f32>,
+    /// Multiplies the normalized value (1 for plain standardization).
     pub scale: f32,
+    /// Added last (0 for plain standardization).
     pub shift: f32,
 }
 
@@ -69,22 +71,31 @@ impl Normalize {
 /// A window read from the source image.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Crop {
+    /// Left column of the window in the source image.
     pub x: usize,
+    /// Top row of the window in the source image.
     pub y: usize,
+    /// Width of the window (the sample's output width).
     pub w: usize,
+    /// Height of the window (the sample's output height).
     pub h: usize,
 }
 
 /// One sample of a batch: its source size, and optionally a crop window and a horizontal mirror.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sample {
+    /// Source height in pixels.
     pub h: usize,
+    /// Source width in pixels.
     pub w: usize,
+    /// Read only this window of the source (`None`: all of it).
     pub crop: Option<Crop>,
+    /// Mirror the output horizontally (after the crop).
     pub mirror: bool,
 }
 
 impl Sample {
+    /// A whole `h x w` source image: no crop, no mirror.
     pub fn new(h: usize, w: usize) -> Sample {
         Sample {
             h,
@@ -102,15 +113,39 @@ impl Sample {
 
 /// A batch to normalize: samples packed back to back in the input (each `c x h x w` in the input
 /// layout) and in the output (each `c_out x out_h x out_w` in the output layout).
+///
+/// Building and checking a `Spec` needs no GPU; [`cpu::normalize`](super::cpu::normalize) runs
+/// it on the host:
+///
+/// ```
+/// use pinstream::kernels::{cpu, Crop, Layout, Normalize, Spec};
+/// # fn main() -> pinstream::Result<()> {
+/// // Two gray images of different sizes; the second cropped to 2 x 2 and mirrored.
+/// let mut spec = Spec::variable(1, &[(2, 3), (4, 4)], Normalize::new(&[127.5], &[127.5]))
+///     .layouts(Layout::Nhwc, Layout::Nchw);
+/// spec.samples[1].crop = Some(Crop { x: 1, y: 1, w: 2, h: 2 });
+/// spec.samples[1].mirror = true;
+/// spec.validate("example")?;
+/// assert_eq!((spec.input_len()?, spec.output_len()?), (6 + 16, 6 + 4));
+/// let pixels: Vec<u8> = (0..22).map(|i| (i * 10) as u8).collect();
+/// let mut out = vec![0f32; spec.output_len()?];
+/// cpu::normalize(&pixels, &spec, None, &mut out)?;
+/// assert_eq!(out[0], -1.0); // (0 - 127.5) / 127.5
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Spec {
     /// Input channels, 1..=4.
     pub channels: usize,
+    /// The samples, in the order they are packed in the input and the output.
     pub samples: Vec<Sample>,
+    /// Layout of each input sample.
     pub in_layout: Layout,
+    /// Layout of each output sample (a transpose from the input layout is fused).
     pub out_layout: Layout,
     /// `Some(fill)`: the output has 4 channels, the missing ones set to `fill`.
     pub pad_to_4: Option<f32>,
+    /// The per-channel statistics and the affine map applied to every element.
     pub norm: Normalize,
 }
 

@@ -20,6 +20,20 @@ use crate::sys;
 ///
 /// Every operation on it is ordered after the previous one, whichever stream it ran on, and
 /// dropping it waits for the last one before the memory is freed.
+///
+/// ```no_run
+/// use pinstream::{kernels, Device, DeviceBuffer};
+/// # fn main() -> pinstream::Result<()> {
+/// let dev = Device::get(0)?;
+/// let stream = dev.stream()?;
+/// let mut d = DeviceBuffer::<u32>::new(&dev, 1000)?;
+/// kernels::iota(&stream, &mut d, 0, 1)?;          // 0, 1, 2, ...
+/// stream.memset(&mut d.slice_mut(500..)?, 0)?;   // a view of the upper half
+/// let mut host = vec![0u32; 1000];
+/// let values = stream.copy_d2h(&d, &mut host[..])?.wait()?;
+/// assert_eq!((values[499], values[500]), (499, 0));
+/// # Ok(()) }
+/// ```
 pub struct DeviceBuffer<T: Pod> {
     ptr: *mut T,
     len: usize,

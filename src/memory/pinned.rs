@@ -37,6 +37,20 @@ super::flag_set! {
 /// Every copy that touches it records an event; `as_slice`, `as_mut_slice` and `Drop` wait for
 /// that event first, so the host never sees memory the GPU is still reading or writing — not
 /// even when a `Pending` copy was leaked with `mem::forget`.
+///
+/// ```no_run
+/// use pinstream::{Device, DeviceBuffer, HostAlloc, PinnedBuffer};
+/// # fn main() -> pinstream::Result<()> {
+/// let dev = Device::get(0)?;
+/// let stream = dev.stream()?;
+/// let mut host = PinnedBuffer::<f32>::new(&dev, 1024, HostAlloc::DEFAULT)?;
+/// host.as_mut_slice()?.fill(0.5);
+/// let mut d = DeviceBuffer::<f32>::new(&dev, 1024)?;
+/// stream.copy_h2d(&host, &mut d)?; // returns at once: the copy runs on the stream
+/// // Host access waits for the copy to have read the buffer, so this cannot race with it:
+/// host.as_mut_slice()?.fill(1.0);
+/// # Ok(()) }
+/// ```
 pub struct PinnedBuffer<T: Pod> {
     /// What `cudaHostAlloc` returned (null for an empty buffer): what is freed.
     base: *mut c_void,

@@ -220,6 +220,22 @@ pub(crate) fn parse_size(s: &str) -> Option<usize> {
 /// it is `Send + Sync`, and calls from several threads at once share its workers and slots.
 ///
 /// Dropping it waits for the DMAs still reading its slots before it frees them.
+///
+/// ```no_run
+/// use pinstream::{Device, DeviceBuffer, Stager, StagerConfig, Uploads};
+/// # fn main() -> pinstream::Result<()> {
+/// let dev = Device::get(0)?;
+/// let stream = dev.stream()?;
+/// // Threads and slots from PINSTREAM_STAGING_* where set, else the defaults.
+/// let stager = Stager::new(&dev, StagerConfig::from_env()?)?;
+/// let (images, labels) = (vec![0u8; 32 << 20], vec![0i64; 256]);
+/// let mut d_images = DeviceBuffer::<u8>::new(&dev, images.len())?;
+/// let mut d_labels = DeviceBuffer::<i64>::new(&dev, labels.len())?;
+/// let mut list = Uploads::new();
+/// list.push(&images, &mut d_images)?.push(&labels, &mut d_labels)?;
+/// stager.upload_all(&stream, list)?; // one call; both sources are free again on return
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Stager {
     engine: Engine,

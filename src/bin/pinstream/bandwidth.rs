@@ -8,8 +8,11 @@ use std::time::Duration;
 use clap::Args;
 use pinstream::bench::scenarios::{self, Case};
 use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
-use pinstream::bench::{host_memcpy_gbps, size_name, Stats};
+use pinstream::bench::{host_memcpy_gbps, size_name};
 use pinstream::{Device, Error, Result, Stager, StagerConfig};
+use serde::Serialize;
+
+use crate::output::{self, Format, Ordered};
 
 #[derive(Args, Debug)]
 pub struct BandwidthArgs {
@@ -33,9 +36,10 @@ pub struct BandwidthArgs {
     /// Minimum length of one sample in milliseconds (at least 20).
     #[arg(long, default_value_t = 20)]
     min_sample_ms: u64,
-    /// Output format.
-    #[arg(long, value_parser = ["table", "csv", "json"], default_value = "table")]
-    format: String,
+    /// Output format. csv: the sweep's rows, then (with --scenarios, after an empty line) the
+    /// scenarios; json: everything, samples included.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
     /// Draw GB/s against size to this SVG file.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
@@ -202,7 +206,7 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
             ),
         ));
     }
-    if args.format == "table" {
+    if args.format == Format::Table {
         for (k, v) in &report.context {
             println!("{k:>22}: {v}");
         }
@@ -261,7 +265,7 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
         };
         let bytes = rows.first().map_or(0, |r| r.bytes);
         let line = format!("{}, {} bytes read{direct}", path.display(), bytes);
-        if args.format == "table" {
+        if args.format == Format::Table {
             println!("{:>22}: {line}", "file");
         }
         report.context.push(("file".into(), line));
@@ -271,10 +275,10 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
         report.scenarios = scenarios::run(&devices[0])?;
     }
 
-    match args.format.as_str() {
-        "csv" => print!("{}", csv(&report)),
-        "json" => println!("{}", json(&report)),
-        _ => print!("{}", table(&report)),
+    match args.format {
+        Format::Csv => print!("{}", csv(&report)?),
+        Format::Json => print!("{}", json(&report)?),
+        Format::Table => print!("{}", table(&report)),
     }
     for w in &report.warnings {
         eprintln!("warning: {w}");
@@ -351,6 +355,119 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
     }
 }
 
+/// One measured point of the sweep: a line of the table, a line of the CSV, an element of the
+/// JSON's `rows` (which also holds the samples).
+#[derive(Debug, Serialize)]
+struct BandwidthRow {
+    /// "0", "1", ... or "all".
+    device: String,
+    kind: &'static str,
+    direction: &'static str,
+    bytes: usize,
+    copies_per_sample: usize,
+    /// Decimal GB/s: median, min, max and coefficient of variation of the samples.
+    gbps_median: f64,
+    gbps_min: f64,
+    gbps_max: f64,
+    gbps_cv: f64,
+    /// Median GB/s by the host clock, where measured.
+    host_gbps_median: Option<f64>,
+    /// One thread's host memcpy GB/s at this size (pageable rows).
+    host_memcpy_gbps: Option<f64>,
+    verified: bool,
+    gate_timed_out: bool,
+    partly_alone: bool,
+    note: Option<String>,
+}
+
+impl From<&Row> for BandwidthRow {
+    fn from(r: &Row) -> Self {
+        BandwidthRow {
+            device: r.device.clone(),
+            kind: r.kind,
+            direction: r.direction,
+            bytes: r.bytes,
+            copies_per_sample: r.copies_per_sample,
+            gbps_median: r.gbps.median,
+            gbps_min: r.gbps.min,
+            gbps_max: r.gbps.max,
+            gbps_cv: r.gbps.cv,
+            host_gbps_median: r.host_gbps.as_ref().map(|h| h.median),
+            host_memcpy_gbps: r.host_memcpy_gbps,
+            verified: r.verified,
+            gate_timed_out: r.gate_timed_out,
+            partly_alone: r.partly_alone,
+            note: r.note.clone(),
+        }
+    }
+}
+
+/// A row of the JSON: the same fields, and the samples (which a CSV line cannot hold).
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    #[serde(flatten)]
+    row: BandwidthRow,
+    gbps_samples: &'a [f64],
+    host_gbps_samples: Option<&'a [f64]>,
+}
+
+/// Host-observed latency of one small copy, in microseconds.
+#[derive(Debug, Serialize)]
+struct LatencyRow<'a> {
+    what: &'a str,
+    micros_median: f64,
+    micros_min: f64,
+    micros_max: f64,
+    micros_samples: &'a [f64],
+}
+
+/// Seconds per GiB to pin and to unpin.
+#[derive(Debug, Serialize)]
+struct PinningRow<'a> {
+    what: &'a str,
+    bytes: usize,
+    pin_s_per_gib_median: f64,
+    unpin_s_per_gib_median: f64,
+    pin_s_per_gib_samples: &'a [f64],
+    unpin_s_per_gib_samples: &'a [f64],
+}
+
+/// One case of the PyTorch guide's scenarios.
+#[derive(Debug, Serialize)]
+struct ScenarioRow<'a> {
+    scenario: &'a str,
+    case: &'a str,
+    /// Median wall milliseconds.
+    ms: f64,
+    note: &'a str,
+}
+
+impl<'a> From<&'a Case> for ScenarioRow<'a> {
+    fn from(c: &'a Case) -> Self {
+        ScenarioRow {
+            scenario: c.scenario,
+            case: &c.case,
+            ms: c.ms,
+            note: &c.note,
+        }
+    }
+}
+
+/// The whole report as JSON.
+#[derive(Serialize)]
+struct JsonReport<'a> {
+    context: Ordered,
+    rows: Vec<JsonRow<'a>>,
+    latency: Vec<LatencyRow<'a>>,
+    pinning: Vec<PinningRow<'a>>,
+    scenarios: Vec<ScenarioRow<'a>>,
+    warnings: &'a [String],
+}
+
+fn rows(r: &Report) -> Vec<BandwidthRow> {
+    r.rows.iter().map(BandwidthRow::from).collect()
+}
+
 fn table(r: &Report) -> String {
     let mut s = String::new();
     if !r.rows.is_empty() {
@@ -369,24 +486,20 @@ fn table(r: &Report) -> String {
             "memcpy",
             "ok"
         );
-        for row in &r.rows {
-            let host = row
-                .host_gbps
-                .as_ref()
-                .map_or("-".to_string(), |h| format!("{:.2}", h.median));
+        let dash = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+        for row in rows(r) {
             let line = format!(
                 "{:<6} {:<16} {:<10} {:>6} {:>9.2} {:>8.2} {:>8.2} {:>6.2} {:>10} {:>7} {:>3}",
                 row.device,
                 row.kind,
                 row.direction,
                 size_name(row.bytes),
-                row.gbps.median,
-                row.gbps.min,
-                row.gbps.max,
-                row.gbps.cv * 100.0,
-                host,
-                row.host_memcpy_gbps
-                    .map_or("-".to_string(), |m| format!("{m:.2}")),
+                row.gbps_median,
+                row.gbps_min,
+                row.gbps_max,
+                row.gbps_cv * 100.0,
+                dash(row.host_gbps_median),
+                dash(row.host_memcpy_gbps),
                 if row.verified { "yes" } else { "NO" }
             );
             match &row.note {
@@ -400,33 +513,34 @@ fn table(r: &Report) -> String {
         }
         let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, on pageable,\n staged and file rows, whose GB/s is the host clock too (the host does that work: no gate);\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n note: the staging engine's threads and slots, or how a file was read;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
     }
-    if !r.latency.is_empty() {
+    let latency = latency_rows(r);
+    if !latency.is_empty() {
         let _ = writeln!(
             s,
             "\nlatency (host-observed, copy + synchronize)      median      min      max"
         );
-        for l in &r.latency {
-            let m = &l.micros;
+        for l in &latency {
             let _ = writeln!(
                 s,
                 "  {:<44} {:>7.1} µs {:>6.1} {:>8.1}",
-                l.what, m.median, m.min, m.max
+                l.what, l.micros_median, l.micros_min, l.micros_max
             );
         }
     }
-    if !r.pinning.is_empty() {
+    let pinning = pinning_rows(r);
+    if !pinning.is_empty() {
         let _ = writeln!(
             s,
             "\npinning cost                       size      pin s/GiB   unpin s/GiB"
         );
-        for p in &r.pinning {
+        for p in &pinning {
             let _ = writeln!(
                 s,
                 "  {:<32} {:>6} {:>12.4} {:>13.4}",
                 p.what,
                 size_name(p.bytes),
-                p.pin_s_per_gib.median,
-                p.unpin_s_per_gib.median
+                p.pin_s_per_gib_median,
+                p.unpin_s_per_gib_median
             );
         }
     }
@@ -435,7 +549,7 @@ fn table(r: &Report) -> String {
             s,
             "\nscenarios (PyTorch non_blocking/pin_memory guide), median wall ms"
         );
-        for c in &r.scenarios {
+        for c in r.scenarios.iter().map(ScenarioRow::from) {
             let _ = writeln!(
                 s,
                 "  ({}) {:<52} {:>9.3}  {}",
@@ -446,156 +560,59 @@ fn table(r: &Report) -> String {
     s
 }
 
-fn stats_fields(st: &Stats) -> String {
-    format!("{:.4},{:.4},{:.4},{:.5}", st.median, st.min, st.max, st.cv)
-}
-
-fn csv(r: &Report) -> String {
-    let mut s = String::from("device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,host_gbps_median,host_memcpy_gbps,verified,gate_timed_out,partly_alone,note\n");
-    for row in &r.rows {
-        let _ = writeln!(
-            s,
-            "{},{},{},{},{},{},{},{},{},{},{},{}",
-            row.device,
-            row.kind,
-            row.direction,
-            row.bytes,
-            row.copies_per_sample,
-            stats_fields(&row.gbps),
-            row.host_gbps
-                .as_ref()
-                .map_or(String::new(), |h| format!("{:.4}", h.median)),
-            row.host_memcpy_gbps
-                .map_or(String::new(), |m| format!("{m:.4}")),
-            row.verified,
-            row.gate_timed_out,
-            row.partly_alone,
-            row.note.as_deref().map_or(String::new(), csv_field)
-        );
-    }
-    for c in &r.scenarios {
-        let _ = writeln!(
-            s,
-            "scenario,{},{},,,{:.4},,,,,,,,,{}",
-            c.scenario,
-            csv_field(&c.case),
-            c.ms,
-            csv_field(&c.note)
-        );
-    }
-    s
-}
-
-/// A CSV field: quoted (inner quotes doubled) where it holds a comma, quote or line break.
-fn csv_field(v: &str) -> String {
-    if v.contains([',', '"', '\n', '\r']) {
-        format!("\"{}\"", v.replace('"', "\"\""))
-    } else {
-        v.to_string()
-    }
-}
-
-fn json_str(v: &str) -> String {
-    let mut out = String::from("\"");
-    for ch in v.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn json_stats(st: &Stats) -> String {
-    let samples: Vec<String> = st.samples.iter().map(|x| format!("{x:.4}")).collect();
-    format!(
-        "{{\"median\":{:.4},\"min\":{:.4},\"max\":{:.4},\"cv\":{:.5},\"samples\":[{}]}}",
-        st.median,
-        st.min,
-        st.max,
-        st.cv,
-        samples.join(",")
-    )
-}
-
-fn json(r: &Report) -> String {
-    let ctx: Vec<String> = r
-        .context
+fn latency_rows(r: &Report) -> Vec<LatencyRow<'_>> {
+    r.latency
         .iter()
-        .map(|(k, v)| format!("{}:{}", json_str(k), json_str(v)))
-        .collect();
-    let rows: Vec<String> = r
-        .rows
-        .iter()
-        .map(|row| {
-            format!(
-                "{{\"device\":{},\"kind\":{},\"direction\":{},\"bytes\":{},\"copies_per_sample\":{},\"gbps\":{},\"host_gbps\":{},\"host_memcpy_gbps\":{},\"verified\":{},\"gate_timed_out\":{},\"partly_alone\":{},\"note\":{}}}",
-                json_str(&row.device),
-                json_str(row.kind),
-                json_str(row.direction),
-                row.bytes,
-                row.copies_per_sample,
-                json_stats(&row.gbps),
-                row.host_gbps.as_ref().map_or("null".to_string(), json_stats),
-                row.host_memcpy_gbps
-                    .map_or("null".to_string(), |m| format!("{m:.4}")),
-                row.verified,
-                row.gate_timed_out,
-                row.partly_alone,
-                row.note.as_deref().map_or("null".to_string(), json_str)
-            )
+        .map(|l| LatencyRow {
+            what: &l.what,
+            micros_median: l.micros.median,
+            micros_min: l.micros.min,
+            micros_max: l.micros.max,
+            micros_samples: &l.micros.samples,
         })
-        .collect();
-    let lat: Vec<String> = r
-        .latency
+        .collect()
+}
+
+fn pinning_rows(r: &Report) -> Vec<PinningRow<'_>> {
+    r.pinning
         .iter()
-        .map(|l| {
-            format!(
-                "{{\"what\":{},\"micros\":{}}}",
-                json_str(&l.what),
-                json_stats(&l.micros)
-            )
+        .map(|p| PinningRow {
+            what: p.what,
+            bytes: p.bytes,
+            pin_s_per_gib_median: p.pin_s_per_gib.median,
+            unpin_s_per_gib_median: p.unpin_s_per_gib.median,
+            pin_s_per_gib_samples: &p.pin_s_per_gib.samples,
+            unpin_s_per_gib_samples: &p.unpin_s_per_gib.samples,
         })
-        .collect();
-    let pin: Vec<String> = r
-        .pinning
-        .iter()
-        .map(|p| {
-            format!(
-                "{{\"what\":{},\"bytes\":{},\"pin_s_per_gib\":{},\"unpin_s_per_gib\":{}}}",
-                json_str(p.what),
-                p.bytes,
-                json_stats(&p.pin_s_per_gib),
-                json_stats(&p.unpin_s_per_gib)
-            )
-        })
-        .collect();
-    let sc: Vec<String> = r
-        .scenarios
-        .iter()
-        .map(|c| {
-            format!(
-                "{{\"scenario\":{},\"case\":{},\"ms\":{:.4},\"note\":{}}}",
-                json_str(c.scenario),
-                json_str(&c.case),
-                c.ms,
-                json_str(&c.note)
-            )
-        })
-        .collect();
-    format!(
-        "{{\"context\":{{{}}},\"rows\":[{}],\"latency\":[{}],\"pinning\":[{}],\"scenarios\":[{}]}}",
-        ctx.join(","),
-        rows.join(","),
-        lat.join(","),
-        pin.join(","),
-        sc.join(",")
-    )
+        .collect()
+}
+
+/// The sweep's rows, then (after an empty line, with their own header) the scenarios.
+fn csv(r: &Report) -> Result<String> {
+    let scenarios: Vec<ScenarioRow> = r.scenarios.iter().map(ScenarioRow::from).collect();
+    Ok(output::csv_blocks(&[
+        output::csv(&rows(r))?,
+        output::csv(&scenarios)?,
+    ]))
+}
+
+fn json(r: &Report) -> Result<String> {
+    output::json(&JsonReport {
+        context: Ordered(r.context.clone()),
+        rows: r
+            .rows
+            .iter()
+            .map(|row| JsonRow {
+                row: BandwidthRow::from(row),
+                gbps_samples: &row.gbps.samples,
+                host_gbps_samples: row.host_gbps.as_ref().map(|h| &h.samples[..]),
+            })
+            .collect(),
+        latency: latency_rows(r),
+        pinning: pinning_rows(r),
+        scenarios: r.scenarios.iter().map(ScenarioRow::from).collect(),
+        warnings: &r.warnings,
+    })
 }
 
 fn plot(
@@ -688,6 +705,7 @@ fn plot(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pinstream::bench::Stats;
 
     #[test]
     fn sizes_parse() {
@@ -761,14 +779,22 @@ mod tests {
             note: note.map(String::from),
         };
         let report = Report {
-            context: Vec::new(),
+            context: vec![("runtime".into(), "13.0".into())],
             rows: vec![
                 row("pageable", Some(9.5), None),
                 row("pinned", None, None),
                 row("staged", None, Some("threads=8 slot=2M slots=16")),
             ],
-            latency: Vec::new(),
-            pinning: Vec::new(),
+            latency: vec![Latency {
+                what: "pinned h2d 4 B".into(),
+                micros: stats.clone(),
+            }],
+            pinning: vec![PinCost {
+                what: "cudaHostAlloc",
+                bytes: 1 << 30,
+                pin_s_per_gib: stats.clone(),
+                unpin_s_per_gib: stats.clone(),
+            }],
             scenarios: vec![Case {
                 scenario: "a",
                 case: "4 MB \"pinned\" copy".into(),
@@ -777,26 +803,52 @@ mod tests {
             }],
             warnings: Vec::new(),
         };
-        let out = csv(&report);
+        let out = csv(&report).unwrap();
         let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(lines.len(), 5);
+        // Three rows, an empty line, the scenarios' header and row.
+        assert_eq!(lines.len(), 7, "{out}");
+        assert_eq!(
+            lines[0],
+            "device,kind,direction,bytes,copies_per_sample,gbps_median,gbps_min,gbps_max,gbps_cv,\
+             host_gbps_median,host_memcpy_gbps,verified,gate_timed_out,partly_alone,note"
+        );
         let want = lines[0].split(',').count();
-        for l in &lines {
+        for l in &lines[1..4] {
             assert_eq!(l.split(',').count(), want, "{l}");
         }
-        assert!(lines[0].ends_with(",note"));
-        assert!(lines[1].contains(",9.5000,"));
-        assert!(lines[3].ends_with(",threads=8 slot=2M slots=16"));
-        assert!(
-            lines[4].contains(",\"4 MB \"\"pinned\"\" copy\","),
-            "{}",
-            lines[4]
+        assert_eq!(
+            lines[1],
+            "0,pageable,h2d,4096,10,2.0,1.0,3.0,0.408248290463863,2.0,9.5,true,false,false,"
         );
-        let json = json(&report);
-        assert!(json.contains("\"host_memcpy_gbps\":9.5000"));
-        assert!(json.contains("\"host_memcpy_gbps\":null"));
-        assert!(json.contains("\"note\":\"threads=8 slot=2M slots=16\""));
-        assert!(json.contains("\"note\":null"));
+        assert!(
+            lines[2].ends_with(",2.0,,true,false,false,"),
+            "{}",
+            lines[2]
+        );
+        assert!(lines[3].ends_with(",threads=8 slot=2M slots=16"));
+        assert_eq!(lines[4], "");
+        assert_eq!(lines[5], "scenario,case,ms,note");
+        assert_eq!(lines[6], "a,\"4 MB \"\"pinned\"\" copy\",0.1,");
+
+        let json = json(&report).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let rows = v["rows"].as_array().unwrap();
+        assert_eq!(rows.len(), 3);
+        // The same names as the CSV's columns, and the samples.
+        let first = rows[0].as_object().unwrap();
+        for name in lines[0].split(',') {
+            assert!(first.contains_key(name), "{name} missing from {json}");
+        }
+        assert_eq!(rows[0]["host_memcpy_gbps"], 9.5);
+        assert!(rows[1]["host_memcpy_gbps"].is_null());
+        assert_eq!(rows[2]["note"], "threads=8 slot=2M slots=16");
+        assert!(rows[0]["note"].is_null());
+        assert_eq!(rows[0]["gbps_samples"], serde_json::json!([1.0, 2.0, 3.0]));
+        assert_eq!(v["scenarios"][0]["case"], "4 MB \"pinned\" copy");
+        assert_eq!(v["context"]["runtime"], "13.0");
+        assert_eq!(v["latency"][0]["micros_median"], 2.0);
+        assert_eq!(v["pinning"][0]["pin_s_per_gib_median"], 2.0);
+
         let table = table(&report);
         let staged = table
             .lines()
@@ -806,12 +858,13 @@ mod tests {
             staged.ends_with("yes  threads=8 slot=2M slots=16"),
             "{staged}"
         );
-        assert_eq!(csv_field("a,b"), "\"a,b\"");
-        assert_eq!(csv_field("plain"), "plain");
-    }
-
-    #[test]
-    fn json_escapes() {
-        assert_eq!(json_str("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
+        let pageable = table
+            .lines()
+            .find(|l| l.contains("pageable"))
+            .expect("a pageable line");
+        assert_eq!(
+            pageable,
+            "0      pageable         h2d            4K      2.00     1.00     3.00  40.82       2.00    9.50 yes"
+        );
     }
 }

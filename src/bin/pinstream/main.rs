@@ -3,18 +3,21 @@
 mod bandwidth;
 mod info;
 mod normalize;
+mod output;
 mod prefetch;
 mod staging;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
     name = "pinstream",
     version,
-    about = "Host <-> GPU transfers and kernels over the CUDA runtime"
+    about = "Host <-> GPU transfers and kernels over the CUDA runtime",
+    arg_required_else_help = true
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Devices, driver and runtime, PCI id, PCIe link, SMs, memory, copy engines.
-    Info,
+    Info(info::InfoArgs),
     /// Transfer bandwidth: memory kinds x directions x sizes, latency, pinning cost, scenarios.
     Bandwidth(bandwidth::BandwidthArgs),
     /// Normalize images with the fused kernel (or the CPU reference) into a .npy file.
@@ -38,9 +41,33 @@ enum Command {
 /// Exit status when the machine has no usable CUDA device or driver.
 pub const EXIT_NO_DEVICE: u8 = 2;
 
+/// `--version`: the crate's version and the CUDA runtime it links (the runtime answers without
+/// a driver, as it is linked statically).
+fn version() -> String {
+    let runtime = pinstream::Device::runtime_version()
+        .map_or_else(|e| format!("unknown: {e}"), |v| v.to_string());
+    format!(
+        "{} (CUDA runtime {runtime}, linked statically)",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// Parses the command line with the version string filled in.
+fn parse() -> Result<Cli, clap::Error> {
+    // Leaked once: clap wants a `'static` version string.
+    let version: &'static str = Box::leak(version().into_boxed_str());
+    let matches = Cli::command().version(version).try_get_matches()?;
+    Cli::from_arg_matches(&matches)
+}
+
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let cli = match parse() {
         Ok(cli) => cli,
+        // `pinstream` alone prints the help to stdout, status 0, like `--help`.
+        Err(e) if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            print!("{}", e.render());
+            return ExitCode::SUCCESS;
+        }
         // --help and --version print as usual; argument errors are one line and status 1.
         Err(e) if !e.use_stderr() => e.exit(),
         Err(e) => {
@@ -51,7 +78,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Info => info::run(),
+        Command::Info(args) => info::run(args),
         Command::Bandwidth(args) => bandwidth::run(args),
         Command::Normalize(args) => normalize::run(args),
         Command::Staging(args) => staging::run(args),

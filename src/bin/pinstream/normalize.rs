@@ -9,6 +9,9 @@ use pinstream::kernels::{self, cpu, Layout, Normalize, OutputElement, Spec};
 use pinstream::{
     bf16, f16, Device, DeviceBuffer, Error, HostAlloc, PinnedBuffer, Result, TimingEvent,
 };
+use serde::Serialize;
+
+use crate::output::{self, Format};
 
 #[derive(Args, Debug)]
 pub struct NormalizeArgs {
@@ -55,6 +58,68 @@ pub struct NormalizeArgs {
     /// Device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Output format of the report (what was written, --verify, --bench): csv is a header and
+    /// one line, json one object.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
+}
+
+/// What one `pinstream normalize` run did: the table's lines, the CSV's one line, the JSON
+/// object. `verify_*` only with --verify, `bench_*` only with --bench.
+#[derive(Debug, Default, Serialize)]
+struct NormalizeReport {
+    /// The .npy file written.
+    out: String,
+    /// Element type: f32, f16, bf16, u8 or i8.
+    dtype: &'static str,
+    /// nchw or nhwc.
+    layout: &'static str,
+    /// The array's shape, e.g. "2x3x512x512" (one dimension where the images differ in size).
+    shape: String,
+    images: usize,
+    /// What ran it: the GPU's name and ordinal, or "cpu reference".
+    ran_on: String,
+    /// The largest absolute error against the f64 reference.
+    verify_max_abs_error: Option<f64>,
+    /// The same in units of rounding (1 or less passes).
+    verify_units: Option<f64>,
+    /// Median milliseconds per launch of the kernel.
+    bench_kernel_ms: Option<f64>,
+    /// Bytes read and written per launch.
+    bench_bytes: Option<usize>,
+    /// Decimal GB/s of the kernel (bench_bytes over the time).
+    bench_gbps: Option<f64>,
+    /// Median milliseconds of a device-to-device copy of the same bytes.
+    bench_copy_ms: Option<f64>,
+    /// The kernel's rate as a percentage of that copy's.
+    bench_percent_of_copy: Option<f64>,
+}
+
+impl NormalizeReport {
+    fn bench_line(&self) -> Option<String> {
+        let (kernel, gbps, bytes, copy, pct) = (
+            self.bench_kernel_ms?,
+            self.bench_gbps?,
+            self.bench_bytes?,
+            self.bench_copy_ms?,
+            self.bench_percent_of_copy?,
+        );
+        Some(format!(
+            "bench: {kernel:.4} ms per launch, {gbps:.1} GB/s ({bytes} bytes read + written); d2d copy of the same bytes {copy:.4} ms: {pct:.1} % of copy bandwidth"
+        ))
+    }
+
+    fn verify_line(&self) -> Option<String> {
+        let (abs, units) = (self.verify_max_abs_error?, self.verify_units?);
+        Some(format!(
+            "verify: max abs error {abs:.3e} ({units:.2} units of rounding) against the f64 reference{}",
+            if self.dtype == "u8" || self.dtype == "i8" {
+                " (rounded and saturated)"
+            } else {
+                ""
+            }
+        ))
+    }
 }
 
 fn bad(reason: impl Into<String>) -> Error {
@@ -176,10 +241,20 @@ fn run_typed<O: OutputElement>(
 ) -> Result<()> {
     let n_out = spec.output_len()?;
     let mut out = vec![O::poison(); n_out];
-    let how;
+    let table = args.format == Format::Table;
+    let mut report = NormalizeReport {
+        out: args.out.display().to_string(),
+        dtype: O::NAME,
+        layout: match spec.out_layout {
+            Layout::Nchw => "nchw",
+            Layout::Nhwc => "nhwc",
+        },
+        images: spec.samples.len(),
+        ..NormalizeReport::default()
+    };
     if args.cpu {
         cpu::normalize(&dec.pixels, spec, None, &mut out)?;
-        how = "cpu reference".to_string();
+        report.ran_on = "cpu reference".to_string();
     } else {
         let dev = Device::get(args.device)?;
         let stream = dev.stream()?;
@@ -191,9 +266,12 @@ fn run_typed<O: OutputElement>(
         kernels::normalize::<O, _, _>(&stream, &d_in, spec, &mut d_out, None)?;
         let mut host_out = PinnedBuffer::<O>::new(&dev, n_out, HostAlloc::DEFAULT)?;
         out.copy_from_slice(stream.copy_d2h(&d_out, &mut host_out)?.wait()?);
-        how = format!("{} (GPU {})", dev.name()?, dev.ordinal());
+        report.ran_on = format!("{} (GPU {})", dev.name()?, dev.ordinal());
         if args.bench {
-            bench::<O>(&stream, &d_in, spec, &mut d_out)?;
+            bench::<O>(&stream, &d_in, spec, &mut d_out, &mut report)?;
+            if let Some(line) = report.bench_line().filter(|_| table) {
+                println!("{line}");
+            }
         }
     }
     if args.verify {
@@ -202,14 +280,11 @@ fn run_typed<O: OutputElement>(
         // reference, floats against the exact value.
         let worst = cpu::worst_error(&out, &exact, spec.norm.shift)?;
         let (abs, units) = worst.map_or((0.0, 0.0), |w| (w.abs, w.units));
-        println!(
-            "verify: max abs error {abs:.3e} ({units:.2} units of rounding) against the f64 reference{}",
-            if O::NAME == "u8" || O::NAME == "i8" {
-                " (rounded and saturated)"
-            } else {
-                ""
-            }
-        );
+        report.verify_max_abs_error = Some(abs);
+        report.verify_units = Some(units);
+        if let Some(line) = report.verify_line().filter(|_| table) {
+            println!("{line}");
+        }
         if let Some(w) = worst.filter(|w| w.units > 1.0) {
             return Err(bad(format!(
                 "verification failed: error of {:.2} units of rounding at element {}: got {}, exact {}",
@@ -233,21 +308,29 @@ fn run_typed<O: OutputElement>(
     };
     write_npy(&args.out, descr, &shape, bytemuck::cast_slice(&out))
         .map_err(|e| bad(format!("{}: {e}", args.out.display())))?;
-    println!(
-        "wrote {} ({} {:?}, shape {:?}{}) with the {}",
-        args.out.display(),
-        O::NAME,
-        spec.out_layout,
-        shape,
-        if uniform {
-            ""
-        } else {
-            "; images differ in size, so the samples are concatenated"
-        },
-        how
-    );
-    if O::NAME == "bf16" {
-        println!("note: numpy has no bfloat16; the file holds the raw bf16 bits as <u2 (view as ml_dtypes.bfloat16)");
+    let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+    report.shape = dims.join("x");
+    match args.format {
+        Format::Table => {
+            println!(
+                "wrote {} ({} {:?}, shape {:?}{}) with the {}",
+                report.out,
+                report.dtype,
+                spec.out_layout,
+                shape,
+                if uniform {
+                    ""
+                } else {
+                    "; images differ in size, so the samples are concatenated"
+                },
+                report.ran_on
+            );
+            if O::NAME == "bf16" {
+                println!("note: numpy has no bfloat16; the file holds the raw bf16 bits as <u2 (view as ml_dtypes.bfloat16)");
+            }
+        }
+        Format::Csv => print!("{}", output::csv(std::slice::from_ref(&report))?),
+        Format::Json => print!("{}", output::json(&report)?),
     }
     Ok(())
 }
@@ -257,6 +340,7 @@ fn bench<O: OutputElement>(
     d_in: &DeviceBuffer<u8>,
     spec: &Spec,
     d_out: &mut DeviceBuffer<O>,
+    report: &mut NormalizeReport,
 ) -> Result<()> {
     let dev = stream.device();
     let (a, b) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
@@ -283,12 +367,11 @@ fn bench<O: OutputElement>(
     };
     let kernel = time(&mut || kernels::normalize::<O, _, _>(stream, d_in, spec, d_out, None))?;
     let copy = time(&mut || stream.copy_d2d(&copy_src, &mut copy_dst))?;
-    println!(
-        "bench: {kernel:.4} ms per launch, {:.1} GB/s ({} bytes read + written); d2d copy of the same bytes {copy:.4} ms: {:.1} % of copy bandwidth",
-        bytes as f64 / kernel / 1e6,
-        bytes,
-        100.0 * copy / kernel
-    );
+    report.bench_kernel_ms = Some(kernel);
+    report.bench_bytes = Some(bytes);
+    report.bench_gbps = Some(bytes as f64 / kernel / 1e6);
+    report.bench_copy_ms = Some(copy);
+    report.bench_percent_of_copy = Some(100.0 * copy / kernel);
     Ok(())
 }
 

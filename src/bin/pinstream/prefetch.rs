@@ -7,6 +7,9 @@ use clap::Args;
 use pinstream::bench::prefetch::{self, Parts, Setup};
 use pinstream::kernels::Layout;
 use pinstream::{Device, Error, Result};
+use serde::Serialize;
+
+use crate::output::{self, Format};
 
 #[derive(Args, Debug)]
 pub struct PrefetchArgs {
@@ -41,8 +44,8 @@ pub struct PrefetchArgs {
     #[arg(long, value_delimiter = ',', default_value = "serial,apex,pinstream")]
     modes: Vec<String>,
     /// Output format.
-    #[arg(long, value_parser = ["table", "csv", "json"], default_value = "table")]
-    format: String,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
 }
 
 fn parse_shape(s: &str) -> std::result::Result<(usize, usize, usize), String> {
@@ -57,11 +60,15 @@ fn parse_shape(s: &str) -> std::result::Result<(usize, usize, usize), String> {
     }
 }
 
+/// One (mode, compute time) point.
+#[derive(Serialize)]
 struct Row {
     mode: String,
     compute_ms: f64,
     ms_per_batch: f64,
+    batches_per_s: f64,
     ideal_ms: f64,
+    vs_ideal: f64,
     note: String,
 }
 
@@ -69,24 +76,28 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
     let devices = if args.device == "all" {
         Device::all()?
     } else {
-        let ordinal = args.device.parse::<usize>().map_err(|_| {
-            Error::invalid("pinstream prefetch", format!("--device {:?}", args.device))
-        })?;
+        let ordinal = args
+            .device
+            .parse::<usize>()
+            .map_err(|_| Error::InvalidArgument {
+                op: "pinstream prefetch",
+                reason: format!("--device {:?} is not an ordinal or `all`", args.device),
+            })?;
         vec![Device::get(ordinal)?]
     };
     for m in &args.modes {
         if !matches!(m.as_str(), "serial" | "apex" | "pinstream") {
-            return Err(Error::invalid(
-                "pinstream prefetch",
-                format!("unknown mode {m:?} (serial, apex, pinstream)"),
-            ));
+            return Err(Error::InvalidArgument {
+                op: "pinstream prefetch",
+                reason: format!("unknown mode {m:?} (serial, apex, pinstream)"),
+            });
         }
     }
     let first = devices[0];
     let mut rows = Vec::new();
     let mut parts_seen: Vec<(f64, Parts)> = Vec::new();
     let bar = indicatif::ProgressBar::new((args.compute_ms.len() * (args.modes.len() + 1)) as u64);
-    if args.format != "table" {
+    if args.format != Format::Table {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     for &c in &args.compute_ms {
@@ -119,11 +130,18 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             };
             // For several devices, the aggregate: time per batch of all devices together, against
             // the ideal divided among them.
+            let ideal_ms = parts.ideal_ms() / per_device as f64;
             rows.push(Row {
-                mode: if per_device > 1 { format!("pinstream x{per_device}") } else { m.clone() },
+                mode: if per_device > 1 {
+                    format!("pinstream x{per_device}")
+                } else {
+                    m.clone()
+                },
                 compute_ms: parts.compute_ms,
                 ms_per_batch: ms,
-                ideal_ms: parts.ideal_ms() / per_device as f64,
+                batches_per_s: 1e3 / ms,
+                ideal_ms,
+                vs_ideal: ms / ideal_ms,
                 note,
             });
             bar.inc(1);
@@ -132,39 +150,19 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let mb = (args.batch * args.shape.0 * args.shape.1 * args.shape.2) as f64 / 1e6;
-    match args.format.as_str() {
-        "csv" => {
-            println!("mode,compute_ms,ms_per_batch,batches_per_s,ideal_ms,vs_ideal,note");
-            for r in &rows {
-                println!(
-                    "{},{:.4},{:.4},{:.2},{:.4},{:.3},\"{}\"",
-                    r.mode,
-                    r.compute_ms,
-                    r.ms_per_batch,
-                    1e3 / r.ms_per_batch,
-                    r.ideal_ms,
-                    r.ms_per_batch / r.ideal_ms,
-                    r.note.replace('"', "\"\"")
-                );
-            }
-        }
-        "json" => {
-            let items: Vec<String> = rows
-                .iter()
-                .map(|r| {
-                    format!(
-                        "{{\"mode\":\"{}\",\"compute_ms\":{:.4},\"ms_per_batch\":{:.4},\"batches_per_s\":{:.2},\"ideal_ms\":{:.4},\"vs_ideal\":{:.3},\"note\":\"{}\"}}",
-                        r.mode, r.compute_ms, r.ms_per_batch, 1e3 / r.ms_per_batch, r.ideal_ms,
-                        r.ms_per_batch / r.ideal_ms, r.note.replace('\\', "\\\\").replace('"', "\\\"")
-                    )
-                })
-                .collect();
-            println!("[{}]", items.join(","));
-        }
-        _ => {
+    match args.format {
+        Format::Csv => print!("{}", output::csv(&rows)?),
+        Format::Json => print!("{}", output::json(&rows)?),
+        Format::Table => {
             println!(
                 "batch {} x {}x{}x{} u8 {} ({mb:.1} MB) -> NCHW f32, {} batches after {} warm-up",
-                args.batch, args.shape.0, args.shape.1, args.shape.2, args.layout, args.batches, args.warmup
+                args.batch,
+                args.shape.0,
+                args.shape.1,
+                args.shape.2,
+                args.layout,
+                args.batches,
+                args.warmup
             );
             for (c, p) in &parts_seen {
                 println!(
@@ -182,9 +180,9 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
                     r.mode,
                     r.compute_ms,
                     r.ms_per_batch,
-                    1e3 / r.ms_per_batch,
+                    r.batches_per_s,
                     r.ideal_ms,
-                    r.ms_per_batch / r.ideal_ms,
+                    r.vs_ideal,
                     r.note
                 );
             }

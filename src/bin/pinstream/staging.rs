@@ -2,9 +2,13 @@
 //! run, many small tensors, files, and a tuning grid over threads and slot sizes.
 
 use clap::Args;
+use pinstream::bench::pool::PoolCost;
 use pinstream::bench::size_name;
 use pinstream::bench::staging::{self, Measure};
 use pinstream::{Device, Result, Stager, StagerConfig};
+use serde::Serialize;
+
+use crate::output::{self, Format};
 
 #[derive(Args, Debug)]
 pub struct StagingArgs {
@@ -52,9 +56,10 @@ pub struct StagingArgs {
     /// Pre-faulting threads of the register backing.
     #[arg(long, default_value_t = 8)]
     pool_threads: usize,
-    /// Output format.
-    #[arg(long, value_parser = ["table", "csv"], default_value = "table")]
-    format: String,
+    /// Output format. table: printed as measured; csv: the measurements, then (after an empty
+    /// line) the pool's cost; json: one object with both, printed at the end.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    format: Format,
 }
 
 use crate::bandwidth::parse_size;
@@ -82,38 +87,146 @@ fn config(args: &StagingArgs, threads: Option<usize>, slot: Option<usize>) -> Re
     Ok(c)
 }
 
+/// One measured way of moving some bytes: a line of the table and of the CSV, an element of the
+/// JSON's `rows`.
+#[derive(Debug, Serialize)]
+struct StagingRow {
+    /// e.g. `staged h2d`, `many: packed`.
+    what: String,
+    bytes: usize,
+    /// Decimal GB/s (host clock): median, min and max of the samples.
+    gbps_median: f64,
+    gbps_min: f64,
+    gbps_max: f64,
+    /// Median milliseconds per sample.
+    ms_median: f64,
+    /// Process CPU seconds per GB moved.
+    cpu_s_per_gb: f64,
+    /// gbps_median over the median of the row named in `ratio_to`, where there is one.
+    ratio: Option<f64>,
+    /// The row compared with: pinned, pageable, loop or read+copy.
+    ratio_to: Option<String>,
+    note: String,
+}
+
+impl StagingRow {
+    fn new(m: &Measure, peer: Option<(&str, f64)>) -> StagingRow {
+        let peer = peer.filter(|(_, g)| *g > 0.0);
+        StagingRow {
+            what: m.what.clone(),
+            bytes: m.bytes,
+            gbps_median: m.gbps.median,
+            gbps_min: m.gbps.min,
+            gbps_max: m.gbps.max,
+            ms_median: m.ms,
+            cpu_s_per_gb: m.cpu_s_per_gb,
+            ratio: peer.map(|(_, g)| m.gbps.median / g),
+            ratio_to: peer.map(|(name, _)| name.to_string()),
+            note: m.note.clone(),
+        }
+    }
+}
+
+/// The pinned pool's cost at one size: the table's `pool` line, the second CSV block, the
+/// JSON's `pool`.
+#[derive(Debug, Serialize)]
+struct PoolRow {
+    bytes: usize,
+    /// Seconds for a fresh block by `cudaHostAlloc`.
+    host_alloc_s: f64,
+    /// Pre-faulting threads of the mmap + cudaHostRegister backing.
+    register_threads: usize,
+    /// Seconds for a fresh block by mmap, pre-faulting and `cudaHostRegister`.
+    register_s: f64,
+    /// Median and slowest microseconds of a request served from the cache.
+    cached_us_median: f64,
+    cached_us_max: f64,
+    cached_hits: u64,
+    cached_samples: usize,
+}
+
+impl From<&PoolCost> for PoolRow {
+    fn from(c: &PoolCost) -> Self {
+        PoolRow {
+            bytes: c.bytes,
+            host_alloc_s: c.host_alloc_seconds,
+            register_threads: c.register_threads,
+            register_s: c.register_seconds,
+            cached_us_median: c.cached_us,
+            cached_us_max: c.cached_max_us,
+            cached_hits: c.cached_hits,
+            cached_samples: c.cached_samples,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct JsonReport<'a> {
+    rows: &'a [StagingRow],
+    pool: Option<&'a PoolRow>,
+}
+
+/// Prints the table as rows come in; keeps them for CSV and JSON, printed by `finish`.
 struct Printer {
-    csv: bool,
+    format: Format,
     header_done: bool,
+    rows: Vec<StagingRow>,
+    pool: Option<PoolRow>,
 }
 
 impl Printer {
     fn row(&mut self, m: &Measure, peer: Option<(&str, f64)>) {
-        let ratio = peer
-            .filter(|(_, g)| *g > 0.0)
-            .map(|(name, g)| format!("{:.2}x {name}", m.gbps.median / g))
-            .unwrap_or_default();
-        if self.csv {
-            if !self.header_done {
-                println!(
-                    "what,bytes,gbps_median,gbps_min,gbps_max,ms_median,cpu_s_per_gb,ratio,note"
-                );
-                self.header_done = true;
-            }
-            println!(
-                "{},{},{:.3},{:.3},{:.3},{:.4},{:.4},{},{}",
-                m.what,
-                m.bytes,
-                m.gbps.median,
-                m.gbps.min,
-                m.gbps.max,
-                m.ms,
-                m.cpu_s_per_gb,
-                ratio,
-                m.note
-            );
-            return;
+        let row = StagingRow::new(m, peer);
+        if self.format == Format::Table {
+            self.print(&row);
         }
+        self.rows.push(row);
+    }
+
+    fn pool(&mut self, c: &PoolCost) {
+        let p = PoolRow::from(c);
+        if self.format == Format::Table {
+            println!(
+                "pool {}: cudaHostAlloc {:.3} s, mmap + {} threads + cudaHostRegister {:.3} s ({:.2}x faster), \
+                 from the cache {:.1} us median ({:.1} max, {} of {} hits)",
+                size_name(p.bytes),
+                p.host_alloc_s,
+                p.register_threads,
+                p.register_s,
+                p.host_alloc_s / p.register_s.max(1e-9),
+                p.cached_us_median,
+                p.cached_us_max,
+                p.cached_hits,
+                p.cached_samples
+            );
+        }
+        self.pool = Some(p);
+    }
+
+    /// CSV or JSON of everything measured; nothing for the table, printed already.
+    fn finish(&self) -> Result<()> {
+        match self.format {
+            Format::Table => {}
+            Format::Csv => print!(
+                "{}",
+                output::csv_blocks(&[output::csv(&self.rows)?, output::csv(self.pool.as_slice())?])
+            ),
+            Format::Json => print!(
+                "{}",
+                output::json(&JsonReport {
+                    rows: &self.rows,
+                    pool: self.pool.as_ref(),
+                })?
+            ),
+        }
+        Ok(())
+    }
+
+    fn print(&mut self, m: &StagingRow) {
+        let ratio = match (m.ratio, &m.ratio_to) {
+            (Some(r), Some(name)) => format!("{r:.2}x {name}"),
+            _ => String::new(),
+        };
         if !self.header_done {
             println!(
                 "{:<28} {:>6} {:>8} {:>10} {:>9}  {:<18} note",
@@ -125,8 +238,8 @@ impl Printer {
             "{:<28} {:>6} {:>8.2} {:>10.4} {:>9.3}  {:<18} {}",
             m.what,
             size_name(m.bytes),
-            m.gbps.median,
-            m.ms,
+            m.gbps_median,
+            m.ms_median,
             m.cpu_s_per_gb,
             ratio,
             m.note
@@ -142,8 +255,10 @@ pub fn run(args: StagingArgs) -> Result<()> {
     let device = Device::get(args.device)?;
     let stream = device.stream()?;
     let mut out = Printer {
-        csv: args.format == "csv",
+        format: args.format,
         header_done: false,
+        rows: Vec::new(),
+        pool: None,
     };
     let print_compare = |out: &mut Printer, ms: &[Measure]| {
         let pageable_up = median_of(ms, "pageable h2d");
@@ -166,7 +281,7 @@ pub fn run(args: StagingArgs) -> Result<()> {
                     pageable_down
                 };
                 if let Some(p) = plain.filter(|&p| p > 0.0) {
-                    if !out.csv {
+                    if out.format == Format::Table {
                         println!(
                             "{:<28} {:>6} {:>8}   = {:.2}x pageable",
                             "",
@@ -206,7 +321,7 @@ pub fn run(args: StagingArgs) -> Result<()> {
                 }
             }
         }
-        return Ok(());
+        return out.finish();
     }
 
     let stager = Stager::new(
@@ -238,19 +353,7 @@ pub fn run(args: StagingArgs) -> Result<()> {
     }
     if args.pool_size > 0 {
         let c = pinstream::bench::pool::pool_cost(&device, args.pool_size, args.pool_threads)?;
-        println!(
-            "pool {}: cudaHostAlloc {:.3} s, mmap + {} threads + cudaHostRegister {:.3} s ({:.2}x faster), \
-             from the cache {:.1} us median ({:.1} max, {} of {} hits)",
-            size_name(c.bytes),
-            c.host_alloc_seconds,
-            c.register_threads,
-            c.register_seconds,
-            c.host_alloc_seconds / c.register_seconds.max(1e-9),
-            c.cached_us,
-            c.cached_max_us,
-            c.cached_hits,
-            c.cached_samples
-        );
+        out.pool(&c);
     }
     if let Some(path) = &args.file {
         let ms = staging::file(
@@ -270,5 +373,5 @@ pub fn run(args: StagingArgs) -> Result<()> {
             );
         }
     }
-    Ok(())
+    out.finish()
 }
