@@ -141,6 +141,16 @@ __device__ __forceinline__ float pick(const float (&v)[4], int c) {
   return c == 0 ? v[0] : c == 1 ? v[1] : c == 2 ? v[2] : v[3];
 }
 
+// Element c of a C-array in registers, without a dynamic index.
+template <int C>
+__device__ __forceinline__ float pick4(const float (&v)[C], uint32_t c) {
+  float r = v[0];
+#pragma unroll
+  for (int i = 1; i < C; ++i)
+    if (c == (uint32_t)i) r = v[i];
+  return r;
+}
+
 // Mean and k of channel c of sample s.
 __device__ __forceinline__ void params(const pinstream_norm_args& a, int s, int c, float& mean, float& k) {
   if (a.sample_mean) {
@@ -309,6 +319,95 @@ __global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
   }
 }
 
+// ---- crops and mirrors, row by row -------------------------------------------------------------
+
+// One block per output row of one sample (grid: rows x samples): the row's source bytes (one
+// contiguous span per row in NHWC, one per channel in NCHW) are staged in shared memory with
+// coalesced loads (32-bit words where whole words lie in the span, bytes at its two ends, so
+// nothing outside the span is read), then written out with consecutive threads on consecutive
+// output elements. The mirror is a reversed read from shared memory. Taken for per-sample tables
+// (crops, mirrors, variable sizes) with c_out == c_in and output rows of at most ROW_MAX pixels.
+constexpr int ROW_MAX = 2048;
+constexpr int ROW_THREADS = 128;
+
+// Copies bytes [b, e) of global memory into `tile`, at their offset from b rounded down to 4.
+__device__ __forceinline__ void stage_span(const uint8_t* b, const uint8_t* e, uint8_t* tile) {
+  const uintptr_t a0 = (uintptr_t)b & ~(uintptr_t)3;
+  const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;  // first whole word
+  const uintptr_t w1 = (uintptr_t)e & ~(uintptr_t)3;        // end of the last whole word
+  if (w0 < w1) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(w0);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(tile + (w0 - a0));
+    const uint32_t words = (uint32_t)((w1 - w0) / 4);
+    for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = __ldg(src + i);
+    const uint32_t head = (uint32_t)(w0 - (uintptr_t)b), tail = (uint32_t)((uintptr_t)e - w1);
+    if (threadIdx.x < head) tile[(uintptr_t)b - a0 + threadIdx.x] = __ldg(b + threadIdx.x);
+    if (threadIdx.x >= 32 && threadIdx.x - 32 < tail)
+      tile[w1 - a0 + threadIdx.x - 32] = __ldg(reinterpret_cast<const uint8_t*>(w1) + threadIdx.x - 32);
+  } else {
+    for (uint32_t i = threadIdx.x; i < (uint32_t)(e - b); i += blockDim.x) tile[(uintptr_t)b - a0 + i] = __ldg(b + i);
+  }
+}
+
+// Overflow audit: as `general` (64-bit element offsets; out_w <= ROW_MAX so row-local indices
+// are small; oy < out_h <= 2^31).
+template <typename Out, int C>
+__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a) {
+  __shared__ __align__(16) uint8_t tile[C * (ROW_MAX + 8)];
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
+  Out* out = reinterpret_cast<Out*>(a.out);
+  const uint32_t n = (uint32_t)a.n;
+  for (uint32_t s = blockIdx.y; s < n; s += gridDim.y) {
+    const pinstream_norm_sample d = a.samples[s];
+    const uint32_t out_w = (uint32_t)d.out_w, out_h = (uint32_t)d.out_h;
+    const size_t npix = (size_t)out_w * out_h;
+    const size_t src_hw = (size_t)d.src_h * d.src_w;
+    float mean[C], k[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) params(a, (int)s, c, mean[c], k[c]);
+    for (uint32_t oy = blockIdx.x; oy < out_h; oy += gridDim.x) {
+      const size_t row = (size_t)(d.crop_y + oy) * d.src_w + d.crop_x;  // first source pixel
+      uint32_t lead[C];
+      __syncthreads();  // the previous row's reads of the tile are done
+      if (a.in_layout == PINSTREAM_NHWC) {
+        const uint8_t* b = in + d.in_offset + row * C;
+        stage_span(b, b + (size_t)out_w * C, tile);
+        lead[0] = (uint32_t)((uintptr_t)b & 3);
+      } else {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          const uint8_t* b = in + d.in_offset + (size_t)c * src_hw + row;
+          stage_span(b, b + out_w, tile + c * (ROW_MAX + 8));
+          lead[c] = (uint32_t)((uintptr_t)b & 3);
+        }
+      }
+      __syncthreads();
+      const size_t orow = (size_t)oy * out_w;
+      if (a.out_layout == PINSTREAM_NCHW) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          Out* dst = out + d.out_offset + (size_t)c * npix + orow;
+          for (uint32_t x = threadIdx.x; x < out_w; x += ROW_THREADS) {
+            const uint32_t sx = d.mirror ? out_w - 1 - x : x;
+            const uint32_t v = a.in_layout == PINSTREAM_NHWC ? tile[lead[0] + sx * C + c]
+                                                             : tile[c * (ROW_MAX + 8) + lead[c] + sx];
+            dst[x] = Conv<Out>::from(norm(v, mean[c], k[c], a.shift));
+          }
+        }
+      } else {
+        Out* dst = out + d.out_offset + orow * C;
+        for (uint32_t e = threadIdx.x; e < out_w * C; e += ROW_THREADS) {
+          const uint32_t x = e / C, c = e - x * C;
+          const uint32_t sx = d.mirror ? out_w - 1 - x : x;
+          const uint32_t v = a.in_layout == PINSTREAM_NHWC ? tile[lead[0] + sx * C + c]
+                                                           : tile[c * (ROW_MAX + 8) + lead[c] + sx];
+          dst[e] = Conv<Out>::from(norm(v, pick4(mean, c), pick4(k, c), a.shift));
+        }
+      }
+    }
+  }
+}
+
 // ---- denormalize -----------------------------------------------------------------------------
 
 template <typename T>
@@ -368,6 +467,16 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
         case 4: nhwc_to_nchw<Out, 4><<<(unsigned)blocks, TT, 0, stream>>>(a, tiles); return pinstream::launched();
         default: break;
       }
+    }
+  }
+  if (a.samples != nullptr && a.c_out == a.c_in && a.w <= ROW_MAX && a.h > 0) {
+    dim3 grid((unsigned)cap((size_t)a.h, 65535), (unsigned)cap((size_t)a.n, 65535));
+    switch (a.c_in) {
+      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
+      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
+      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
+      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
+      default: break;
     }
   }
   // general: at most 4096 x 256 threads per sample (the kernel's stride bound), h and w being the

@@ -22,14 +22,14 @@ contiguous NCHW float in the first of the three kernels, so every mode hands out
 The step is torch.cuda._sleep(cycles), calibrated once with CUDA events (a probe, scaled
 linearly, each target checked to be within 5 %, corrected once if not). Time per batch: the host
 clock around --batches batches (after --warmup), ended by torch.cuda.synchronize(), divided by
---batches. With --sync-every N the loop also waits for the default stream every N batches, as
-loss.item() would (default 0: never, as `pinstream prefetch` does; the host and APEX's side
-stream may then run ahead of the step, and record_stream holds their outputs: see the peak
-device memory in the notes). Parts, measured alone (median of 10): the pinned H2D copy of one
-batch + labels and the normalize (CUDA events), the pageable .to() and the fill of one batch on
-one thread (host clock), and the step. ideal = max(step, pinned copy + normalize). The first
-batch of each mode is checked against a float64 NumPy reference (relative error <= 1e-5) and its
-labels against the expected ones; a mismatch stops the run.
+--batches. --sync-every N also waits for the default stream every N batches, as loss.item()
+would; by default (0) it never does, like `pinstream prefetch`, so the host and APEX's side
+stream may run ahead of the step (record_stream and the pinned allocator's events then hold
+memory back: the notes give the peak device memory and the pinned pool). Parts, alone (median of
+10): pinned H2D copy of one batch + labels and normalize (CUDA events), pageable .to() and the
+fill of one batch on one thread (host clock), and the step. ideal = max(step, pinned copy +
+normalize). Each mode's first batch is checked against a float64 NumPy reference (relative error
+<= 1e-5), its labels against the expected ones; a mismatch stops the run.
 
 Run on the GPU machine:
   python3 benches/peers/torch_prefetch.py --compute-ms 0.5,2,4,8,16 [--format csv|json]
@@ -84,20 +84,24 @@ def parse_args(argv=None):
         epilog=__doc__.split("\n\n", 1)[1],
     )
     p.add_argument("--batch", type=int, default=256, help="samples per batch (default 256)")
-    p.add_argument("--shape", type=parse_shape, default=(3, 224, 224), help="sample CxHxW (default 3x224x224)")
+    p.add_argument("--shape", type=parse_shape, default=(3, 224, 224),
+                   help="sample CxHxW (default 3x224x224)")
     p.add_argument("--layout", choices=["nchw", "nhwc"], default="nchw",
                    help="layout of the u8 input batches (the output is NCHW f32; default nchw)")
     p.add_argument("--compute-ms", type=parse_ms_list, default=parse_ms_list("4"),
                    help="GPU time of the step in ms; a comma list sweeps it (default 4)")
     p.add_argument("--batches", type=int, default=200, help="timed batches per point (default 200)")
-    p.add_argument("--warmup", type=int, default=20, help="batches before the clock starts (>= 1, default 20)")
+    p.add_argument("--warmup", type=int, default=20,
+                   help="batches before the clock starts (>= 1, default 20)")
     p.add_argument("--workers", type=int, default=4, help="DataLoader num_workers for a and d (default 4)")
-    p.add_argument("--modes", default="sad", help="which modes, by letter: s serial, a apex, d dataloader (default sad)")
+    p.add_argument("--modes", default="sad",
+                   help="which modes, by letter: s serial, a apex, d dataloader (default sad)")
     p.add_argument("--sync-every", type=int, default=0, metavar="N",
                    help="wait for the default stream every N batches, as loss.item() does (default 0: never)")
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table",
-                   help="table (default) as it runs; csv or json to stdout at the end (the table then goes to stderr)")
+                   help="table (default) as it runs; csv or json to stdout at the end "
+                        "(the table then goes to stderr)")
     a = p.parse_args(argv)
     if a.batch < 1 or a.batches < 1 or a.warmup < 1 or a.workers < 0 or a.sync_every < 0:
         p.error("--batch, --batches and --warmup must be >= 1, --workers and --sync-every >= 0")
@@ -114,11 +118,12 @@ class Synth:
         c, h, w = shape
         self.batch = batch
         self.shape = (batch, h, w, c) if nhwc else (batch, c, h, w)
-        self.ramp = np.arange(0, batch * c * h * w, 4096, dtype=np.int64) // 4096  # k for each mark
+        self.ramp = np.arange(-(-batch * c * h * w // 4096), dtype=np.int64)  # k of each 4096th byte
 
     def fill(self, i, out):
         """Writes batch i into `out` (a C-contiguous u8 array of self.shape)."""
-        flat = out.reshape(-1)
+        assert out.flags.c_contiguous and out.shape == self.shape
+        flat = out.reshape(-1)  # a view
         flat.fill(i % 251 + 1)
         flat[::4096] = (self.ramp + i) & 255
 
@@ -285,6 +290,15 @@ def check_first(name, x, y, synth, mean, std, nhwc):
     return worst
 
 
+def pinned_pool():
+    """(bytes the pinned host allocator holds, blocks it has created), None where PyTorch lacks them."""
+    try:
+        st = torch.cuda.host_memory_stats()
+        return st["allocated_bytes.current"], st["num_host_alloc"]
+    except (AttributeError, KeyError, RuntimeError):
+        return None
+
+
 def timed(batches, cycles, args, check=None):
     """Runs the loop; returns (ms per batch over the timed part, max rel error or None)."""
     it = iter(batches)
@@ -390,6 +404,7 @@ def main(argv=None):
                 checked.add(mode)
                 check = lambda x, y, mode=mode: check_first(mode, x, y, synth, mean, std, nhwc)
             torch.cuda.reset_peak_memory_stats()
+            pool0 = pinned_pool()
             ms, err = timed(gen, cycles, args, check)
             del gen
             gc.collect()
@@ -397,6 +412,9 @@ def main(argv=None):
             peak = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.empty_cache()
             notes = f"{how}; peak device {peak:.2f} GiB"
+            pool = pinned_pool()
+            if pool and pool0:  # growth of the pinned pool: run-ahead held back by events
+                notes += f", pinned pool {pool[0] / 2**30:.2f} GiB (+{pool[1] - pool0[1]} blocks)"
             if err is not None:
                 notes += f"; first batch checked (max rel err {err:.1e})"
             add(mode, step, ms, ideal, notes)
@@ -405,7 +423,8 @@ def main(argv=None):
         w = csv.DictWriter(sys.stdout, fieldnames=cols, lineterminator="\n")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: "" if v is None else f"{v:.4f}" if isinstance(v, float) else v
+                        for k, v in r.items()})
     elif args.format == "json":
         json.dump(rows, sys.stdout, indent=1)
         print()
