@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use pinstream::kernels::{self, Layout, Normalize, OutputElement, Spec};
+use pinstream::kernels::{self, Crop, Layout, Normalize, OutputElement, Sample, Spec};
 use pinstream::{bf16, f16, Device, DeviceBuffer, Stream, TimingEvent};
 
 const N: usize = 256;
@@ -17,8 +17,7 @@ const H: usize = 224;
 const W: usize = 224;
 const LAUNCHES: u32 = 20;
 
-fn input(stream: &Stream) -> DeviceBuffer<u8> {
-    let n = N * C * H * W;
+fn input(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let host: Vec<u8> = (0..n)
         .map(|_| {
@@ -67,6 +66,50 @@ fn case<O: OutputElement>(
     il: Layout,
 ) -> Case {
     let spec = Spec::uniform(N, C, H, W, Normalize::imagenet()).layouts(il, Layout::Nchw);
+    case_spec::<O>(name, stream, d_in, spec)
+}
+
+/// The training-augmentation batch: N samples of `src` x `src` x C, each cropped to H x W at a
+/// random place (when `crop`) and mirrored every other sample (when `mirror`), into NCHW.
+fn augment_spec(il: Layout, src: usize, crop: bool, mirror: bool) -> Spec {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rand = move |n: usize| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % n as u64) as usize
+    };
+    let samples = (0..N)
+        .map(|i| Sample {
+            h: src,
+            w: src,
+            crop: crop.then(|| Crop {
+                x: rand(src - W + 1),
+                y: rand(src - H + 1),
+                w: W,
+                h: H,
+            }),
+            mirror: mirror && i % 2 == 1,
+        })
+        .collect();
+    Spec {
+        channels: C,
+        samples,
+        in_layout: il,
+        out_layout: Layout::Nchw,
+        pad_to_4: None,
+        norm: Normalize::imagenet(),
+    }
+}
+
+fn case_spec<O: OutputElement>(
+    name: &'static str,
+    stream: &Stream,
+    d_in: &'static DeviceBuffer<u8>,
+    spec: Spec,
+) -> Case {
+    let d_in: &'static pinstream::DeviceView<'static, u8> =
+        Box::leak(Box::new(d_in.slice(..spec.input_len().unwrap()).unwrap()));
     let mut out = DeviceBuffer::<O>::new(&stream.device(), spec.output_len().unwrap()).unwrap();
     let s = stream.clone();
     Case {
@@ -87,14 +130,66 @@ fn normalize(c: &mut Criterion) {
         }
     };
     let stream = dev.stream().unwrap();
-    let d_in: &'static DeviceBuffer<u8> = Box::leak(Box::new(input(&stream)));
+    // Big enough for 256 x 256 x 3 sources (the crops); the uniform cases use its start.
+    let d_in: &'static DeviceBuffer<u8> = Box::leak(Box::new(input(&stream, N * C * 256 * 256)));
     let elems = N * C * H * W;
+    let (nhwc, nchw) = (Layout::Nhwc, Layout::Nchw);
     let mut cases = [
         case::<f32>("nchw_to_nchw_f32", &stream, d_in, Layout::Nchw),
         case::<f16>("nchw_to_nchw_f16", &stream, d_in, Layout::Nchw),
         case::<bf16>("nchw_to_nchw_bf16", &stream, d_in, Layout::Nchw),
         case::<f32>("nhwc_to_nchw_f32", &stream, d_in, Layout::Nhwc),
         case::<f16>("nhwc_to_nchw_f16", &stream, d_in, Layout::Nhwc),
+        // Augmentation: random 224 crops of 256 x 256 sources and/or every other sample
+        // mirrored (the per-sample path).
+        case_spec::<f32>(
+            "crop_mirror_nhwc_f32",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 256, true, true),
+        ),
+        case_spec::<f16>(
+            "crop_mirror_nhwc_f16",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 256, true, true),
+        ),
+        case_spec::<bf16>(
+            "crop_mirror_nhwc_bf16",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 256, true, true),
+        ),
+        case_spec::<f32>(
+            "crop_mirror_nchw_f32",
+            &stream,
+            d_in,
+            augment_spec(nchw, 256, true, true),
+        ),
+        case_spec::<f16>(
+            "crop_mirror_nchw_f16",
+            &stream,
+            d_in,
+            augment_spec(nchw, 256, true, true),
+        ),
+        case_spec::<f32>(
+            "crop_nhwc_f32",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 256, true, false),
+        ),
+        case_spec::<f32>(
+            "mirror_nhwc_f32",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 224, false, true),
+        ),
+        case_spec::<f16>(
+            "mirror_nhwc_f16",
+            &stream,
+            d_in,
+            augment_spec(nhwc, 224, false, true),
+        ),
     ];
 
     let mut g = c.benchmark_group("normalize_256x3x224x224");

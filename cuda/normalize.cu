@@ -142,9 +142,9 @@ __device__ __forceinline__ float pick(const float (&v)[4], int c) {
 }
 
 // Element c of a C-array in registers, without a dynamic index.
-template <int C>
-__device__ __forceinline__ float pick4(const float (&v)[C], uint32_t c) {
-  float r = v[0];
+template <typename T, int C>
+__device__ __forceinline__ T pick4(const T (&v)[C], uint32_t c) {
+  T r = v[0];
 #pragma unroll
   for (int i = 1; i < C; ++i)
     if (c == (uint32_t)i) r = v[i];
@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a) 
           const uint32_t x = e / C, c = e - x * C;
           const uint32_t sx = d.mirror ? out_w - 1 - x : x;
           const uint32_t v = a.in_layout == PINSTREAM_NHWC ? tile[lead[0] + sx * C + c]
-                                                           : tile[c * (ROW_MAX + 8) + lead[c] + sx];
+                                                           : tile[c * (ROW_MAX + 8) + pick4(lead, c) + sx];
           dst[e] = Conv<Out>::from(norm(v, pick4(mean, c), pick4(k, c), a.shift));
         }
       }

@@ -71,7 +71,8 @@ fn load(i: u64, b: &mut HostBatch<i64>) {
         *px = (k as u64 ^ i) as u8; // your JPEG decoder writes here
     }
     b.extras.clear();
-    b.extras.extend((0..BATCH).map(|k| ((i as usize * BATCH + k) % 1000) as i64));
+    b.extras
+        .extend((0..BATCH).map(|k| ((i as usize * BATCH + k) % 1000) as i64));
 }
 
 fn train(batches: u64) -> Result<(), Box<dyn std::error::Error>> {
