@@ -3,6 +3,7 @@
 use std::ffi::CStr;
 use std::fmt;
 
+use crate::device::{driver_status, DriverStatus, DriverVerdict};
 use crate::sys;
 
 /// A CUDA runtime error code together with the runtime's name and description of it
@@ -63,11 +64,14 @@ impl fmt::Display for CudaError {
 #[non_exhaustive]
 pub enum Error {
     /// There is no CUDA driver, it is too old, or there is no device: the machine cannot run
-    /// CUDA at all.
+    /// CUDA at all. The message says which, and what to do (see [`DriverStatus::advice`]).
     NoDevice {
         /// The runtime function that found out.
         call: &'static str,
+        /// What the runtime said (`cudaErrorInsufficientDriver`, `cudaErrorNoDevice` ...).
         cuda: CudaError,
+        /// The installed driver against what this build needs, taken when the error happened.
+        driver: Box<DriverStatus>,
     },
     /// An allocation (device or pinned host memory) failed for lack of memory.
     OutOfMemory {
@@ -134,6 +138,14 @@ impl Error {
         matches!(self, Error::NoDevice { .. })
     }
 
+    /// For `Error::NoDevice`: the installed driver against what this build needs.
+    pub fn driver_status(&self) -> Option<&DriverStatus> {
+        match self {
+            Error::NoDevice { driver, .. } => Some(driver),
+            _ => None,
+        }
+    }
+
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,
@@ -145,8 +157,30 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::NoDevice { call, cuda } => {
-                write!(f, "no usable CUDA device or driver: {call} failed: {cuda}")
+            Error::NoDevice { call, cuda, driver } => {
+                write!(f, "no usable CUDA device or driver: {call} failed: {cuda}")?;
+                match driver.advice() {
+                    Some(advice) => write!(f, "\n{advice}"),
+                    None => {
+                        write!(
+                            f,
+                            "\ndriver: {}; this build: {}",
+                            driver.driver_line(),
+                            driver.needs_line()
+                        )?;
+                        if driver.verdict() == DriverVerdict::Sufficient
+                            && cuda.code() == sys::cudaError::cudaErrorNoDevice as i32
+                        {
+                            write!(
+                                f,
+                                "\nthe driver is new enough, but no GPU is visible to this \
+                                 process: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and, in a \
+                                 container, that it was given the GPUs"
+                            )?;
+                        }
+                        Ok(())
+                    }
+                }
             }
             Error::OutOfMemory { call, bytes, cuda } => {
                 write!(f, "out of memory: {call} of {bytes} bytes failed: {cuda}")
@@ -212,7 +246,11 @@ pub(crate) fn check_with(
     clear_last_error();
     let cuda = CudaError::from_raw(err);
     if is_no_device(err) {
-        return Err(Error::NoDevice { call, cuda });
+        return Err(Error::NoDevice {
+            call,
+            cuda,
+            driver: Box::new(driver_status()),
+        });
     }
     Err(Error::Cuda {
         call,
@@ -223,7 +261,7 @@ pub(crate) fn check_with(
 
 /// A failed call also leaves its error as the thread's "last error", where the next kernel
 /// launch check would find it again: it has been reported, so clear it. (Sticky errors stay.)
-fn clear_last_error() {
+pub(crate) fn clear_last_error() {
     // SAFETY: plain call without arguments.
     unsafe {
         let _ = sys::cudaGetLastError();

@@ -430,7 +430,7 @@ impl Stager {
         let plan = plan::plan(transfers, self.piece_bytes(total), merge_gap);
         stream.enter()?;
         let mut job = Job::new(op, direction, host, stream.clone(), plan);
-        job.batch = self.config.batch_copies;
+        job.batch = self.config.batch_copies && crate::copy::BATCH_COPIES;
         job.helpers = self.threads_for(total) - 1;
         let mut outcome = Ok(());
         tracker::ordered(stream, trackers, || {

@@ -5,18 +5,16 @@ use pinstream::{Device, Result};
 const GIB: f64 = (1u64 << 30) as f64;
 
 pub fn run() -> Result<()> {
+    // The driver lines come first: where there is no usable driver they are the answer.
+    let status = pinstream::driver_status();
+    println!("pinstream {}", env!("CARGO_PKG_VERSION"));
+    println!("  driver              {}", status.driver_line());
+    println!("  this build          {}", status.needs_line());
+    if let Some(advice) = status.advice() {
+        println!("{advice}");
+    }
     let devices = Device::all()?;
-    let runtime = Device::runtime_version()?;
-    let driver = match (Device::driver_version()?, Device::driver_release()) {
-        (None, _) => "none".to_string(),
-        (Some(v), None) => v.to_string(),
-        (Some(v), Some(r)) => format!("{v} ({r})"),
-    };
-    println!(
-        "pinstream {}: CUDA runtime {runtime} (linked statically), driver {driver}, {} device(s)",
-        env!("CARGO_PKG_VERSION"),
-        devices.len()
-    );
+    println!("{} device(s)", devices.len());
     for dev in devices {
         let (major, minor) = dev.compute_capability()?;
         let mem = dev.memory_info()?;
