@@ -22,6 +22,8 @@ const ENV_VARS: &[&str] = &[
     "PINSTREAM_CACHE",
     "XDG_CACHE_HOME",
     "LIBCLANG_PATH",
+    "NVCC_CCBIN",
+    "CXX",
     "DOCS_RS",
 ];
 
@@ -51,7 +53,7 @@ fn build() -> Result<(), String> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
     let no_provision = toolkit::provisioning_disabled(env::var_os("PINSTREAM_NO_PROVISION"));
 
-    let cache = usable_cache_dir();
+    let cache = toolkit::cache_dir(&|k: &str| env::var_os(k));
     let tk = find_or_provision_toolkit(&out_dir, cache.as_deref(), no_provision)?;
     println!(
         "cargo::rustc-env=PINSTREAM_TOOLKIT={} ({})",
@@ -67,7 +69,7 @@ fn build() -> Result<(), String> {
 
     let clang_args = load_libclang(&out_dir, cache.as_deref(), no_provision)?;
     generate_bindings(&tk, &clang_args, &out_dir)?;
-    compile_kernels(&tk, cudart)?;
+    compile_kernels(&tk, cudart, &out_dir)?;
 
     // Static cudart: an executable starts on a machine without a driver and gets
     // cudaErrorInsufficientDriver from its first call instead of a loader failure.
@@ -89,20 +91,29 @@ fn emit_runtime_version(cudart: u32) {
     }
 }
 
-/// The per-user cache folder (`toolkit::cache_dir`) if it exists or can be made; else `None`
-/// (with a warning when one was named), and provisioning falls back to the target dir.
-fn usable_cache_dir() -> Option<PathBuf> {
-    let dir = toolkit::cache_dir(&|k: &str| env::var_os(k))?;
-    match std::fs::create_dir_all(&dir) {
-        Ok(()) => Some(dir),
+/// Where to provision `cache_name` / `target_name`, and whether that is in the cache: the per-user
+/// cache folder if it exists or can be made (only now, when something must be fetched), else
+/// the target dir, with a warning.
+fn provision_target(
+    cache: Option<&Path>,
+    cache_name: &str,
+    out_dir: &Path,
+    target_name: &str,
+) -> (PathBuf, bool) {
+    let usable = cache.filter(|dir| match std::fs::create_dir_all(dir) {
+        Ok(()) => true,
         Err(e) => {
             println!(
                 "cargo::warning=cannot use {} as the toolkit cache ({e}); using the target dir",
                 dir.display()
             );
-            None
+            false
         }
-    }
+    });
+    (
+        toolkit::provision_dest(usable, cache_name, out_dir, target_name),
+        usable.is_some(),
+    )
 }
 
 fn find_or_provision_toolkit(
@@ -128,7 +139,7 @@ fn find_or_provision_toolkit(
     if no_provision {
         return Err(toolkit::no_toolkit_message(&rejected, None));
     }
-    let dest = toolkit::provision_dest(
+    let (dest, in_cache) = provision_target(
         cache,
         toolkit::CACHE_CUDA_NAME,
         out_dir,
@@ -144,7 +155,7 @@ fn find_or_provision_toolkit(
         .map_err(|e| toolkit::no_toolkit_message(&rejected, Some(&e)))?;
     println!(
         "cargo::warning=no CUDA toolkit found; {}",
-        toolkit::provisioned_warning("CUDA 13.0 from PyPI (about 300 MB)", &dest, cache.is_some())
+        toolkit::provisioned_warning("CUDA 13.0 from PyPI (about 300 MB)", &dest, in_cache)
     );
     Ok(fetched)
 }
@@ -238,7 +249,10 @@ fn remove_stale_tmp(dest: &Path) {
     };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| toolkit::provision_tmp_pid(dest, n)) else {
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| toolkit::provision_tmp_pid(dest, n))
+        else {
             continue;
         };
         let old = entry
@@ -289,7 +303,7 @@ fn load_libclang(
     if no_provision {
         return Err(toolkit::no_libclang_message(&first_error, None));
     }
-    let dest = toolkit::provision_dest(
+    let (dest, in_cache) = provision_target(
         cache,
         toolkit::CACHE_LIBCLANG_NAME,
         out_dir,
@@ -303,7 +317,7 @@ fn load_libclang(
         toolkit::provisioned_warning(
             &format!("{} from PyPI (about 60 MB)", toolkit::LIBCLANG_PIN),
             &dest,
-            cache.is_some()
+            in_cache
         )
     );
     Ok(args)
@@ -388,7 +402,43 @@ fn nvcc_gpu_codes(nvcc: &Path) -> Option<Vec<String>> {
     (!list.is_empty()).then_some(list)
 }
 
-fn compile_kernels(tk: &Toolkit, cudart: u32) -> Result<(), String> {
+/// Whether to hand nvcc the C++ compiler `cc` found (`-ccbin`). nvcc refuses host compilers
+/// newer than it knows (CUDA 11.8 wants gcc 11 at most; Debian's bookworm has gcc 12), so a
+/// one-line probe asks it first; if it refuses and nvcc's own default works (Debian's toolkit
+/// brings a wrapper for gcc 11), that default is used. `NVCC_CCBIN` (nvcc's variable) always
+/// wins: then no `-ccbin` is passed.
+fn pass_ccbin(tk: &Toolkit, out_dir: &Path) -> bool {
+    if env::var_os("NVCC_CCBIN").is_some_and(|v| !v.is_empty()) {
+        return false;
+    }
+    let probe = out_dir.join("pinstream_ccbin_probe.cu");
+    if std::fs::write(&probe, "int pinstream_probe;\n").is_err() {
+        return true;
+    }
+    let accepts = |ccbin: Option<&Path>| -> bool {
+        let mut cmd = Command::new(&tk.nvcc);
+        if let Some(c) = ccbin {
+            cmd.arg(format!("-ccbin={}", c.display()));
+        }
+        cmd.args(["-std=c++17", "-E", "-o", "/dev/null"])
+            .arg(&probe)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let cxx = cc::Build::new().cpp(true).get_compiler();
+    if accepts(Some(cxx.path())) || !accepts(None) {
+        return true;
+    }
+    println!(
+        "cargo::warning=nvcc ({}) refuses the C++ compiler {}; using nvcc's default host compiler \
+         (set NVCC_CCBIN to choose one)",
+        tk.nvcc.display(),
+        cxx.path().display()
+    );
+    false
+}
+
+fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String> {
     let requested = match env::var("PINSTREAM_CUDA_ARCH") {
         Ok(spec) => Some(toolkit::parse_archs(&spec)?),
         Err(_) => None,
@@ -408,7 +458,9 @@ fn compile_kernels(tk: &Toolkit, cudart: u32) -> Result<(), String> {
     // In CUDA mode cc takes nvcc from the NVCC variable; the C++ compiler it finds becomes
     // -ccbin. The build script is single-threaded, so setting it here is sound.
     env::set_var("NVCC", &tk.nvcc);
+    let ccbin = pass_ccbin(tk, out_dir);
     let mut build = cc::Build::new();
+    build.ccbin(ccbin);
     build
         .cuda(true)
         .cudart("none")
@@ -428,7 +480,11 @@ fn compile_kernels(tk: &Toolkit, cudart: u32) -> Result<(), String> {
     for flag in toolkit::gencode_flags(&archs) {
         build.flag(&flag);
     }
-    build
-        .try_compile("pinstream_kernels")
-        .map_err(|e| format!("pinstream: nvcc ({}) failed: {e}", tk.nvcc.display()))
+    build.try_compile("pinstream_kernels").map_err(|e| {
+        format!(
+            "pinstream: nvcc ({}) failed: {e}\n  if nvcc refuses the host compiler (\"unsupported \
+                 GNU version\"), set NVCC_CCBIN to one it supports (CUDA 11.8: g++-11)",
+            tk.nvcc.display()
+        )
+    })
 }

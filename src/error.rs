@@ -314,3 +314,47 @@ pub(crate) fn byte_len<T>(op: &'static str, len: usize) -> Result<usize> {
         )
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_device(err: sys::cudaError, driver: DriverStatus) -> String {
+        Error::NoDevice {
+            call: "cudaGetDeviceCount",
+            cuda: CudaError::from_raw(err),
+            driver: Box::new(driver),
+        }
+        .to_string()
+    }
+
+    /// The message of `Error::NoDevice` says what to do: with an old driver, without one, and
+    /// with a driver that is fine but no GPU in sight.
+    #[test]
+    fn no_device_message_says_what_to_do() {
+        let old = DriverStatus::from_parts(12040, Some("550.54.15".into()), 13000);
+        let m = no_device(sys::cudaError::cudaErrorInsufficientDriver, old);
+        for needle in [
+            "cudaGetDeviceCount failed: cudaErrorInsufficientDriver",
+            "550.54.15",
+            "12.4",
+            "CUDA 13.0 runtime",
+            "r580",
+            "update the NVIDIA driver",
+            "CUDA_HOME",
+        ] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        let none = DriverStatus::from_parts(0, None, 13000);
+        let m = no_device(sys::cudaError::cudaErrorInsufficientDriver, none);
+        for needle in ["no NVIDIA driver is installed", "r580", "CUDA_HOME"] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        let fine = DriverStatus::from_parts(13000, Some("580.95.05".into()), 13000);
+        let m = no_device(sys::cudaError::cudaErrorNoDevice, fine);
+        for needle in ["580.95.05", "no GPU is visible", "CUDA_VISIBLE_DEVICES"] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        assert!(!m.contains("Ways out"), "{m}");
+    }
+}
