@@ -23,7 +23,6 @@ const ENV_VARS: &[&str] = &[
     "XDG_CACHE_HOME",
     "LIBCLANG_PATH",
     "NVCC_CCBIN",
-    "CXX",
     "DOCS_RS",
 ];
 

@@ -338,14 +338,17 @@ impl Device {
         after.split_whitespace().next().map(str::to_string)
     }
 
-    /// The version of the CUDA runtime linked into this program.
+    /// The version of the CUDA runtime linked into this program. Works without a driver or
+    /// device: where the runtime will not say (CUDA 11.8's reports `cudaErrorNoDevice` when it
+    /// finds a `libcuda` but no GPU), it is the [`CUDART_VERSION`] the build linked.
     pub fn runtime_version() -> Result<Version> {
         let mut v = 0;
-        check(
-            // SAFETY: valid out-pointer.
-            unsafe { sys::cudaRuntimeGetVersion(&mut v) },
-            "cudaRuntimeGetVersion",
-        )?;
+        // SAFETY: valid out-pointer.
+        let err = unsafe { sys::cudaRuntimeGetVersion(&mut v) };
+        if err != sys::cudaError::cudaSuccess || v <= 0 {
+            crate::error::clear_last_error();
+            v = i32::try_from(CUDART_VERSION).unwrap_or(i32::MAX);
+        }
         Ok(Version::from_cuda(v))
     }
 
