@@ -19,6 +19,7 @@ pub const LIBCLANG_PIN: &str = "libclang==18.1.1";
 /// Folder names in the per-user cache (`cache_dir`) where the two are provisioned, keyed by
 /// version: a new pin gets a new folder, never a half-updated old one.
 pub const CACHE_CUDA_NAME: &str = "cuda-13.0.88";
+/// The same for the libclang wheel.
 pub const CACHE_LIBCLANG_NAME: &str = "libclang-18.1.1";
 /// Folder names under the cargo target dir: where builds before the per-user cache put them
 /// (still looked for, so existing checkouts do not download again), and where a build puts
@@ -445,7 +446,7 @@ pub fn no_toolkit_message(rejected: &[String], provision_error: Option<&str>) ->
         None => msg.push_str("  provisioning from PyPI is off (PINSTREAM_NO_PROVISION is set).\n"),
     }
     msg.push_str(&format!(
-        "  fix: set CUDA_HOME to a CUDA 12/13 toolkit, or let the build fetch one (needs python3 with pip and \
+        "  fix: set CUDA_HOME to a CUDA toolkit (11.8 or newer), or let the build fetch one (needs python3 with pip and \
          network access), or install it yourself:\n    python3 -m pip install --target DIR {}\n  and set CUDA_HOME=DIR/{}",
         CUDA_PINS.join(" "),
         PYPI_TOOLKIT_SUBDIR
