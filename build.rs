@@ -19,7 +19,10 @@ const ENV_VARS: &[&str] = &[
     "PINSTREAM_NO_PROVISION",
     "PINSTREAM_PYTHON",
     "PINSTREAM_PTXAS_VERBOSE",
+    "PINSTREAM_CACHE",
+    "XDG_CACHE_HOME",
     "LIBCLANG_PATH",
+    "NVCC_CCBIN",
     "DOCS_RS",
 ];
 
@@ -31,10 +34,12 @@ fn main() {
     println!("cargo::rerun-if-changed=build/toolkit.rs");
     println!("cargo::rerun-if-changed=cuda");
     println!("cargo::rustc-check-cfg=cfg(pinstream_docs)");
+    println!("cargo::rustc-check-cfg=cfg(pinstream_cuda_batch)");
 
     if env::var_os("DOCS_RS").is_some() {
-        // docs.rs has no CUDA: document against the committed snapshot of the bindings.
+        // docs.rs has no CUDA: document against the committed snapshot of the bindings (13.0).
         println!("cargo::rustc-cfg=pinstream_docs");
+        emit_runtime_version(13000);
         return;
     }
     if let Err(msg) = build() {
@@ -47,16 +52,23 @@ fn build() -> Result<(), String> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
     let no_provision = toolkit::provisioning_disabled(env::var_os("PINSTREAM_NO_PROVISION"));
 
-    let tk = find_or_provision_toolkit(&out_dir, no_provision)?;
+    let cache = toolkit::cache_dir(&|k: &str| env::var_os(k));
+    let tk = find_or_provision_toolkit(&out_dir, cache.as_deref(), no_provision)?;
     println!(
         "cargo::rustc-env=PINSTREAM_TOOLKIT={} ({})",
         tk.root.display(),
         tk.source.describe()
     );
+    let header = tk.include.join("cuda_runtime_api.h");
+    let cudart = std::fs::read_to_string(&header)
+        .ok()
+        .and_then(|text| toolkit::parse_cudart_version(&text))
+        .ok_or_else(|| format!("pinstream: no CUDART_VERSION in {}", header.display()))?;
+    emit_runtime_version(cudart);
 
-    let clang_args = load_libclang(&out_dir, no_provision)?;
+    let clang_args = load_libclang(&out_dir, cache.as_deref(), no_provision)?;
     generate_bindings(&tk, &clang_args, &out_dir)?;
-    compile_kernels(&tk)?;
+    compile_kernels(&tk, cudart, &out_dir)?;
 
     // Static cudart: an executable starts on a machine without a driver and gets
     // cudaErrorInsufficientDriver from its first call instead of a loader failure.
@@ -68,9 +80,53 @@ fn build() -> Result<(), String> {
     Ok(())
 }
 
-fn find_or_provision_toolkit(out_dir: &Path, no_provision: bool) -> Result<Toolkit, String> {
+/// What the library learns about the runtime it is built against: `PINSTREAM_CUDART_VERSION`
+/// (the headers' `CUDART_VERSION`, for the driver diagnosis), and `cfg(pinstream_cuda_batch)`
+/// where `cudaMemcpyBatchAsync` can be called.
+fn emit_runtime_version(cudart: u32) {
+    println!("cargo::rustc-env=PINSTREAM_CUDART_VERSION={cudart}");
+    if toolkit::has_batch_copies(cudart) {
+        println!("cargo::rustc-cfg=pinstream_cuda_batch");
+    }
+}
+
+/// Where to provision `cache_name` / `target_name`, and whether that is in the cache: the per-user
+/// cache folder if it exists or can be made (only now, when something must be fetched), else
+/// the target dir, with a warning.
+fn provision_target(
+    cache: Option<&Path>,
+    cache_name: &str,
+    out_dir: &Path,
+    target_name: &str,
+) -> (PathBuf, bool) {
+    let usable = cache.filter(|dir| match std::fs::create_dir_all(dir) {
+        Ok(()) => true,
+        Err(e) => {
+            println!(
+                "cargo::warning=cannot use {} as the toolkit cache ({e}); using the target dir",
+                dir.display()
+            );
+            false
+        }
+    });
+    (
+        toolkit::provision_dest(usable, cache_name, out_dir, target_name),
+        usable.is_some(),
+    )
+}
+
+fn find_or_provision_toolkit(
+    out_dir: &Path,
+    cache: Option<&Path>,
+    no_provision: bool,
+) -> Result<Toolkit, String> {
     let get = |k: &str| env::var_os(k);
-    let provisioned = toolkit::provisioned_dirs(out_dir, toolkit::CUDA_DIR_NAME);
+    let provisioned = toolkit::provisioned_locations(
+        cache,
+        toolkit::CACHE_CUDA_NAME,
+        out_dir,
+        toolkit::CUDA_DIR_NAME,
+    );
     let candidates = toolkit::candidates(&get, &provisioned);
     let rejected = match toolkit::find_toolkit(&candidates) {
         Ok(tk) => {
@@ -82,19 +138,25 @@ fn find_or_provision_toolkit(out_dir: &Path, no_provision: bool) -> Result<Toolk
     if no_provision {
         return Err(toolkit::no_toolkit_message(&rejected, None));
     }
-    let dest = toolkit::target_dir(out_dir).join(toolkit::CUDA_DIR_NAME);
-    println!(
-        "cargo::warning=no CUDA toolkit found; provisioning CUDA 13.0 from PyPI into {} (PINSTREAM_NO_PROVISION=1 turns this off)",
-        dest.display()
+    let (dest, in_cache) = provision_target(
+        cache,
+        toolkit::CACHE_CUDA_NAME,
+        out_dir,
+        toolkit::CUDA_DIR_NAME,
     );
-    pip_install(&dest, toolkit::CUDA_PINS)
+    let fetched = pip_install(&dest, toolkit::CUDA_PINS)
         .and_then(|()| {
             toolkit::toolkit_at(
                 Source::Provisioned,
                 &dest.join(toolkit::PYPI_TOOLKIT_SUBDIR),
             )
         })
-        .map_err(|e| toolkit::no_toolkit_message(&rejected, Some(&e)))
+        .map_err(|e| toolkit::no_toolkit_message(&rejected, Some(&e)))?;
+    println!(
+        "cargo::warning=no CUDA toolkit found; {}",
+        toolkit::provisioned_warning("CUDA 13.0 from PyPI (about 300 MB)", &dest, in_cache)
+    );
+    Ok(fetched)
 }
 
 /// A toolkit named by CUDA_HOME / CUDA_PATH that was passed over deserves a word.
@@ -115,8 +177,10 @@ fn warn_explicit_rejections(candidates: &[(Source, PathBuf)], chosen: &Toolkit) 
     }
 }
 
-/// `python3 -m pip install --target DEST pins...`, into a temporary folder renamed at the end
-/// so that an interrupted or concurrent install never leaves a half-filled DEST.
+/// `python3 -m pip install --target DEST pins...`, into a temporary folder next to DEST renamed
+/// at the end, so that an interrupted or concurrent install never leaves a half-filled DEST:
+/// two builds that provision at once each fill their own folder, the first rename wins and the
+/// other uses the winner's copy.
 fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
     if dest.is_dir() {
         return Ok(());
@@ -124,13 +188,8 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
     let parent = dest.parent().ok_or("bad provisioning folder")?;
     std::fs::create_dir_all(parent)
         .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
-    let tmp = parent.join(format!(
-        ".{}.tmp-{}",
-        dest.file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("provision"),
-        std::process::id()
-    ));
+    remove_stale_tmp(dest);
+    let tmp = toolkit::provision_tmp(dest, std::process::id());
     let _ = std::fs::remove_dir_all(&tmp);
     let python = env::var("PINSTREAM_PYTHON").unwrap_or_else(|_| "python3".into());
     let output = Command::new(&python)
@@ -164,6 +223,7 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
             output.status
         ));
     }
+    // rename(2) of a folder onto an existing non-empty one fails: the loser keeps its copy out.
     match std::fs::rename(&tmp, dest) {
         Ok(()) => Ok(()),
         // Another build script finished first: use its copy.
@@ -179,9 +239,40 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
     }
 }
 
+/// Removes temporary folders of `dest` left by provisioning builds that were killed: those not
+/// touched for a day (a running install writes into its folder all the time).
+fn remove_stale_tmp(dest: &Path) {
+    let Some(parent) = dest.parent() else { return };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| toolkit::provision_tmp_pid(dest, n))
+        else {
+            continue;
+        };
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age.as_secs() > 24 * 3600);
+        if old && pid != std::process::id() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
 /// Loads libclang for bindgen (LIBCLANG_PATH, the system, an earlier provisioned wheel, or a
 /// fresh one) and returns the extra clang arguments it needs.
-fn load_libclang(out_dir: &Path, no_provision: bool) -> Result<Vec<String>, String> {
+fn load_libclang(
+    out_dir: &Path,
+    cache: Option<&Path>,
+    no_provision: bool,
+) -> Result<Vec<String>, String> {
     let first_error = match clang_sys::load() {
         Ok(()) => return Ok(builtin_header_args()),
         Err(e) => e,
@@ -198,7 +289,12 @@ fn load_libclang(out_dir: &Path, no_provision: bool) -> Result<Vec<String>, Stri
         clang_sys::load()?;
         Ok(builtin_header_args())
     };
-    for dir in toolkit::provisioned_dirs(out_dir, toolkit::LIBCLANG_DIR_NAME) {
+    for dir in toolkit::provisioned_locations(
+        cache,
+        toolkit::CACHE_LIBCLANG_NAME,
+        out_dir,
+        toolkit::LIBCLANG_DIR_NAME,
+    ) {
         if let Ok(args) = use_dir(&dir) {
             return Ok(args);
         }
@@ -206,15 +302,24 @@ fn load_libclang(out_dir: &Path, no_provision: bool) -> Result<Vec<String>, Stri
     if no_provision {
         return Err(toolkit::no_libclang_message(&first_error, None));
     }
-    let dest = toolkit::target_dir(out_dir).join(toolkit::LIBCLANG_DIR_NAME);
-    println!(
-        "cargo::warning=libclang not found; provisioning {} from PyPI into {}",
-        toolkit::LIBCLANG_PIN,
-        dest.display()
+    let (dest, in_cache) = provision_target(
+        cache,
+        toolkit::CACHE_LIBCLANG_NAME,
+        out_dir,
+        toolkit::LIBCLANG_DIR_NAME,
     );
-    pip_install(&dest, &[toolkit::LIBCLANG_PIN])
+    let args = pip_install(&dest, &[toolkit::LIBCLANG_PIN])
         .and_then(|()| use_dir(&dest))
-        .map_err(|e| toolkit::no_libclang_message(&first_error, Some(&e)))
+        .map_err(|e| toolkit::no_libclang_message(&first_error, Some(&e)))?;
+    println!(
+        "cargo::warning=libclang not found; {}",
+        toolkit::provisioned_warning(
+            &format!("{} from PyPI (about 60 MB)", toolkit::LIBCLANG_PIN),
+            &dest,
+            in_cache
+        )
+    );
+    Ok(args)
 }
 
 /// The PyPI libclang wheel lacks clang's builtin headers (stddef.h ...): borrow the C compiler's.
@@ -286,14 +391,61 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
         .map_err(|e| format!("cannot write {}: {e}", dest.display()))
 }
 
-fn compile_kernels(tk: &Toolkit) -> Result<(), String> {
-    let archs = match env::var("PINSTREAM_CUDA_ARCH") {
-        Ok(spec) => toolkit::parse_archs(&spec)?,
-        Err(_) => toolkit::DEFAULT_ARCHS
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+/// The architectures `nvcc --list-gpu-code` names (CUDA 11.0 and newer); `None` if it cannot say.
+fn nvcc_gpu_codes(nvcc: &Path) -> Option<Vec<String>> {
+    let out = Command::new(nvcc).arg("--list-gpu-code").output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let list = toolkit::parse_gpu_code_list(&String::from_utf8_lossy(&out.stdout));
+    (!list.is_empty()).then_some(list)
+}
+
+/// Whether to hand nvcc the C++ compiler `cc` found (`-ccbin`). nvcc refuses host compilers
+/// newer than it knows (CUDA 11.8 wants gcc 11 at most; Debian's bookworm has gcc 12), so a
+/// one-line probe asks it first; if it refuses and nvcc's own default works (Debian's toolkit
+/// brings a wrapper for gcc 11), that default is used. `NVCC_CCBIN` (nvcc's variable) always
+/// wins: then no `-ccbin` is passed.
+fn pass_ccbin(tk: &Toolkit, out_dir: &Path) -> bool {
+    if env::var_os("NVCC_CCBIN").is_some_and(|v| !v.is_empty()) {
+        return false;
+    }
+    let probe = out_dir.join("pinstream_ccbin_probe.cu");
+    if std::fs::write(&probe, "int pinstream_probe;\n").is_err() {
+        return true;
+    }
+    let accepts = |ccbin: Option<&Path>| -> bool {
+        let mut cmd = Command::new(&tk.nvcc);
+        if let Some(c) = ccbin {
+            cmd.arg(format!("-ccbin={}", c.display()));
+        }
+        cmd.args(["-std=c++17", "-E", "-o", "/dev/null"])
+            .arg(&probe)
+            .output()
+            .is_ok_and(|o| o.status.success())
     };
+    let cxx = cc::Build::new().cpp(true).get_compiler();
+    if accepts(Some(cxx.path())) || !accepts(None) {
+        return true;
+    }
+    println!(
+        "cargo::warning=nvcc ({}) refuses the C++ compiler {}; using nvcc's default host compiler \
+         (set NVCC_CCBIN to choose one)",
+        tk.nvcc.display(),
+        cxx.path().display()
+    );
+    false
+}
+
+fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String> {
+    let requested = match env::var("PINSTREAM_CUDA_ARCH") {
+        Ok(spec) => Some(toolkit::parse_archs(&spec)?),
+        Err(_) => None,
+    };
+    let supported = nvcc_gpu_codes(&tk.nvcc);
+    let archs = toolkit::select_archs(requested, supported.as_deref(), cudart)
+        .map_err(|e| format!("pinstream: {e}"))?;
+
     let mut files: Vec<PathBuf> = std::fs::read_dir("cuda")
         .map_err(|e| format!("cannot read cuda/: {e}"))?
         .flatten()
@@ -305,7 +457,9 @@ fn compile_kernels(tk: &Toolkit) -> Result<(), String> {
     // In CUDA mode cc takes nvcc from the NVCC variable; the C++ compiler it finds becomes
     // -ccbin. The build script is single-threaded, so setting it here is sound.
     env::set_var("NVCC", &tk.nvcc);
+    let ccbin = pass_ccbin(tk, out_dir);
     let mut build = cc::Build::new();
+    build.ccbin(ccbin);
     build
         .cuda(true)
         .cudart("none")
@@ -325,7 +479,11 @@ fn compile_kernels(tk: &Toolkit) -> Result<(), String> {
     for flag in toolkit::gencode_flags(&archs) {
         build.flag(&flag);
     }
-    build
-        .try_compile("pinstream_kernels")
-        .map_err(|e| format!("pinstream: nvcc ({}) failed: {e}", tk.nvcc.display()))
+    build.try_compile("pinstream_kernels").map_err(|e| {
+        format!(
+            "pinstream: nvcc ({}) failed: {e}\n  if nvcc refuses the host compiler (\"unsupported \
+                 GNU version\"), set NVCC_CCBIN to one it supports (CUDA 11.8: g++-11)",
+            tk.nvcc.display()
+        )
+    })
 }

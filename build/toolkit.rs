@@ -16,15 +16,40 @@ pub const CUDA_PINS: &[&str] = &[
 ];
 /// The PyPI wheel that carries libclang for bindgen.
 pub const LIBCLANG_PIN: &str = "libclang==18.1.1";
-/// Folder names under the cargo target dir where the two are provisioned.
+/// Folder names in the per-user cache (`cache_dir`) where the two are provisioned, keyed by
+/// version: a new pin gets a new folder, never a half-updated old one.
+pub const CACHE_CUDA_NAME: &str = "cuda-13.0.88";
+/// The same for the libclang wheel.
+pub const CACHE_LIBCLANG_NAME: &str = "libclang-18.1.1";
+/// Folder names under the cargo target dir: where builds before the per-user cache put them
+/// (still looked for, so existing checkouts do not download again), and where a build puts
+/// them when there is no usable cache folder.
 pub const CUDA_DIR_NAME: &str = "pinstream-cuda-13.0.88";
 pub const LIBCLANG_DIR_NAME: &str = "pinstream-libclang-18.1.1";
 /// Inside a provisioned folder, where the toolkit root and libclang live.
 pub const PYPI_TOOLKIT_SUBDIR: &str = "nvidia/cu13";
 pub const PYPI_LIBCLANG_SUBDIR: &str = "clang/native";
 
-/// Machine code for these architectures, PTX for the newest (override: `PINSTREAM_CUDA_ARCH`).
-pub const DEFAULT_ARCHS: &[&str] = &["75", "80", "86", "89", "90"];
+/// Machine code for these architectures where the toolkit has them, PTX for the newest of them
+/// (override: `PINSTREAM_CUDA_ARCH`): T4 (75), A100 (80), A10 / RTX 30 (86), L4 / RTX 40 (89),
+/// H100 / H200 (90), B200 (100), RTX 50 (120).
+pub const DEFAULT_ARCHS: &[&str] = &["75", "80", "86", "89", "90", "100", "120"];
+
+/// The first CUDA version (`CUDART_VERSION` encoding) whose nvcc builds each architecture in
+/// `DEFAULT_ARCHS`: the fallback when `nvcc --list-gpu-code` cannot be asked.
+pub const ARCH_SINCE: &[(&str, u32)] = &[
+    ("75", 10000),
+    ("80", 11000),
+    ("86", 11010),
+    ("89", 11080),
+    ("90", 11080),
+    ("100", 12080),
+    ("120", 12080),
+];
+
+/// The first runtime (`CUDART_VERSION`) whose `cudaMemcpyBatchAsync` has the signature the crate
+/// calls (12.8 and 12.9 have it with an extra `failIdx` argument).
+pub const BATCH_SINCE: u32 = 13000;
 
 /// Where a toolkit was found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,17 +135,19 @@ pub fn toolkit_at(source: Source, root: &Path) -> Result<Toolkit, String> {
         .iter()
         .find(|d| d.join("cuda_runtime_api.h").is_file())
         .ok_or_else(|| format!("{}: no include/cuda_runtime_api.h", root.display()))?;
+    // Debian's and Ubuntu's nvidia-cuda-toolkit (CUDA_HOME=/usr) keep it in the multiarch folder.
     let lib_dirs = [
         root.join("lib64"),
         root.join("lib"),
         root.join("targets/x86_64-linux/lib"),
+        root.join("lib/x86_64-linux-gnu"),
     ];
     let lib = lib_dirs
         .iter()
         .find(|d| d.join("libcudart_static.a").is_file())
         .ok_or_else(|| {
             format!(
-                "{}: no lib64/ or lib/ with libcudart_static.a",
+                "{}: no lib64/, lib/ or lib/x86_64-linux-gnu/ with libcudart_static.a",
                 root.display()
             )
         })?;
@@ -143,6 +170,95 @@ pub fn find_toolkit(candidates: &[(Source, PathBuf)]) -> Result<Toolkit, Vec<Str
         }
     }
     Err(why)
+}
+
+/// The per-user folder for provisioned toolkits: `PINSTREAM_CACHE`, else
+/// `$XDG_CACHE_HOME/pinstream`, else `$HOME/.cache/pinstream`. Empty values count as unset, and a
+/// relative `XDG_CACHE_HOME` is ignored (the XDG spec says so); `None` when nothing applies.
+pub fn cache_dir(env: &dyn Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    let get = |k: &str| env(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = get("PINSTREAM_CACHE") {
+        return Some(dir);
+    }
+    if let Some(xdg) = get("XDG_CACHE_HOME").filter(|p| p.is_absolute()) {
+        return Some(xdg.join("pinstream"));
+    }
+    get("HOME").map(|home| home.join(".cache").join("pinstream"))
+}
+
+/// Where to look for a copy provisioned earlier, in order: `cache/cache_name` (the per-user
+/// cache), then every `target_name` folder in the ancestors of `out_dir` (where builds put
+/// them before the cache), outermost first. Only folders that exist are returned.
+pub fn provisioned_locations(
+    cache: Option<&Path>,
+    cache_name: &str,
+    out_dir: &Path,
+    target_name: &str,
+) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = cache
+        .map(|c| c.join(cache_name))
+        .filter(|d| d.is_dir())
+        .into_iter()
+        .collect();
+    found.extend(provisioned_dirs(out_dir, target_name));
+    found
+}
+
+/// Where a new copy goes: `cache/cache_name` where there is a cache folder, else the cargo
+/// target dir's `target_name` (as before the cache).
+pub fn provision_dest(
+    cache: Option<&Path>,
+    cache_name: &str,
+    out_dir: &Path,
+    target_name: &str,
+) -> PathBuf {
+    match cache {
+        Some(c) => c.join(cache_name),
+        None => target_dir(out_dir).join(target_name),
+    }
+}
+
+/// The temporary folder a provisioning process `pid` fills before renaming it to `dest`: a
+/// hidden sibling of `dest` (same file system, so the rename is atomic).
+pub fn provision_tmp(dest: &Path, pid: u32) -> PathBuf {
+    let name = dest
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("provision");
+    dest.with_file_name(format!(".{name}.tmp-{pid}"))
+}
+
+/// Whether `entry` (a file name in the folder of `dest`) is some process's temporary folder for
+/// `dest` (see `provision_tmp`), and of which pid.
+pub fn provision_tmp_pid(dest: &Path, entry: &str) -> Option<u32> {
+    let name = dest.file_name()?.to_str()?;
+    entry
+        .strip_prefix('.')?
+        .strip_prefix(name)?
+        .strip_prefix(".tmp-")?
+        .parse()
+        .ok()
+}
+
+/// The cargo warning printed after provisioning into `dest`: where it went, what uses it, how
+/// to remove it.
+pub fn provisioned_warning(what: &str, dest: &Path, in_cache: bool) -> String {
+    if in_cache {
+        format!(
+            "provisioned {what} into {} (per-user cache, shared by every project that uses \
+             pinstream; PINSTREAM_CACHE moves it). Remove it with `rm -rf {}`; a later build \
+             that needs it fetches it again. PINSTREAM_NO_PROVISION=1 turns fetching off.",
+            dest.display(),
+            dest.display()
+        )
+    } else {
+        format!(
+            "provisioned {what} into {} (no per-user cache folder: set PINSTREAM_CACHE, \
+             XDG_CACHE_HOME or HOME to share it between projects). It goes with `cargo clean`. \
+             PINSTREAM_NO_PROVISION=1 turns fetching off.",
+            dest.display()
+        )
+    }
 }
 
 /// The cargo target dir that holds `out_dir` (`<target>/[<triple>/]<profile>/build/<pkg>/out`):
@@ -210,6 +326,95 @@ pub fn parse_archs(spec: &str) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// `CUDART_VERSION` (e.g. 13000 for 13.0) from the text of `cuda_runtime_api.h`.
+pub fn parse_cudart_version(header: &str) -> Option<u32> {
+    header.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        if words.next()? != "#define" || words.next()? != "CUDART_VERSION" {
+            return None;
+        }
+        words.next()?.parse().ok()
+    })
+}
+
+/// "13.0" from 13000.
+pub fn version_name(cudart: u32) -> String {
+    format!("{}.{}", cudart / 1000, (cudart % 1000) / 10)
+}
+
+/// The architecture numbers in the output of `nvcc --list-gpu-code` ("sm_75\nsm_80 ..."), in
+/// its order; entries that are not `sm_NN` are skipped.
+pub fn parse_gpu_code_list(text: &str) -> Vec<String> {
+    text.split_whitespace()
+        .filter_map(|w| w.strip_prefix("sm_"))
+        .filter(|a| !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric()))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether the toolkit builds `arch` ("90", "90a", "100f"): by `supported` (from
+/// `nvcc --list-gpu-code`, which lists plain numbers only) when known, else by `ARCH_SINCE` and
+/// `cudart`. Architectures unknown to both are assumed to build (nvcc then says if not).
+pub fn arch_supported(arch: &str, supported: Option<&[String]>, cudart: u32) -> bool {
+    let digits = arch.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    match supported {
+        Some(list) if !list.is_empty() => list.iter().any(|s| s == digits),
+        _ => ARCH_SINCE
+            .iter()
+            .find(|(a, _)| *a == digits)
+            .is_none_or(|(_, since)| cudart >= *since),
+    }
+}
+
+/// The architectures to build: `requested` (from `PINSTREAM_CUDA_ARCH`) when given, each checked
+/// against the toolkit (`Err` names the ones it lacks and what it has); else `DEFAULT_ARCHS` less
+/// those the toolkit lacks (never empty: if it lacks them all, its newest listed one).
+pub fn select_archs(
+    requested: Option<Vec<String>>,
+    supported: Option<&[String]>,
+    cudart: u32,
+) -> Result<Vec<String>, String> {
+    if let Some(req) = requested {
+        let missing: Vec<&str> = req
+            .iter()
+            .filter(|a| !arch_supported(a, supported, cudart))
+            .map(String::as_str)
+            .collect();
+        if missing.is_empty() {
+            return Ok(req);
+        }
+        let has = supported.map_or_else(|| "?".to_string(), |s| s.join(", "));
+        return Err(format!(
+            "PINSTREAM_CUDA_ARCH asks for {}, which the CUDA {} toolkit cannot build (it builds: {has})",
+            missing.join(", "),
+            version_name(cudart)
+        ));
+    }
+    let mut out: Vec<String> = DEFAULT_ARCHS
+        .iter()
+        .filter(|a| arch_supported(a, supported, cudart))
+        .map(|a| a.to_string())
+        .collect();
+    if out.is_empty() {
+        if let Some(newest) = supported.and_then(|s| s.last()) {
+            out.push(newest.clone());
+        }
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "the CUDA {} toolkit builds none of {} (set PINSTREAM_CUDA_ARCH)",
+            version_name(cudart),
+            DEFAULT_ARCHS.join(", ")
+        ));
+    }
+    Ok(out)
+}
+
+/// Whether this toolkit's runtime has `cudaMemcpyBatchAsync` as the crate calls it.
+pub fn has_batch_copies(cudart: u32) -> bool {
+    cudart >= BATCH_SINCE
+}
+
 /// nvcc `-gencode` flags: machine code (SASS) for every architecture, and PTX for the last one
 /// given so that a newer GPU can still JIT it.
 pub fn gencode_flags(archs: &[String]) -> Vec<String> {
@@ -241,7 +446,7 @@ pub fn no_toolkit_message(rejected: &[String], provision_error: Option<&str>) ->
         None => msg.push_str("  provisioning from PyPI is off (PINSTREAM_NO_PROVISION is set).\n"),
     }
     msg.push_str(&format!(
-        "  fix: set CUDA_HOME to a CUDA 12/13 toolkit, or let the build fetch one (needs python3 with pip and \
+        "  fix: set CUDA_HOME to a CUDA toolkit (11.8 or newer), or let the build fetch one (needs python3 with pip and \
          network access), or install it yourself:\n    python3 -m pip install --target DIR {}\n  and set CUDA_HOME=DIR/{}",
         CUDA_PINS.join(" "),
         PYPI_TOOLKIT_SUBDIR

@@ -337,6 +337,11 @@ pub(crate) enum BatchSrcAccess {
     DuringCall,
 }
 
+/// Whether `memcpy_batch` is one `cudaMemcpyBatchAsync` (runtime 13.0 and newer, where the
+/// build script sets `cfg(pinstream_cuda_batch)`), or one `cudaMemcpyAsync` per copy.
+pub(crate) const BATCH_COPIES: bool = cfg!(pinstream_cuda_batch);
+
+#[cfg(pinstream_cuda_batch)]
 impl BatchSrcAccess {
     fn raw(self) -> sys::cudaMemcpySrcAccessOrder {
         match self {
@@ -355,6 +360,9 @@ impl BatchSrcAccess {
 /// pointers). Copies within one batch run in no particular order, so no two may overlap where
 /// one writes. The batch as a whole is ordered on the stream like one `cudaMemcpyAsync`; record
 /// an event after it to know when it is done. It cannot be captured into a CUDA graph.
+///
+/// Built against a runtime older than 13.0 (no `cudaMemcpyBatchAsync` as called here), it is
+/// `memcpy_each`: the same copies one `cudaMemcpyAsync` each, with the same guarantees.
 ///
 /// # Safety
 ///
@@ -386,68 +394,117 @@ pub(crate) unsafe fn memcpy_batch(
     if count == 0 {
         return Err(Error::invalid(OP, "an empty batch"));
     }
-    // The hints only matter for memory without a fixed place (managed memory, or plain host
-    // memory on a system where the GPU reads it directly, as with HMM); CUDA ignores them
-    // otherwise. They say where each side lives: the host side in host memory, the device side
-    // on the stream's device.
-    let host = sys::cudaMemLocation {
-        type_: sys::cudaMemLocationType_cudaMemLocationTypeHost,
-        id: 0,
-    };
-    let device = sys::cudaMemLocation {
-        type_: sys::cudaMemLocationType_cudaMemLocationTypeDevice,
-        id: stream.device().raw(),
-    };
-    let (src_hint, dst_hint, what) = match kind {
-        sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (host, device, "host to device"),
-        sys::cudaMemcpyKind::cudaMemcpyDeviceToHost => (device, host, "device to host"),
-        other => {
-            return Err(Error::invalid(
-                OP,
-                format!("{other:?}: only host-to-device or device-to-host batches"),
-            ))
-        }
-    };
-    // Flags: cudaMemcpyFlagPreferOverlapWithCompute rather than the default. The 13.0 header
-    // calls it a hint to try to overlap the copies with compute work on the SMs, which the
-    // driver may ignore depending on the platform and the copy's parameters. Overlap with the
-    // kernels that consume the data is the staging engine's whole purpose, so where the driver
-    // does weigh copy speed against concurrency this asks for the engine's side of it; where it
-    // does not (NVIDIA's cuda.core notes the flag acts on Tegra only, so likely nothing on an
-    // H100 or H200), it costs nothing. Being a hint, it never changes what is copied or when
-    // the batch completes in stream order.
-    let mut attrs = [sys::cudaMemcpyAttributes {
-        srcAccessOrder: src_access.raw(),
-        srcLocHint: src_hint,
-        dstLocHint: dst_hint,
-        flags: sys::cudaMemcpyFlags_cudaMemcpyFlagPreferOverlapWithCompute,
-    }];
-    // One attribute entry, applying from copy 0 to the end.
-    let mut attr_idxs = [0usize];
+    #[cfg(not(pinstream_cuda_batch))]
+    {
+        let what = match kind {
+            sys::cudaMemcpyKind::cudaMemcpyHostToDevice => "host to device",
+            sys::cudaMemcpyKind::cudaMemcpyDeviceToHost => "device to host",
+            other => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{other:?}: only host-to-device or device-to-host batches"),
+                ))
+            }
+        };
+        memcpy_each(stream, dsts, srcs, sizes, kind, what, src_access)
+    }
+    #[cfg(pinstream_cuda_batch)]
+    {
+        // The hints only matter for memory without a fixed place (managed memory, or plain host
+        // memory on a system where the GPU reads it directly, as with HMM); CUDA ignores them
+        // otherwise. They say where each side lives: the host side in host memory, the device side
+        // on the stream's device.
+        let host = sys::cudaMemLocation {
+            type_: sys::cudaMemLocationType_cudaMemLocationTypeHost,
+            id: 0,
+        };
+        let device = sys::cudaMemLocation {
+            type_: sys::cudaMemLocationType_cudaMemLocationTypeDevice,
+            id: stream.device().raw(),
+        };
+        let (src_hint, dst_hint, what) = match kind {
+            sys::cudaMemcpyKind::cudaMemcpyHostToDevice => (host, device, "host to device"),
+            sys::cudaMemcpyKind::cudaMemcpyDeviceToHost => (device, host, "device to host"),
+            other => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("{other:?}: only host-to-device or device-to-host batches"),
+                ))
+            }
+        };
+        // Flags: cudaMemcpyFlagPreferOverlapWithCompute rather than the default. The 13.0 header
+        // calls it a hint to try to overlap the copies with compute work on the SMs, which the
+        // driver may ignore depending on the platform and the copy's parameters. Overlap with the
+        // kernels that consume the data is the staging engine's whole purpose, so where the driver
+        // does weigh copy speed against concurrency this asks for the engine's side of it; where it
+        // does not (NVIDIA's cuda.core notes the flag acts on Tegra only, so likely nothing on an
+        // H100 or H200), it costs nothing. Being a hint, it never changes what is copied or when
+        // the batch completes in stream order.
+        let mut attrs = [sys::cudaMemcpyAttributes {
+            srcAccessOrder: src_access.raw(),
+            srcLocHint: src_hint,
+            dstLocHint: dst_hint,
+            flags: sys::cudaMemcpyFlags_cudaMemcpyFlagPreferOverlapWithCompute,
+        }];
+        // One attribute entry, applying from copy 0 to the end.
+        let mut attr_idxs = [0usize];
+        stream.enter()?;
+        check_with(
+            // SAFETY: the three arrays hold `count` entries each (checked above) and `attrs` /
+            // `attr_idxs` one each, all alive across the call, which reads them before returning;
+            // the stream is live and not the legacy default stream (pinstream streams are created
+            // non-blocking). The copies themselves are the caller's contract (see # Safety).
+            unsafe {
+                sys::cudaMemcpyBatchAsync(
+                    dsts.as_ptr(),
+                    srcs.as_ptr(),
+                    sizes.as_ptr(),
+                    count,
+                    attrs.as_mut_ptr(),
+                    attr_idxs.as_mut_ptr(),
+                    attrs.len(),
+                    stream.as_raw(),
+                )
+            },
+            "cudaMemcpyBatchAsync",
+            || {
+                let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
+                format!("{count} copies, {total} bytes, {what}, {src_access:?} source order")
+            },
+        )
+    }
+}
+
+/// The stand-in for `cudaMemcpyBatchAsync` where the runtime lacks it: one `cudaMemcpyAsync`
+/// per copy, in order on the stream. With `BatchSrcAccess::DuringCall` it then waits for the
+/// stream, so that every source has been read when it returns, as the batch promises. If a copy
+/// fails after others were queued, it waits for those before returning the error, so that (as
+/// after a failed batch) none of them is still in flight.
+///
+/// The caller has checked that the three slices have the same length.
+#[cfg_attr(pinstream_cuda_batch, allow(dead_code))]
+fn memcpy_each(
+    stream: &Stream,
+    dsts: &[*mut c_void],
+    srcs: &[*const c_void],
+    sizes: &[usize],
+    kind: sys::cudaMemcpyKind,
+    what: &'static str,
+    src_access: BatchSrcAccess,
+) -> Result<()> {
     stream.enter()?;
-    check_with(
-        // SAFETY: the three arrays hold `count` entries each (checked above) and `attrs` /
-        // `attr_idxs` one each, all alive across the call, which reads them before returning;
-        // the stream is live and not the legacy default stream (pinstream streams are created
-        // non-blocking). The copies themselves are the caller's contract (see # Safety).
-        unsafe {
-            sys::cudaMemcpyBatchAsync(
-                dsts.as_ptr(),
-                srcs.as_ptr(),
-                sizes.as_ptr(),
-                count,
-                attrs.as_mut_ptr(),
-                attr_idxs.as_mut_ptr(),
-                attrs.len(),
-                stream.as_raw(),
-            )
-        },
-        "cudaMemcpyBatchAsync",
-        || {
-            let total = sizes.iter().fold(0usize, |a, &b| a.saturating_add(b));
-            format!("{count} copies, {total} bytes, {what}, {src_access:?} source order")
-        },
-    )
+    for (i, ((&dst, &src), &bytes)) in dsts.iter().zip(srcs).zip(sizes).enumerate() {
+        if let Err(e) = memcpy(stream, dst, src, bytes, kind, what) {
+            if i > 0 {
+                stream.synchronize()?;
+            }
+            return Err(e);
+        }
+    }
+    if src_access == BatchSrcAccess::DuringCall {
+        stream.synchronize()?;
+    }
+    Ok(())
 }
 
 /// Copies each plain slice of `srcs` into the device buffer at the same index with one

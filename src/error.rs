@@ -3,6 +3,7 @@
 use std::ffi::CStr;
 use std::fmt;
 
+use crate::device::{driver_status, DriverStatus, DriverVerdict};
 use crate::sys;
 
 /// A CUDA runtime error code together with the runtime's name and description of it
@@ -63,12 +64,14 @@ impl fmt::Display for CudaError {
 #[non_exhaustive]
 pub enum Error {
     /// There is no CUDA driver, it is too old, or there is no device: the machine cannot run
-    /// CUDA at all.
+    /// CUDA at all. The message says which, and what to do (see [`DriverStatus::advice`]).
     NoDevice {
         /// The runtime function that found out.
         call: &'static str,
-        /// The runtime's error (e.g. `cudaErrorNoDevice`, `cudaErrorInsufficientDriver`).
+        /// What the runtime said (`cudaErrorInsufficientDriver`, `cudaErrorNoDevice` ...).
         cuda: CudaError,
+        /// The installed driver against what this build needs, taken when the error happened.
+        driver: Box<DriverStatus>,
     },
     /// An allocation (device or pinned host memory) failed for lack of memory.
     OutOfMemory {
@@ -160,6 +163,14 @@ impl Error {
         matches!(self, Error::NoDevice { .. })
     }
 
+    /// For `Error::NoDevice`: the installed driver against what this build needs.
+    pub fn driver_status(&self) -> Option<&DriverStatus> {
+        match self {
+            Error::NoDevice { driver, .. } => Some(driver),
+            _ => None,
+        }
+    }
+
     pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,
@@ -171,8 +182,30 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::NoDevice { call, cuda } => {
-                write!(f, "no usable CUDA device or driver: {call} failed: {cuda}")
+            Error::NoDevice { call, cuda, driver } => {
+                write!(f, "no usable CUDA device or driver: {call} failed: {cuda}")?;
+                match driver.advice() {
+                    Some(advice) => write!(f, "\n{advice}"),
+                    None => {
+                        write!(
+                            f,
+                            "\ndriver: {}; this build: {}",
+                            driver.driver_line(),
+                            driver.needs_line()
+                        )?;
+                        if driver.verdict() == DriverVerdict::Sufficient
+                            && cuda.code() == sys::cudaError::cudaErrorNoDevice as i32
+                        {
+                            write!(
+                                f,
+                                "\nthe driver is new enough, but no GPU is visible to this \
+                                 process: check `nvidia-smi`, CUDA_VISIBLE_DEVICES and, in a \
+                                 container, that it was given the GPUs"
+                            )?;
+                        }
+                        Ok(())
+                    }
+                }
             }
             Error::OutOfMemory { call, bytes, cuda } => {
                 write!(f, "out of memory: {call} of {bytes} bytes failed: {cuda}")
@@ -241,7 +274,11 @@ pub(crate) fn check_with(
     clear_last_error();
     let cuda = CudaError::from_raw(err);
     if is_no_device(err) {
-        return Err(Error::NoDevice { call, cuda });
+        return Err(Error::NoDevice {
+            call,
+            cuda,
+            driver: Box::new(driver_status()),
+        });
     }
     Err(Error::Cuda {
         call,
@@ -252,7 +289,7 @@ pub(crate) fn check_with(
 
 /// A failed call also leaves its error as the thread's "last error", where the next kernel
 /// launch check would find it again: it has been reported, so clear it. (Sticky errors stay.)
-fn clear_last_error() {
+pub(crate) fn clear_last_error() {
     // SAFETY: plain call without arguments.
     unsafe {
         let _ = sys::cudaGetLastError();
@@ -304,4 +341,48 @@ pub(crate) fn byte_len<T>(op: &'static str, len: usize) -> Result<usize> {
             ),
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_device(err: sys::cudaError, driver: DriverStatus) -> String {
+        Error::NoDevice {
+            call: "cudaGetDeviceCount",
+            cuda: CudaError::from_raw(err),
+            driver: Box::new(driver),
+        }
+        .to_string()
+    }
+
+    /// The message of `Error::NoDevice` says what to do: with an old driver, without one, and
+    /// with a driver that is fine but no GPU in sight.
+    #[test]
+    fn no_device_message_says_what_to_do() {
+        let old = DriverStatus::from_parts(12040, Some("550.54.15".into()), 13000);
+        let m = no_device(sys::cudaError::cudaErrorInsufficientDriver, old);
+        for needle in [
+            "cudaGetDeviceCount failed: cudaErrorInsufficientDriver",
+            "550.54.15",
+            "12.4",
+            "CUDA 13.0 runtime",
+            "r580",
+            "update the NVIDIA driver",
+            "CUDA_HOME",
+        ] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        let none = DriverStatus::from_parts(0, None, 13000);
+        let m = no_device(sys::cudaError::cudaErrorInsufficientDriver, none);
+        for needle in ["no NVIDIA driver is installed", "r580", "CUDA_HOME"] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        let fine = DriverStatus::from_parts(13000, Some("580.95.05".into()), 13000);
+        let m = no_device(sys::cudaError::cudaErrorNoDevice, fine);
+        for needle in ["580.95.05", "no GPU is visible", "CUDA_VISIBLE_DEVICES"] {
+            assert!(m.contains(needle), "missing {needle:?} in:\n{m}");
+        }
+        assert!(!m.contains("Ways out"), "{m}");
+    }
 }

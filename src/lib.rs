@@ -44,7 +44,9 @@ pub use half::{self, bf16, f16};
 
 pub use copy::{InFlight, Pending};
 pub use device::{
-    available, parse_link_speed, pcie_gen_from_gts, Device, MemoryInfo, PcieLink, Version,
+    available, driver_floor, driver_status, parse_link_speed, pcie_gen_from_gts, Device,
+    DriverStatus, DriverVerdict, MemoryInfo, PcieLink, Version, CUDART_VERSION,
+    FAKE_DRIVER_VERSION_VAR,
 };
 pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};

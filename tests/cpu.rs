@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 
 use common::{ensure, R};
 use libtest_mimic::{Arguments, Completion, Trial};
-use pinstream::{Device, Error, HostAlloc, HostRegister, PcieLink, Version};
+use pinstream::{
+    Device, DriverStatus, DriverVerdict, Error, HostAlloc, HostRegister, PcieLink, Version,
+};
 use toolkit::Source;
 
 fn main() {
@@ -36,14 +38,32 @@ fn main() {
             "toolkit/provisioned_dirs_and_target_dir",
             provisioned_dirs_and_target_dir,
         ),
+        t("toolkit/cache_dir_order", cache_dir_order),
+        t(
+            "toolkit/provisioned_locations_cache_first",
+            provisioned_locations_cache_first,
+        ),
+        t("toolkit/provision_tmp_names", provision_tmp_names),
         t("toolkit/no_provision_switch", no_provision_switch),
         t("toolkit/arch_list_parsing", arch_list_parsing),
+        t(
+            "toolkit/arch_selection_by_toolkit",
+            arch_selection_by_toolkit,
+        ),
+        t("toolkit/cudart_version_and_gates", cudart_version_and_gates),
         t(
             "toolkit/failure_messages_say_what_to_do",
             failure_messages_say_what_to_do,
         ),
         t("device/pcie_link_parsing", pcie_link_parsing),
         t("device/version_decoding", version_decoding),
+        t("driver/old_driver_advice", old_driver_advice),
+        t("driver/no_driver_advice", no_driver_advice),
+        t(
+            "driver/sufficient_driver_and_floors",
+            sufficient_driver_and_floors,
+        ),
+        cli("driver/fake_version_in_info", fake_version_in_info),
         t("error/formatting", error_formatting),
         t("memory/flags", memory_flags),
         t("bench/stats_and_pattern", stats_and_pattern),
@@ -163,7 +183,16 @@ fn toolkit_at_checks_each_part() -> R {
     touch(&root.join("lib64/libcudart_static.a"));
     let tk = toolkit::toolkit_at(Source::CudaHome, &root).map_err(|e| e.to_string())?;
     ensure(tk.lib == root.join("lib64"), || format!("{tk:?}"))?;
-    ensure(tk.include == root.join("include"), || format!("{tk:?}"))
+    ensure(tk.include == root.join("include"), || format!("{tk:?}"))?;
+    // Debian's nvidia-cuda-toolkit: CUDA_HOME=/usr, the library in the multiarch folder.
+    let usr = dir.join("usr");
+    touch(&usr.join("bin/nvcc"));
+    touch(&usr.join("include/cuda_runtime_api.h"));
+    touch(&usr.join("lib/x86_64-linux-gnu/libcudart_static.a"));
+    let tk = toolkit::toolkit_at(Source::CudaHome, &usr).map_err(|e| e.to_string())?;
+    ensure(tk.lib == usr.join("lib/x86_64-linux-gnu"), || {
+        format!("{tk:?}")
+    })
 }
 
 fn first_usable_candidate_wins() -> R {
@@ -224,6 +253,127 @@ fn provisioned_dirs_and_target_dir() -> R {
     ensure(td == dir.join("t2"), || format!("{td:?}"))
 }
 
+fn cache_dir_order() -> R {
+    let all = env_of(vec![
+        ("PINSTREAM_CACHE", "/c/pin".into()),
+        ("XDG_CACHE_HOME", "/c/xdg".into()),
+        ("HOME", "/home/u".into()),
+    ]);
+    let got = toolkit::cache_dir(&all);
+    ensure(got == Some(PathBuf::from("/c/pin")), || {
+        format!("PINSTREAM_CACHE first: {got:?}")
+    })?;
+    let xdg = env_of(vec![
+        ("PINSTREAM_CACHE", OsString::new()),
+        ("XDG_CACHE_HOME", "/c/xdg".into()),
+        ("HOME", "/home/u".into()),
+    ]);
+    let got = toolkit::cache_dir(&xdg);
+    ensure(got == Some(PathBuf::from("/c/xdg/pinstream")), || {
+        format!("XDG_CACHE_HOME second: {got:?}")
+    })?;
+    // A relative XDG_CACHE_HOME is ignored, as the XDG spec says.
+    let rel = env_of(vec![
+        ("XDG_CACHE_HOME", "rel/cache".into()),
+        ("HOME", "/home/u".into()),
+    ]);
+    let got = toolkit::cache_dir(&rel);
+    ensure(
+        got == Some(PathBuf::from("/home/u/.cache/pinstream")),
+        || format!("HOME last: {got:?}"),
+    )?;
+    let none = env_of(vec![("HOME", OsString::new())]);
+    let got = toolkit::cache_dir(&none);
+    ensure(got.is_none(), || format!("nothing set: {got:?}"))
+}
+
+fn provisioned_locations_cache_first() -> R {
+    let dir = scratch("cache");
+    let cache = dir.join("cache");
+    let target = dir.join("target");
+    let out = target.join("debug/build/pinstream-abc/out");
+    std::fs::create_dir_all(&out).expect("mkdir");
+    touch(&target.join("CACHEDIR.TAG"));
+    let (cname, tname) = (toolkit::CACHE_CUDA_NAME, toolkit::CUDA_DIR_NAME);
+    // Nothing provisioned yet: nothing found; new copies go to the cache, or without one to
+    // the target dir as before.
+    let found = toolkit::provisioned_locations(Some(&cache), cname, &out, tname);
+    ensure(found.is_empty(), || format!("{found:?}"))?;
+    let dest = toolkit::provision_dest(Some(&cache), cname, &out, tname);
+    ensure(dest == cache.join(cname), || format!("{dest:?}"))?;
+    let dest = toolkit::provision_dest(None, cname, &out, tname);
+    ensure(dest == target.join(tname), || format!("{dest:?}"))?;
+    // A copy from before the cache, in the target dir, is still found (no new download) ...
+    std::fs::create_dir_all(target.join(tname)).expect("mkdir");
+    let found = toolkit::provisioned_locations(Some(&cache), cname, &out, tname);
+    ensure(found == vec![target.join(tname)], || format!("{found:?}"))?;
+    // ... and the cache's copy comes before it.
+    std::fs::create_dir_all(cache.join(cname)).expect("mkdir");
+    let found = toolkit::provisioned_locations(Some(&cache), cname, &out, tname);
+    ensure(found == vec![cache.join(cname), target.join(tname)], || {
+        format!("{found:?}")
+    })?;
+    let found = toolkit::provisioned_locations(None, cname, &out, tname);
+    ensure(found == vec![target.join(tname)], || format!("{found:?}"))?;
+    // They become toolkit candidates after every other place, in that order.
+    let env = env_of(vec![]);
+    let both = vec![cache.join(cname), target.join(tname)];
+    let c = toolkit::candidates(&env, &both);
+    let prov: Vec<&PathBuf> = c
+        .iter()
+        .filter(|(s, _)| *s == Source::Provisioned)
+        .map(|(_, p)| p)
+        .collect();
+    ensure(
+        prov == vec![
+            &cache.join(cname).join(toolkit::PYPI_TOOLKIT_SUBDIR),
+            &target.join(tname).join(toolkit::PYPI_TOOLKIT_SUBDIR),
+        ] && c.last().map(|(s, _)| *s) == Some(Source::Provisioned),
+        || format!("{c:?}"),
+    )
+}
+
+fn provision_tmp_names() -> R {
+    let dest = Path::new("/c/pinstream").join(toolkit::CACHE_CUDA_NAME);
+    let tmp = toolkit::provision_tmp(&dest, 4242);
+    ensure(
+        tmp.parent() == dest.parent() && tmp.file_name().is_some(),
+        || format!("{tmp:?} is not a sibling of {dest:?}"),
+    )?;
+    let name = tmp.file_name().and_then(|n| n.to_str()).ok_or("tmp name")?;
+    ensure(name.starts_with('.'), || format!("{name} is not hidden"))?;
+    ensure(
+        toolkit::provision_tmp_pid(&dest, name) == Some(4242),
+        || format!("{name}: pid not read back"),
+    )?;
+    for other in [
+        toolkit::CACHE_CUDA_NAME,
+        ".libclang-18.1.1.tmp-1",
+        ".cuda-13.0.88.tmp-x",
+        ".cuda-13.0.88.tmp-",
+    ] {
+        ensure(toolkit::provision_tmp_pid(&dest, other).is_none(), || {
+            format!("{other} taken for a temporary folder")
+        })?;
+    }
+    // Cache folders are keyed by the pinned versions.
+    let nvcc_pin = toolkit::CUDA_PINS[0].rsplit("==").next().ok_or("pin")?;
+    ensure(toolkit::CACHE_CUDA_NAME.ends_with(nvcc_pin), || {
+        format!("{} vs {nvcc_pin}", toolkit::CACHE_CUDA_NAME)
+    })?;
+    let clang_pin = toolkit::LIBCLANG_PIN.rsplit("==").next().ok_or("pin")?;
+    ensure(toolkit::CACHE_LIBCLANG_NAME.ends_with(clang_pin), || {
+        format!("{} vs {clang_pin}", toolkit::CACHE_LIBCLANG_NAME)
+    })?;
+    // The warning says where it went and how to remove it.
+    let w = toolkit::provisioned_warning("CUDA 13.0", &dest, true);
+    for needle in ["/c/pinstream/cuda-13.0.88", "rm -rf", "PINSTREAM_CACHE"] {
+        ensure(w.contains(needle), || format!("missing {needle:?} in {w}"))?;
+    }
+    let w = toolkit::provisioned_warning("CUDA 13.0", &dest, false);
+    ensure(w.contains("cargo clean"), || w.clone())
+}
+
 fn no_provision_switch() -> R {
     for (v, want) in [
         (None, false),
@@ -261,9 +411,94 @@ fn arch_list_parsing() -> R {
         flags[0].clone()
     })?;
     ensure(
-        flags.last().map(String::as_str) == Some("-gencode=arch=compute_90,code=compute_90"),
+        flags.last().map(String::as_str) == Some("-gencode=arch=compute_120,code=compute_120"),
         || format!("{flags:?}"),
     )
+}
+
+/// `nvcc --list-gpu-code` of the PyPI CUDA 13.0.88 and of Debian's 11.8.89.
+const GPU_CODES_13_0: &str =
+    "sm_75\nsm_80\nsm_86\nsm_87\nsm_88\nsm_89\nsm_90\nsm_100\nsm_110\nsm_103\nsm_120\nsm_121\n";
+const GPU_CODES_11_8: &str =
+    "sm_35\nsm_37\nsm_50\nsm_52\nsm_53\nsm_60\nsm_61\nsm_62\nsm_70\nsm_72\nsm_75\nsm_80\nsm_86\nsm_87\nsm_89\nsm_90\n";
+
+fn arch_selection_by_toolkit() -> R {
+    let new = toolkit::parse_gpu_code_list(GPU_CODES_13_0);
+    let old = toolkit::parse_gpu_code_list(GPU_CODES_11_8);
+    ensure(
+        new.len() == 12 && new[0] == "75" && new[11] == "121",
+        || format!("{new:?}"),
+    )?;
+    let all = ["75", "80", "86", "89", "90", "100", "120"];
+    let a = toolkit::select_archs(None, Some(&new), 13000).map_err(|e| e.to_string())?;
+    ensure(a == all, || format!("13.0 default: {a:?}"))?;
+    let flags = toolkit::gencode_flags(&a);
+    ensure(
+        flags.len() == 8
+            && flags.contains(&"-gencode=arch=compute_100,code=sm_100".to_string())
+            && flags.last().map(String::as_str)
+                == Some("-gencode=arch=compute_120,code=compute_120"),
+        || format!("{flags:?}"),
+    )?;
+    // 11.8 has no 100 or 120: SASS up to 90, PTX for 90.
+    let a = toolkit::select_archs(None, Some(&old), 11080).map_err(|e| e.to_string())?;
+    ensure(a == all[..5], || format!("11.8 default: {a:?}"))?;
+    let flags = toolkit::gencode_flags(&a);
+    ensure(
+        flags.last().map(String::as_str) == Some("-gencode=arch=compute_90,code=compute_90"),
+        || format!("{flags:?}"),
+    )?;
+    // Without the list, by version.
+    let a = toolkit::select_archs(None, None, 12080).map_err(|e| e.to_string())?;
+    ensure(a == all, || format!("12.8 by version: {a:?}"))?;
+    let a = toolkit::select_archs(None, None, 11080).map_err(|e| e.to_string())?;
+    ensure(a == all[..5], || format!("11.8 by version: {a:?}"))?;
+    let a = toolkit::select_archs(None, None, 11040).map_err(|e| e.to_string())?;
+    ensure(a == all[..3], || format!("11.4 by version: {a:?}"))?;
+    // A future toolkit without 75: the rest.
+    let later = toolkit::parse_gpu_code_list("sm_80 sm_90 sm_100 sm_120 sm_130");
+    let a = toolkit::select_archs(None, Some(&later), 14000).map_err(|e| e.to_string())?;
+    ensure(a == ["80", "90", "100", "120"], || format!("{a:?}"))?;
+    // PINSTREAM_CUDA_ARCH narrows, and is checked against the toolkit.
+    let req = |s: &str| toolkit::parse_archs(s).map(Some);
+    let a = toolkit::select_archs(req("90")?, Some(&old), 11080).map_err(|e| e.to_string())?;
+    ensure(a == ["90"], || format!("{a:?}"))?;
+    let a = toolkit::select_archs(req("90a,100")?, Some(&new), 13000).map_err(|e| e.to_string())?;
+    ensure(a == ["90a", "100"], || format!("{a:?}"))?;
+    let e = toolkit::select_archs(req("90,100,120")?, Some(&old), 11080).unwrap_err();
+    ensure(
+        e.contains("100, 120") && e.contains("11.8") && e.contains("PINSTREAM_CUDA_ARCH"),
+        || e.clone(),
+    )?;
+    let e = toolkit::select_archs(req("70")?, Some(&new), 13000).unwrap_err();
+    ensure(e.contains("70") && e.contains("75, 80"), || e.clone())
+}
+
+fn cudart_version_and_gates() -> R {
+    let header = "#ifndef __CUDA_RUNTIME_API_H__\n/* CUDART_VERSION is ... */\n\
+                  #define CUDART_VERSION  11080\n#include \"host_defines.h\"\n";
+    let v = toolkit::parse_cudart_version(header);
+    ensure(v == Some(11080), || format!("{v:?}"))?;
+    ensure(
+        toolkit::parse_cudart_version("#define CUDART_VERSIONX 1").is_none(),
+        || "CUDART_VERSIONX".into(),
+    )?;
+    ensure(toolkit::version_name(12080) == "12.8", || {
+        toolkit::version_name(12080)
+    })?;
+    // cudaMemcpyBatchAsync as called here: 13.0 on (12.8 has another signature).
+    for (v, want) in [
+        (11080, false),
+        (12080, false),
+        (12090, false),
+        (13000, true),
+    ] {
+        ensure(toolkit::has_batch_copies(v) == want, || format!("{v}"))?;
+    }
+    // What this build was built with agrees with the library's constant.
+    ensure(pinstream::CUDART_VERSION >= 11000, || {
+        format!("CUDART_VERSION {}", pinstream::CUDART_VERSION)
+    })
 }
 
 fn failure_messages_say_what_to_do() -> R {
@@ -361,6 +596,148 @@ fn version_decoding() -> R {
     )
 }
 
+/// Every needle in `text`, or a failure naming the first one missing.
+fn contains_all(what: &str, text: &str, needles: &[&str]) -> R {
+    for needle in needles {
+        ensure(text.contains(needle), || {
+            format!("{what}: missing {needle:?} in:\n{text}")
+        })?;
+    }
+    Ok(())
+}
+
+fn old_driver_advice() -> R {
+    let s = DriverStatus::from_parts(12040, Some("550.54.15".into()), 13000);
+    ensure(s.verdict() == DriverVerdict::TooOld, || format!("{s:?}"))?;
+    let advice = s
+        .advice()
+        .ok_or("no advice for a 12.4 driver and a 13.0 runtime")?;
+    contains_all(
+        "old driver",
+        &advice,
+        &[
+            "550.54.15",
+            "CUDA up to 12.4",
+            "CUDA 13.0 runtime",
+            "r580 or newer",
+            "update the NVIDIA driver",
+            "CUDA_HOME",
+            "CUDA 12.x toolkit",
+        ],
+    )?;
+    contains_all(
+        "status",
+        &s.to_string(),
+        &[
+            "driver: 550.54.15, supports CUDA 12.4",
+            "this build: CUDA 13.0",
+            "Ways out",
+        ],
+    )?;
+    // An 11.x driver with a 12.x build.
+    let s = DriverStatus::from_parts(11080, None, 12080);
+    let advice = s.advice().ok_or("no advice for 11.8 / 12.8")?;
+    contains_all("11.8 driver", &advice, &["r525", "CUDA 11.x toolkit"])
+}
+
+fn no_driver_advice() -> R {
+    let s = DriverStatus::from_parts(0, None, 13000);
+    ensure(s.verdict() == DriverVerdict::NoDriver, || format!("{s:?}"))?;
+    let advice = s.advice().ok_or("no advice without a driver")?;
+    contains_all(
+        "no driver",
+        &advice,
+        &[
+            "no NVIDIA driver is installed",
+            "r580 or newer",
+            "CUDA_HOME",
+        ],
+    )?;
+    ensure(
+        s.driver_line().contains("no NVIDIA driver is installed"),
+        || s.driver_line(),
+    )?;
+    // libcuda without the kernel module (a toolkit package pulled it in): still no driver.
+    let mut s = DriverStatus::from_parts(12020, None, 13000);
+    s.kernel_driver = false;
+    ensure(s.verdict() == DriverVerdict::NoDriver, || format!("{s:?}"))?;
+    let advice = s.advice().ok_or("no advice without a kernel module")?;
+    contains_all(
+        "no kernel module",
+        &advice,
+        &[
+            "no NVIDIA driver is installed",
+            "kernel module",
+            "CUDA_HOME",
+        ],
+    )?;
+    // The kernel module without libcuda (a container without the driver's libraries).
+    let s = DriverStatus::from_parts(0, Some("580.95.05".into()), 13000);
+    let advice = s.advice().ok_or("no advice without libcuda")?;
+    contains_all(
+        "no libcuda",
+        &advice,
+        &["580.95.05", "libcuda", "CUDA_HOME"],
+    )
+}
+
+fn sufficient_driver_and_floors() -> R {
+    for (driver, runtime) in [
+        (13000, 13000),
+        (13020, 13000),
+        (12040, 12080),
+        (13000, 11080),
+    ] {
+        let s = DriverStatus::from_parts(driver, Some("580.95.05".into()), runtime);
+        ensure(
+            s.verdict() == DriverVerdict::Sufficient && s.advice().is_none(),
+            || format!("{driver} / {runtime}: {s:?}"),
+        )?;
+    }
+    for (runtime, floor) in [(11080, Some(450)), (12000, Some(525)), (12090, Some(525))] {
+        let got = pinstream::driver_floor(Version::from_cuda(runtime));
+        ensure(got == floor, || format!("{runtime}: {got:?}"))?;
+    }
+    ensure(
+        pinstream::driver_floor(Version::from_cuda(13000)) == Some(580),
+        || "13.0".into(),
+    )
+}
+
+/// `pinstream info` with the driver version faked: the driver lines and the advice come first,
+/// whatever the machine has.
+fn fake_version_in_info(bin: &Path) -> R {
+    let run = |fake: &str| -> Result<String, String> {
+        let out = std::process::Command::new(bin)
+            .arg("info")
+            .env(pinstream::FAKE_DRIVER_VERSION_VAR, fake)
+            .output()
+            .map_err(|e| e.to_string())?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let rt = Version::from_cuda(pinstream::CUDART_VERSION as i32);
+    // A driver one major version older than this build's runtime.
+    let old = format!("{}040", rt.major - 1);
+    let out = run(&old)?;
+    contains_all(
+        "faked old driver",
+        &out,
+        &[
+            &format!("supports CUDA {}.4", rt.major - 1),
+            "faked by PINSTREAM_FAKE_DRIVER_VERSION",
+            &format!("CUDA {rt} runtime"),
+            "update the NVIDIA driver",
+            "CUDA_HOME",
+        ],
+    )?;
+    let out = run("0")?;
+    contains_all(
+        "faked missing driver",
+        &out,
+        &["no NVIDIA driver is installed", "CUDA_HOME", "Ways out"],
+    )
+}
+
 fn error_formatting() -> R {
     let e = Error::LengthMismatch {
         op: "Stream::copy_h2d",
@@ -423,13 +800,15 @@ fn every_entry_point_reports_no_device() -> R {
     ensure(matches!(e, Some(Error::NoDevice { .. })), || {
         format!("count: {e:?}")
     })?;
-    let e = e.ok_or("no error")?;
-    let msg = e.to_string();
+    let first = e.ok_or("no error")?;
+    let msg = first.to_string();
     ensure(
         msg.contains("cudaGetDeviceCount") && msg.contains("cudaError"),
         || msg.clone(),
     )?;
-    ensure(e.is_no_device() && e.cuda().is_some(), || format!("{e:?}"))?;
+    ensure(first.is_no_device() && first.cuda().is_some(), || {
+        format!("{first:?}")
+    })?;
     println!("{msg}");
     let e = Device::get(0).err();
     ensure(matches!(e, Some(Error::NoDevice { .. })), || {
@@ -442,11 +821,22 @@ fn every_entry_point_reports_no_device() -> R {
     ensure(!pinstream::available(), || "available".into())?;
     // The runtime's own version needs no driver.
     let rt = Device::runtime_version()?;
-    ensure(rt.major >= 12, || format!("runtime {rt}"))?;
+    ensure(
+        rt == Version::from_cuda(pinstream::CUDART_VERSION as i32),
+        || format!("runtime {rt}"),
+    )?;
+    // The error carries the driver's status and says what to do.
+    let status = first
+        .driver_status()
+        .ok_or("NoDevice without a driver status")?;
     let drv = Device::driver_version()?;
-    ensure(drv.is_none(), || {
-        format!("driver {drv:?} on a machine without a device")
-    })
+    ensure(status.driver == drv || status.faked, || {
+        format!("driver {drv:?} vs {status:?}")
+    })?;
+    if status.verdict() != DriverVerdict::Sufficient {
+        contains_all("NoDevice", &msg, &["Ways out", "CUDA_HOME", "driver"])?;
+    }
+    Ok(())
 }
 
 /// Where the `pinstream` program may be, in order, for a test executable at `exe`: beside the
@@ -520,7 +910,10 @@ fn program_found_beside_the_tests() -> R {
 }
 
 fn info_exits_with_status_2(bin: &Path) -> R {
-    let out = std::process::Command::new(bin).arg("info").output()?;
+    let out = std::process::Command::new(bin)
+        .arg("info")
+        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {
         format!("status {:?}, stderr {stderr}", out.status)
@@ -529,9 +922,14 @@ fn info_exits_with_status_2(bin: &Path) -> R {
         stderr.lines().count() == 1 && stderr.contains("no usable CUDA device"),
         || stderr.to_string(),
     )?;
-    ensure(out.stdout.is_empty(), || {
-        String::from_utf8_lossy(&out.stdout).to_string()
-    })
+    // Before failing it says what the driver is, what the build needs and what to do.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    contains_all("info", &stdout, &["driver", "this build"])?;
+    if pinstream::driver_status().verdict() != DriverVerdict::Sufficient {
+        contains_all("info", &stdout, &["Ways out", "CUDA_HOME"])?;
+    }
+    Ok(())
 }
 
 fn stats_and_pattern() -> R {

@@ -474,7 +474,7 @@ impl Stager {
         );
         stream.enter()?;
         let mut job = Job::new(op, direction, host, stream.clone(), plan);
-        job.batch = self.config.batch_copies;
+        job.batch = self.config.batch_copies && crate::copy::BATCH_COPIES;
         job.streaming =
             matches!(direction, Direction::Upload) && total <= self.config.streaming_max_bytes;
         job.helpers = self.threads_for(total) - 1;

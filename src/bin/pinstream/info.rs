@@ -128,6 +128,16 @@ fn table(r: &InfoReport) -> String {
 }
 
 pub fn run(args: InfoArgs) -> Result<()> {
+    // The driver lines come first: where there is no usable driver they are the answer.
+    if args.format == Format::Table {
+        let status = pinstream::driver_status();
+        println!("pinstream {}", env!("CARGO_PKG_VERSION"));
+        println!("  driver              {}", status.driver_line());
+        println!("  this build          {}", status.needs_line());
+        if let Some(advice) = status.advice() {
+            println!("{advice}");
+        }
+    }
     let r = report()?;
     match args.format {
         Format::Table => print!("{}", table(&r)),

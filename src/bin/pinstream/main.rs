@@ -77,6 +77,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    // `info` prints the driver's status and the advice itself; other commands put it in the
+    // error line.
+    let is_info = matches!(cli.command, Command::Info(_));
     let result = match cli.command {
         Command::Info(args) => info::run(args),
         Command::Bandwidth(args) => bandwidth::run(args),
@@ -87,10 +90,14 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is_no_device() => {
-            eprintln!(
-                "pinstream: no usable CUDA device: {}",
-                e.cuda().map_or_else(|| e.to_string(), |c| c.to_string())
-            );
+            if is_info {
+                eprintln!(
+                    "pinstream: no usable CUDA device: {}",
+                    e.cuda().map_or_else(|| e.to_string(), |c| c.to_string())
+                );
+            } else {
+                eprintln!("pinstream: no usable CUDA device: {e}");
+            }
             ExitCode::from(EXIT_NO_DEVICE)
         }
         Err(e) => {
