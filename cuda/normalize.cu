@@ -319,89 +319,132 @@ __global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
   }
 }
 
-// ---- crops and mirrors, row by row -------------------------------------------------------------
+// ---- crops and mirrors, rows through shared memory ----------------------------------------------
 
-// One block per output row of one sample (grid: rows x samples): the row's source bytes (one
-// contiguous span per row in NHWC, one per channel in NCHW) are staged in shared memory with
-// coalesced loads (32-bit words where whole words lie in the span, bytes at its two ends, so
-// nothing outside the span is read), then written out with consecutive threads on consecutive
-// output elements. The mirror is a reversed read from shared memory. Taken for per-sample tables
-// (crops, mirrors, variable sizes) with c_out == c_in and output rows of at most ROW_MAX pixels.
+// A block takes R output rows of one sample (grid: row groups x samples). Their source bytes --
+// one contiguous span per row in NHWC, one per row and channel in NCHW ("segments") -- are
+// staged in shared memory: 32-bit loads for the words that lie wholly inside a span, four per
+// thread in flight, and single bytes for the up to 3 + 3 at its ends, so nothing outside the
+// spans is read. Then every thread writes groups of 4 consecutive output elements (one vector
+// store where the sample's output is aligned, else 4 scalar stores); the mirror is a reversed
+// read from shared memory. Taken for per-sample tables (crops, mirrors, variable sizes) with
+// c_out == c_in and output rows of at most ROW_MAX pixels.
 constexpr int ROW_MAX = 2048;
-constexpr int ROW_THREADS = 128;
+constexpr int ROW_THREADS = 256;
+constexpr int ROW_SMEM = 12288;  // bytes of staged source per block (R rows)
+constexpr int ROW_R_MAX = 16;
 
-// Copies bytes [b, e) of global memory into `tile`, at their offset from b rounded down to 4.
-__device__ __forceinline__ void stage_span(const uint8_t* b, const uint8_t* e, uint8_t* tile) {
-  const uintptr_t a0 = (uintptr_t)b & ~(uintptr_t)3;
-  const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;  // first whole word
-  const uintptr_t w1 = (uintptr_t)e & ~(uintptr_t)3;        // end of the last whole word
-  if (w0 < w1) {
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(w0);
-    uint32_t* dst = reinterpret_cast<uint32_t*>(tile + (w0 - a0));
-    const uint32_t words = (uint32_t)((w1 - w0) / 4);
-    for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) dst[i] = __ldg(src + i);
-    const uint32_t head = (uint32_t)(w0 - (uintptr_t)b), tail = (uint32_t)((uintptr_t)e - w1);
-    if (threadIdx.x < head) tile[(uintptr_t)b - a0 + threadIdx.x] = __ldg(b + threadIdx.x);
-    if (threadIdx.x >= 32 && threadIdx.x - 32 < tail)
-      tile[w1 - a0 + threadIdx.x - 32] = __ldg(reinterpret_cast<const uint8_t*>(w1) + threadIdx.x - 32);
-  } else {
-    for (uint32_t i = threadIdx.x; i < (uint32_t)(e - b); i += blockDim.x) tile[(uintptr_t)b - a0 + i] = __ldg(b + i);
-  }
-}
-
-// Overflow audit: as `general` (64-bit element offsets; out_w <= ROW_MAX so row-local indices
-// are small; oy < out_h <= 2^31).
+// Overflow audit: as `general` (64-bit element and byte offsets); per block at most
+// ROW_R_MAX * 4 segments of at most 4 * ROW_MAX bytes, so smem-local indices are small.
 template <typename Out, int C>
-__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a) {
-  __shared__ __align__(16) uint8_t tile[C * (ROW_MAX + 8)];
+__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+  extern __shared__ __align__(16) uint8_t tile[];
+  __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
   Out* out = reinterpret_cast<Out*>(a.out);
-  const uint32_t n = (uint32_t)a.n;
-  for (uint32_t s = blockIdx.y; s < n; s += gridDim.y) {
+  const bool in_nhwc = a.in_layout == PINSTREAM_NHWC;
+  const uint32_t segs_per_row = in_nhwc ? 1u : (uint32_t)C;
+  for (uint32_t s = blockIdx.y; s < (uint32_t)a.n; s += gridDim.y) {
     const pinstream_norm_sample d = a.samples[s];
     const uint32_t out_w = (uint32_t)d.out_w, out_h = (uint32_t)d.out_h;
     const size_t npix = (size_t)out_w * out_h;
     const size_t src_hw = (size_t)d.src_h * d.src_w;
+    const uint32_t L = in_nhwc ? out_w * C : out_w;  // bytes per segment
+    const uint32_t wslots = L / 4 + 1;                // >= whole words in any span of L bytes
     float mean[C], k[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) params(a, (int)s, c, mean[c], k[c]);
-    for (uint32_t oy = blockIdx.x; oy < out_h; oy += gridDim.x) {
-      const size_t row = (size_t)(d.crop_y + oy) * d.src_w + d.crop_x;  // first source pixel
-      uint32_t lead[C];
-      __syncthreads();  // the previous row's reads of the tile are done
-      if (a.in_layout == PINSTREAM_NHWC) {
-        const uint8_t* b = in + d.in_offset + row * C;
-        stage_span(b, b + (size_t)out_w * C, tile);
-        lead[0] = (uint32_t)((uintptr_t)b & 3);
-      } else {
+    for (uint32_t oy0 = blockIdx.x * R; oy0 < out_h; oy0 += gridDim.x * R) {
+      const uint32_t rows = min(R, out_h - oy0);
+      const uint32_t G = rows * segs_per_row;
+      // Start of segment g (row g / segs, channel g % segs).
+      auto span = [&](uint32_t g) -> const uint8_t* {
+        const uint32_t r = g / segs_per_row, c = g - r * segs_per_row;
+        const size_t pix = (size_t)(d.crop_y + oy0 + r) * d.src_w + d.crop_x;
+        return in_nhwc ? in + d.in_offset + pix * C : in + d.in_offset + (size_t)c * src_hw + pix;
+      };
+      __syncthreads();  // the previous rows' reads of the tile are done
+      // Whole words, four loads in flight per thread.
+      const uint32_t items = G * wslots;
+      for (uint32_t base = threadIdx.x; base < items; base += 4 * ROW_THREADS) {
+        uint32_t v[4];
+        uint32_t at[4];
 #pragma unroll
-        for (int c = 0; c < C; ++c) {
-          const uint8_t* b = in + d.in_offset + (size_t)c * src_hw + row;
-          stage_span(b, b + out_w, tile + c * (ROW_MAX + 8));
-          lead[c] = (uint32_t)((uintptr_t)b & 3);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t i = base + j * ROW_THREADS;
+          at[j] = 0xffffffffu;
+          if (i < items) {
+            const uint32_t g = i / wslots, w = i - g * wslots;
+            const uint8_t* b = span(g);
+            const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;
+            const uintptr_t w1 = ((uintptr_t)b + L) & ~(uintptr_t)3;
+            if (w0 + 4 * (uintptr_t)w < w1) {
+              v[j] = __ldg(reinterpret_cast<const uint32_t*>(w0) + w);
+              at[j] = g * S + (w0 != (uintptr_t)b ? 4u : 0u) + 4 * w;
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (at[j] != 0xffffffffu) *reinterpret_cast<uint32_t*>(tile + at[j]) = v[j];
+      }
+      // The bytes before the first and after the last whole word of each span; the lead.
+      for (uint32_t i = threadIdx.x; i < G * 8; i += ROW_THREADS) {
+        const uint32_t g = i / 8, kk = i - g * 8;
+        const uint8_t* b = span(g);
+        const uint32_t lead = (uint32_t)((uintptr_t)b & 3);
+        const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;
+        const uintptr_t w1 = ((uintptr_t)b + L) & ~(uintptr_t)3;
+        const uintptr_t e = (uintptr_t)b + L;
+        if (kk == 0) lead_s[g] = (uint8_t)lead;
+        if (w0 < w1) {
+          const uint32_t head = (uint32_t)(w0 - (uintptr_t)b), tail = (uint32_t)(e - w1);
+          if (kk < 4 && kk < head) tile[g * S + lead + kk] = __ldg(b + kk);
+          if (kk >= 4 && kk - 4 < tail) tile[g * S + lead + (uint32_t)(w1 - (uintptr_t)b) + kk - 4] = __ldg((const uint8_t*)w1 + kk - 4);
+        } else {
+          for (uint32_t j = kk; j < L; j += 8) tile[g * S + lead + j] = __ldg(b + j);
         }
       }
       __syncthreads();
-      const size_t orow = (size_t)oy * out_w;
+      // Source byte of output pixel x, channel c, row r.
+      auto src = [&](uint32_t r, uint32_t x, uint32_t c) -> uint32_t {
+        const uint32_t sx = d.mirror ? out_w - 1 - x : x;
+        if (in_nhwc) return tile[r * S + lead_s[r] + sx * C + c];
+        const uint32_t g = r * C + c;
+        return tile[g * S + lead_s[g] + sx];
+      };
       if (a.out_layout == PINSTREAM_NCHW) {
-#pragma unroll
-        for (int c = 0; c < C; ++c) {
-          Out* dst = out + d.out_offset + (size_t)c * npix + orow;
-          for (uint32_t x = threadIdx.x; x < out_w; x += ROW_THREADS) {
-            const uint32_t sx = d.mirror ? out_w - 1 - x : x;
-            const uint32_t v = a.in_layout == PINSTREAM_NHWC ? tile[lead[0] + sx * C + c]
-                                                             : tile[c * (ROW_MAX + 8) + lead[c] + sx];
-            dst[x] = Conv<Out>::from(norm(v, mean[c], k[c], a.shift));
+        const uint32_t q = (out_w + 3) / 4;  // groups of 4 per (row, channel)
+        const bool vec = out_w % 4 == 0 && npix % 4 == 0 && d.out_offset % 4 == 0;
+        for (uint32_t i = threadIdx.x; i < rows * C * q; i += ROW_THREADS) {
+          const uint32_t rc = i / q, x = (i - rc * q) * 4;
+          const uint32_t c = rc % C, r = rc / C;
+          const float m = pick4(mean, c), kc = pick4(k, c);
+          Out* dst = out + d.out_offset + (size_t)c * npix + (size_t)(oy0 + r) * out_w + x;
+          if (vec) {
+            Vec4<Out>::store(dst, norm(src(r, x, c), m, kc, a.shift), norm(src(r, x + 1, c), m, kc, a.shift),
+                             norm(src(r, x + 2, c), m, kc, a.shift), norm(src(r, x + 3, c), m, kc, a.shift));
+          } else {
+            for (uint32_t j = 0; j < 4 && x + j < out_w; ++j) dst[j] = Conv<Out>::from(norm(src(r, x + j, c), m, kc, a.shift));
           }
         }
       } else {
-        Out* dst = out + d.out_offset + orow * C;
-        for (uint32_t e = threadIdx.x; e < out_w * C; e += ROW_THREADS) {
-          const uint32_t x = e / C, c = e - x * C;
-          const uint32_t sx = d.mirror ? out_w - 1 - x : x;
-          const uint32_t v = a.in_layout == PINSTREAM_NHWC ? tile[lead[0] + sx * C + c]
-                                                           : tile[c * (ROW_MAX + 8) + pick4(lead, c) + sx];
-          dst[e] = Conv<Out>::from(norm(v, pick4(mean, c), pick4(k, c), a.shift));
+        const uint32_t per_row = out_w * C, q = (per_row + 3) / 4;
+        const bool vec = per_row % 4 == 0 && d.out_offset % 4 == 0;
+        for (uint32_t i = threadIdx.x; i < rows * q; i += ROW_THREADS) {
+          const uint32_t r = i / q, e = (i - r * q) * 4;
+          Out* dst = out + d.out_offset + (size_t)(oy0 + r) * per_row + e;
+          float v[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t ej = min(e + j, per_row - 1), x = ej / C, c = ej - x * C;
+            v[j] = norm(src(r, x, c), pick4(mean, c), pick4(k, c), a.shift);
+          }
+          if (vec) {
+            Vec4<Out>::store(dst, v[0], v[1], v[2], v[3]);
+          } else {
+            for (uint32_t j = 0; j < 4 && e + j < per_row; ++j) dst[j] = Conv<Out>::from(v[j]);
+          }
         }
       }
     }
@@ -469,13 +512,22 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
       }
     }
   }
-  if (a.samples != nullptr && a.c_out == a.c_in && a.w <= ROW_MAX && a.h > 0) {
-    dim3 grid((unsigned)cap((size_t)a.h, 65535), (unsigned)cap((size_t)a.n, 65535));
+  if (a.samples != nullptr && a.c_out == a.c_in && a.c_in >= 1 && a.c_in <= 4 && a.w <= ROW_MAX && a.h > 0 &&
+      aligned) {
+    // Rows per block: as many as fit ROW_SMEM of staged source, at most ROW_R_MAX.
+    const bool nhwc = a.in_layout == PINSTREAM_NHWC;
+    const uint32_t L = nhwc ? (uint32_t)a.w * a.c_in : (uint32_t)a.w;
+    const uint32_t S = (L / 4 + 3) * 4;  // lead (<= 3) + L bytes, rounded up, per segment
+    const uint32_t segs = nhwc ? 1u : (uint32_t)a.c_in;
+    uint32_t R = ROW_SMEM / (segs * S);
+    R = R < 1 ? 1 : (R > ROW_R_MAX ? ROW_R_MAX : R);
+    const size_t smem = (size_t)R * segs * S;
+    dim3 grid((unsigned)cap(((size_t)a.h + R - 1) / R, 65535), (unsigned)cap((size_t)a.n, 65535));
     switch (a.c_in) {
-      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
-      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
-      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
-      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, 0, stream>>>(a); return pinstream::launched();
+      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
       default: break;
     }
   }
