@@ -323,23 +323,48 @@ __global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
 
 // A block takes R output rows of one sample (grid: row groups x samples). Their source bytes --
 // one contiguous span per row in NHWC, one per row and channel in NCHW ("segments") -- are
-// staged in shared memory: 32-bit loads for the words that lie wholly inside a span, four per
-// thread in flight, and single bytes for the up to 3 + 3 at its ends, so nothing outside the
-// spans is read. Then every thread writes groups of 4 consecutive output elements (one vector
-// store where the sample's output is aligned, else 4 scalar stores); the mirror is a reversed
-// read from shared memory. Taken for per-sample tables (crops, mirrors, variable sizes) with
-// c_out == c_in and output rows of at most ROW_MAX pixels.
+// staged in shared memory, shifted so that each span starts on a 4-byte boundary: every staged
+// word is a funnel shift of two aligned 32-bit loads. A load that would reach outside the
+// sample's source image is assembled from single bytes inside it instead, so nothing outside the
+// input is read. Writing NCHW with out_w % 4 == 0 and an aligned sample, a thread takes 4
+// consecutive output pixels of one row: C words from shared memory (4 pixels x C channels; the
+// mirror reads the mirrored 4 pixels and reverses them), then one vector store per channel plane.
+// Other outputs take a per-element path. Used for per-sample tables (crops, mirrors, variable
+// sizes) with c_out == c_in and output rows of at most ROW_MAX pixels.
 constexpr int ROW_MAX = 2048;
 constexpr int ROW_THREADS = 256;
 constexpr int ROW_SMEM = 12288;  // bytes of staged source per block (R rows)
 constexpr int ROW_R_MAX = 16;
 
+// The 4 bytes at `p`, read as aligned words where [lo, hi) holds them, else byte by byte (bytes
+// outside [lo, hi) read as 0 and are never used).
+__device__ __forceinline__ uint32_t load_word_shifted(const uint8_t* p, const uint8_t* lo, const uint8_t* hi) {
+  const uintptr_t x = (uintptr_t)p, a0 = x & ~(uintptr_t)3;
+  const uint32_t sh = (uint32_t)(x - a0) * 8;
+  const uintptr_t need_end = sh ? a0 + 8 : a0 + 4;
+  if (a0 >= (uintptr_t)lo && need_end <= (uintptr_t)hi) {
+    const uint32_t w0 = __ldg(reinterpret_cast<const uint32_t*>(a0));
+    if (!sh) return w0;
+    const uint32_t w1 = __ldg(reinterpret_cast<const uint32_t*>(a0) + 1);
+    return __funnelshift_r(w0, w1, sh);
+  }
+  uint32_t v = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    if (p + i >= lo && p + i < hi) v |= (uint32_t)__ldg(p + i) << (8 * i);
+  return v;
+}
+
+template <int C>
+__device__ __forceinline__ uint32_t byte_of(const uint32_t (&w)[C], int i) {
+  return (w[i >> 2] >> (8 * (i & 3))) & 0xFFu;
+}
+
 // Overflow audit: as `general` (64-bit element and byte offsets); per block at most
-// ROW_R_MAX * 4 segments of at most 4 * ROW_MAX bytes, so smem-local indices are small.
+// ROW_R_MAX * 4 segments of at most 4 * ROW_MAX + 4 bytes, so smem-local indices are small.
 template <typename Out, int C>
 __global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
   extern __shared__ __align__(16) uint8_t tile[];
-  __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
   Out* out = reinterpret_cast<Out*>(a.out);
   const bool in_nhwc = a.in_layout == PINSTREAM_NHWC;
@@ -349,102 +374,98 @@ __global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, 
     const uint32_t out_w = (uint32_t)d.out_w, out_h = (uint32_t)d.out_h;
     const size_t npix = (size_t)out_w * out_h;
     const size_t src_hw = (size_t)d.src_h * d.src_w;
+    const uint8_t* img = in + d.in_offset;  // the sample's source image
+    const uint8_t* img_end = img + src_hw * C;
     const uint32_t L = in_nhwc ? out_w * C : out_w;  // bytes per segment
-    const uint32_t wslots = L / 4 + 1;                // >= whole words in any span of L bytes
+    const uint32_t nw = (L + 3) / 4;                  // staged words per segment
     float mean[C], k[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) params(a, (int)s, c, mean[c], k[c]);
+    // NCHW out, 4 pixels per thread: threads per row a power of two >= the groups of a row.
+    const uint32_t q = out_w / 4;
+    uint32_t tpr = 1;
+    while (tpr < q && tpr < ROW_THREADS) tpr *= 2;
+    const uint32_t tx = threadIdx.x & (tpr - 1), ty = threadIdx.x / tpr, rp = ROW_THREADS / tpr;
+    const bool fast = a.out_layout == PINSTREAM_NCHW && out_w % 4 == 0 && npix % 4 == 0 && d.out_offset % 4 == 0;
     for (uint32_t oy0 = blockIdx.x * R; oy0 < out_h; oy0 += gridDim.x * R) {
       const uint32_t rows = min(R, out_h - oy0);
       const uint32_t G = rows * segs_per_row;
-      // Start of segment g (row g / segs, channel g % segs).
-      auto span = [&](uint32_t g) -> const uint8_t* {
-        const uint32_t r = g / segs_per_row, c = g - r * segs_per_row;
-        const size_t pix = (size_t)(d.crop_y + oy0 + r) * d.src_w + d.crop_x;
-        return in_nhwc ? in + d.in_offset + pix * C : in + d.in_offset + (size_t)c * src_hw + pix;
-      };
       __syncthreads();  // the previous rows' reads of the tile are done
-      // Whole words, four loads in flight per thread.
-      const uint32_t items = G * wslots;
-      for (uint32_t base = threadIdx.x; base < items; base += 4 * ROW_THREADS) {
+      for (uint32_t base = threadIdx.x; base < G * nw; base += 4 * ROW_THREADS) {
         uint32_t v[4];
-        uint32_t at[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t i = base + j * ROW_THREADS;
-          at[j] = 0xffffffffu;
-          if (i < items) {
-            const uint32_t g = i / wslots, w = i - g * wslots;
-            const uint8_t* b = span(g);
-            const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;
-            const uintptr_t w1 = ((uintptr_t)b + L) & ~(uintptr_t)3;
-            if (w0 + 4 * (uintptr_t)w < w1) {
-              v[j] = __ldg(reinterpret_cast<const uint32_t*>(w0) + w);
-              at[j] = g * S + (w0 != (uintptr_t)b ? 4u : 0u) + 4 * w;
-            }
+          if (i < G * nw) {
+            const uint32_t g = i / nw, w = i - g * nw;
+            const uint32_t r = g / segs_per_row, c = g - r * segs_per_row;
+            const size_t pix = (size_t)(d.crop_y + oy0 + r) * d.src_w + d.crop_x;
+            const uint8_t* b = in_nhwc ? img + pix * C : img + (size_t)c * src_hw + pix;
+            v[j] = load_word_shifted(b + 4 * w, img, img_end);
           }
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (at[j] != 0xffffffffu) *reinterpret_cast<uint32_t*>(tile + at[j]) = v[j];
-      }
-      // The bytes before the first and after the last whole word of each span; the lead.
-      for (uint32_t i = threadIdx.x; i < G * 8; i += ROW_THREADS) {
-        const uint32_t g = i / 8, kk = i - g * 8;
-        const uint8_t* b = span(g);
-        const uint32_t lead = (uint32_t)((uintptr_t)b & 3);
-        const uintptr_t w0 = ((uintptr_t)b + 3) & ~(uintptr_t)3;
-        const uintptr_t w1 = ((uintptr_t)b + L) & ~(uintptr_t)3;
-        const uintptr_t e = (uintptr_t)b + L;
-        if (kk == 0) lead_s[g] = (uint8_t)lead;
-        if (w0 < w1) {
-          const uint32_t head = (uint32_t)(w0 - (uintptr_t)b), tail = (uint32_t)(e - w1);
-          if (kk < 4 && kk < head) tile[g * S + lead + kk] = __ldg(b + kk);
-          if (kk >= 4 && kk - 4 < tail) tile[g * S + lead + (uint32_t)(w1 - (uintptr_t)b) + kk - 4] = __ldg((const uint8_t*)w1 + kk - 4);
-        } else {
-          for (uint32_t j = kk; j < L; j += 8) tile[g * S + lead + j] = __ldg(b + j);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t i = base + j * ROW_THREADS;
+          if (i < G * nw) {
+            const uint32_t g = i / nw, w = i - g * nw;
+            reinterpret_cast<uint32_t*>(tile + g * S)[w] = v[j];
+          }
         }
       }
       __syncthreads();
-      // Source byte of output pixel x, channel c, row r.
-      auto src = [&](uint32_t r, uint32_t x, uint32_t c) -> uint32_t {
-        const uint32_t sx = d.mirror ? out_w - 1 - x : x;
-        if (in_nhwc) return tile[r * S + lead_s[r] + sx * C + c];
-        const uint32_t g = r * C + c;
-        return tile[g * S + lead_s[g] + sx];
-      };
-      if (a.out_layout == PINSTREAM_NCHW) {
-        const uint32_t q = (out_w + 3) / 4;  // groups of 4 per (row, channel)
-        const bool vec = out_w % 4 == 0 && npix % 4 == 0 && d.out_offset % 4 == 0;
-        for (uint32_t i = threadIdx.x; i < rows * C * q; i += ROW_THREADS) {
-          const uint32_t rc = i / q, x = (i - rc * q) * 4;
-          const uint32_t c = rc % C, r = rc / C;
-          const float m = pick4(mean, c), kc = pick4(k, c);
-          Out* dst = out + d.out_offset + (size_t)c * npix + (size_t)(oy0 + r) * out_w + x;
-          if (vec) {
-            Vec4<Out>::store(dst, norm(src(r, x, c), m, kc, a.shift), norm(src(r, x + 1, c), m, kc, a.shift),
-                             norm(src(r, x + 2, c), m, kc, a.shift), norm(src(r, x + 3, c), m, kc, a.shift));
-          } else {
-            for (uint32_t j = 0; j < 4 && x + j < out_w; ++j) dst[j] = Conv<Out>::from(norm(src(r, x + j, c), m, kc, a.shift));
+      if (fast) {
+        for (uint32_t r = ty; r < rows; r += rp) {
+          for (uint32_t x4 = tx; x4 < q; x4 += tpr) {
+            const uint32_t x = 4 * x4;
+            const uint32_t sx = d.mirror ? out_w - 4 - x : x;  // first of the 4 source pixels
+            float o[C][4];
+            if (in_nhwc) {
+              uint32_t w[C];
+              const uint32_t* t = reinterpret_cast<const uint32_t*>(tile + r * S + sx * C);
+#pragma unroll
+              for (int i = 0; i < C; ++i) w[i] = t[i];
+#pragma unroll
+              for (int p = 0; p < 4; ++p)
+#pragma unroll
+                for (int c = 0; c < C; ++c) o[c][p] = norm(byte_of<C>(w, p * C + c), mean[c], k[c], a.shift);
+            } else {
+#pragma unroll
+              for (int c = 0; c < C; ++c) {
+                const uint32_t w = *reinterpret_cast<const uint32_t*>(tile + (r * C + c) * S + sx);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) o[c][p] = norm((w >> (8 * p)) & 0xFFu, mean[c], k[c], a.shift);
+              }
+            }
+            Out* dst = out + d.out_offset + (size_t)(oy0 + r) * out_w + x;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              if (d.mirror)
+                Vec4<Out>::store(dst + (size_t)c * npix, o[c][3], o[c][2], o[c][1], o[c][0]);
+              else
+                Vec4<Out>::store(dst + (size_t)c * npix, o[c][0], o[c][1], o[c][2], o[c][3]);
+            }
           }
         }
       } else {
-        const uint32_t per_row = out_w * C, q = (per_row + 3) / 4;
-        const bool vec = per_row % 4 == 0 && d.out_offset % 4 == 0;
-        for (uint32_t i = threadIdx.x; i < rows * q; i += ROW_THREADS) {
-          const uint32_t r = i / q, e = (i - r * q) * 4;
-          Out* dst = out + d.out_offset + (size_t)(oy0 + r) * per_row + e;
-          float v[4];
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const uint32_t ej = min(e + j, per_row - 1), x = ej / C, c = ej - x * C;
-            v[j] = norm(src(r, x, c), pick4(mean, c), pick4(k, c), a.shift);
-          }
-          if (vec) {
-            Vec4<Out>::store(dst, v[0], v[1], v[2], v[3]);
+        // Any output layout and width: one element per step.
+        const uint32_t per_row = out_w * C;
+        for (uint32_t i = threadIdx.x; i < rows * per_row; i += ROW_THREADS) {
+          const uint32_t r = i / per_row, e = i - r * per_row;
+          uint32_t x, c;
+          size_t oi;
+          if (a.out_layout == PINSTREAM_NCHW) {
+            c = e / out_w;
+            x = e - c * out_w;
+            oi = d.out_offset + (size_t)c * npix + (size_t)(oy0 + r) * out_w + x;
           } else {
-            for (uint32_t j = 0; j < 4 && e + j < per_row; ++j) dst[j] = Conv<Out>::from(v[j]);
+            x = e / C;
+            c = e - x * C;
+            oi = d.out_offset + (size_t)(oy0 + r) * per_row + e;
           }
+          const uint32_t sx = d.mirror ? out_w - 1 - x : x;
+          const uint32_t v = in_nhwc ? tile[r * S + sx * C + c] : tile[(r * C + c) * S + sx];
+          out[oi] = Conv<Out>::from(norm(v, pick4(mean, c), pick4(k, c), a.shift));
         }
       }
     }
@@ -513,11 +534,11 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
     }
   }
   if (a.samples != nullptr && a.c_out == a.c_in && a.c_in >= 1 && a.c_in <= 4 && a.w <= ROW_MAX && a.h > 0 &&
-      aligned) {
+      out_addr % (4 * sizeof(Out)) == 0) {
     // Rows per block: as many as fit ROW_SMEM of staged source, at most ROW_R_MAX.
     const bool nhwc = a.in_layout == PINSTREAM_NHWC;
     const uint32_t L = nhwc ? (uint32_t)a.w * a.c_in : (uint32_t)a.w;
-    const uint32_t S = (L / 4 + 3) * 4;  // lead (<= 3) + L bytes, rounded up, per segment
+    const uint32_t S = (L + 3) / 4 * 4 + 4;  // L bytes rounded up to words, per segment (+4: banks)
     const uint32_t segs = nhwc ? 1u : (uint32_t)a.c_in;
     uint32_t R = ROW_SMEM / (segs * S);
     R = R < 1 ? 1 : (R > ROW_R_MAX ? ROW_R_MAX : R);

@@ -67,8 +67,9 @@ fn load(i: u64, b: &mut HostBatch<i64>) {
         norm: Normalize::imagenet(),
     };
     b.pixels.resize(BATCH * SRC * SRC * 3, 0);
-    for (k, px) in b.pixels.iter_mut().enumerate() {
-        *px = (k as u64 ^ i) as u8; // your JPEG decoder writes here
+    // Your JPEG decoder writes here; we write a pattern that changes with the batch.
+    for (row, px) in b.pixels.chunks_mut(SRC * 3).enumerate() {
+        px.fill((row as u64 ^ i) as u8);
     }
     b.extras.clear();
     b.extras
