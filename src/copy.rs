@@ -385,6 +385,10 @@ impl Stream {
     ///   (`copy_d2h`, then `copy_h2d`) where that is what you want.
     /// - **Both on one device**: allowed, and the same as [`Stream::copy_d2d`] (the stream
     ///   must be on that device too).
+    /// - **Stream-ordered buffers** ([`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async))
+    ///   are copied correctly too, but peer access does not cover the devices' memory pools,
+    ///   so the driver may take a slower path for them; use `DeviceBuffer::new` for buffers
+    ///   that cross devices often.
     /// - Different lengths are [`Error::LengthMismatch`], before anything is queued.
     ///
     /// ```no_run
