@@ -813,6 +813,49 @@ mod tests {
     }
 
     #[test]
+    fn peer_rows_print_their_pair() {
+        let stats = Stats::new(vec![300.0, 310.0, 320.0]).unwrap();
+        let row = |device: &str, direction| Row {
+            device: device.into(),
+            kind: peer::KIND,
+            direction,
+            bytes: 512 << 20,
+            copies_per_sample: 12,
+            gbps: stats.clone(),
+            host_gbps: None,
+            host_memcpy_gbps: None,
+            verified: true,
+            gate_timed_out: false,
+            partly_alone: false,
+            note: Some("on 0 (push)".into()),
+        };
+        let report = Report {
+            context: Vec::new(),
+            rows: vec![row("0->1", "p2p"), row("1->0", "p2p-bidir-sum")],
+            latency: Vec::new(),
+            pinning: Vec::new(),
+            scenarios: Vec::new(),
+            warnings: Vec::new(),
+        };
+        let table = table(&report);
+        let line = table.lines().find(|l| l.starts_with("0->1")).unwrap();
+        assert_eq!(
+            line,
+            "0->1   peer             p2p          512M    310.00   300.00   320.00   2.63          -       - yes  on 0 (push)"
+        );
+        assert!(
+            table.contains("1->0   peer             p2p-bidir-sum"),
+            "{table}"
+        );
+        let out = csv(&report).unwrap();
+        assert!(out
+            .lines()
+            .nth(1)
+            .unwrap()
+            .starts_with("0->1,peer,p2p,536870912,12,310.0,"));
+    }
+
+    #[test]
     fn csv_lines_have_the_header_s_columns() {
         let stats = Stats::new(vec![1.0, 2.0, 3.0]).unwrap();
         let row = |kind, memcpy, note: Option<&str>| Row {
