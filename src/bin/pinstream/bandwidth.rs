@@ -383,8 +383,9 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
     for r in &report.rows {
         if r.partly_alone {
             report.warnings.push(format!(
-                "{} {} {}: one direction outran the other by over 1.5x, so part of the slower \
-                 one's time ran alone",
+                "device {} {} {} {}: one direction outran the other by over 1.5x, so part of \
+                 the slower one's time ran alone",
+                r.device,
                 r.kind,
                 r.direction,
                 size_name(r.bytes)
@@ -392,7 +393,8 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
         }
         if r.gate_timed_out {
             report.warnings.push(format!(
-                "{} {} {}: the gate timed out; enqueue time is in this figure",
+                "device {} {} {} {}: the gate timed out; enqueue time is in this figure",
+                r.device,
                 r.kind,
                 r.direction,
                 size_name(r.bytes)
