@@ -364,7 +364,8 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
              |DriverGetVersion|RuntimeGetVersion|MemGetInfo\
              |StreamCreateWithPriority|StreamDestroy|StreamSynchronize|StreamQuery|StreamWaitEvent\
              |EventCreateWithFlags|EventDestroy|EventRecord|EventSynchronize|EventQuery|EventElapsedTime\
-             |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync|MemcpyBatchAsync\
+             |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync|MemcpyBatchAsync|MemcpyPeerAsync\
+             |DeviceCanAccessPeer|DeviceEnablePeerAccess\
              |HostAlloc|FreeHost|HostRegister|HostUnregister|HostGetDevicePointer|PointerGetAttributes)",
         )
         .allowlist_type("cudaError|cudaMemcpyKind|cudaDeviceAttr|cudaDeviceProp|cudaPointerAttributes|cudaMemoryType")

@@ -1,4 +1,5 @@
-//! Copies on a stream: host to device, device to host, device to device.
+//! Copies on a stream: host to device, device to host, device to device, and between devices
+//! (`copy_peer`).
 //!
 //! Device-to-host copies return a `Pending` that keeps the destination mutably borrowed until
 //! `wait()` hands out the data, so reading a result before it has arrived — the PyTorch
@@ -10,10 +11,11 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
+use crate::device::Device;
 use crate::error::{check_with, Error, Result};
 use crate::event::Event;
 use crate::memory::bounce;
-use crate::memory::sealed::HostMem;
+use crate::memory::sealed::{DeviceRegion, HostMem};
 use crate::memory::tracker::{self, Tracker};
 use crate::memory::{DeviceSlice, DeviceSliceMut, HostKind, HostSlice, HostSliceMut};
 use crate::stream::Stream;
@@ -111,6 +113,42 @@ pub(crate) fn memcpy(
         unsafe { sys::cudaMemcpyAsync(dst, src, bytes, kind, stream.as_raw()) },
         "cudaMemcpyAsync",
         || format!("{bytes} bytes, {what}"),
+    )
+}
+
+/// `cudaMemcpyPeerAsync` of `bytes` from `src` on `src_device` to `dst` on `dst_device`, queued
+/// on `stream`.
+pub(crate) fn memcpy_peer(
+    stream: &Stream,
+    dst: *mut c_void,
+    dst_device: Device,
+    src: *const c_void,
+    src_device: Device,
+    bytes: usize,
+) -> Result<()> {
+    check_with(
+        // SAFETY: the callers pass device regions that were checked to be `bytes` long and to
+        // live on the devices named; both stay alive for the copy through borrows and
+        // trackers; the stream is live and on one of the two devices.
+        unsafe {
+            sys::cudaMemcpyPeerAsync(
+                dst,
+                dst_device.raw(),
+                src,
+                src_device.raw(),
+                bytes,
+                stream.as_raw(),
+            )
+        },
+        "cudaMemcpyPeerAsync",
+        || {
+            format!(
+                "{bytes} bytes, device {} to device {}, on a stream of device {}",
+                src_device.raw(),
+                dst_device.raw(),
+                stream.device().raw()
+            )
+        },
     )
 }
 
@@ -302,11 +340,13 @@ impl Stream {
         S: DeviceSlice<T> + ?Sized,
         D: DeviceSliceMut<T> + ?Sized,
     {
-        const OP: &str = "Stream::copy_d2d";
-        let (s, d) = (src.device_region(), dst.device_region());
-        same_len(OP, s.len, d.len)?;
-        self.same_device(OP, s.device)?;
-        self.same_device(OP, d.device)?;
+        self.d2d::<T>("Stream::copy_d2d", src.device_region(), dst.device_region())
+    }
+
+    fn d2d<T>(&self, op: &'static str, s: DeviceRegion<'_>, d: DeviceRegion<'_>) -> Result<()> {
+        same_len(op, s.len, d.len)?;
+        self.same_device(op, s.device)?;
+        self.same_device(op, d.device)?;
         let bytes = s.len * std::mem::size_of::<T>();
         if bytes == 0 {
             return Ok(());
@@ -321,6 +361,91 @@ impl Stream {
                 sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
                 "device to device",
             )
+        })
+        .map(|_| ())
+    }
+
+    /// Copies `src` on one device into `dst` on another (`cudaMemcpyPeerAsync`), on this
+    /// stream, which must belong to one of the two devices. Either may be a view.
+    ///
+    /// Like every copy it is ordered after the earlier uses of both buffers, whatever stream or
+    /// device ran them, and later uses of either wait for it; the call returns at once.
+    ///
+    /// - **Which device does the work**: the stream's. On a stream of the source's device the
+    ///   source pushes the data (nvbandwidth's `device_to_device_memcpy_write_ce`); on one of
+    ///   the destination's it pulls it (`_read_ce`). `pinstream bandwidth --directions p2p`
+    ///   measures both (`p2p`, `p2p-read`). Neither operand on the stream's device is
+    ///   [`Error::WrongDevice`] (naming the source's device).
+    /// - **Peer access** from the stream's device to the other is enabled on first use, once
+    ///   per ordered pair of devices and process ([`Device::enable_peer_access`]). Where the
+    ///   two devices cannot reach each other (no NVLink or PCIe peer path, see
+    ///   [`Device::can_access_peer`]) the call is [`Error::NoPeerAccess`] and nothing is
+    ///   queued: it never falls back silently to a copy through host memory, which would run
+    ///   at a fraction of the speed asked for. Stage through pinned memory yourself
+    ///   (`copy_d2h`, then `copy_h2d`) where that is what you want.
+    /// - **Both on one device**: allowed, and the same as [`Stream::copy_d2d`] (the stream
+    ///   must be on that device too).
+    /// - **Stream-ordered buffers** ([`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async))
+    ///   are copied correctly too, but peer access does not cover the devices' memory pools,
+    ///   so the driver may take a slower path for them; use `DeviceBuffer::new` for buffers
+    ///   that cross devices often.
+    /// - Different lengths are [`Error::LengthMismatch`], before anything is queued.
+    ///
+    /// ```no_run
+    /// use pinstream::{Device, DeviceBuffer};
+    /// # fn main() -> pinstream::Result<()> {
+    /// let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    /// let a = DeviceBuffer::<f32>::new(&d0, 1 << 20)?;
+    /// let mut b = DeviceBuffer::<f32>::new(&d1, 1 << 20)?;
+    /// let s0 = d0.stream()?;
+    /// s0.copy_peer(&a, &mut b)?;               // device 0 pushes into device 1
+    /// let s1 = d1.stream()?;
+    /// s1.memset(&mut b.slice_mut(..16)?, 0)?;  // on device 1, after the copy
+    /// # Ok(()) }
+    /// ```
+    pub fn copy_peer<T, S, D>(&self, src: &S, dst: &mut D) -> Result<()>
+    where
+        T: Pod,
+        S: DeviceSlice<T> + ?Sized,
+        D: DeviceSliceMut<T> + ?Sized,
+    {
+        const OP: &str = "Stream::copy_peer";
+        let (s, d) = (src.device_region(), dst.device_region());
+        if s.device == d.device {
+            return self.d2d::<T>(OP, s, d);
+        }
+        same_len(OP, s.len, d.len)?;
+        let here = self.device();
+        let there = if here == s.device {
+            d.device
+        } else if here == d.device {
+            s.device
+        } else {
+            return Err(Error::WrongDevice {
+                op: OP,
+                expected: here.raw(),
+                found: s.device.raw(),
+            });
+        };
+        // Before the length test below, so that whether a pair works never depends on it.
+        here.enable_peer_access(&there).map_err(|e| match e {
+            Error::NoPeerAccess {
+                device, peer, cuda, ..
+            } => Error::NoPeerAccess {
+                op: OP,
+                device,
+                peer,
+                cuda,
+            },
+            other => other,
+        })?;
+        let bytes = s.len * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.enter()?;
+        tracker::ordered(self, &[s.tracker, d.tracker], || {
+            memcpy_peer(self, d.ptr, d.device, s.ptr, s.device, bytes)
         })
         .map(|_| ())
     }

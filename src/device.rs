@@ -1,11 +1,13 @@
 //! `Device`: which GPUs there are and what they are — SMs, memory, copy engines, PCI location
 //! and link, driver and runtime versions.
 
+use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
-use crate::error::{check, check_with, Error, Result};
+use crate::error::{check, check_with, clear_last_error, CudaError, Error, Result};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -391,6 +393,102 @@ impl Device {
         Ok((least, greatest))
     }
 
+    /// Whether this device can read and write `peer`'s memory directly, over NVLink or PCIe
+    /// (`cudaDeviceCanAccessPeer`): then [`Stream::copy_peer`] between them works, at the
+    /// speed of that link. A device always reaches its own memory (`true` for `self`).
+    /// The answer can differ between the two directions of a pair.
+    ///
+    /// ```no_run
+    /// use pinstream::Device;
+    /// # fn main() -> pinstream::Result<()> {
+    /// let (a, b) = (Device::get(0)?, Device::get(1)?);
+    /// println!("0 -> 1: {}, 1 -> 0: {}", a.can_access_peer(&b)?, b.can_access_peer(&a)?);
+    /// # Ok(()) }
+    /// ```
+    pub fn can_access_peer(&self, peer: &Device) -> Result<bool> {
+        if self == peer {
+            return Ok(true);
+        }
+        let mut v = 0;
+        check_with(
+            // SAFETY: `v` is a valid out-pointer; both ordinals are plain values (the runtime
+            // checks them).
+            unsafe { sys::cudaDeviceCanAccessPeer(&mut v, self.ordinal, peer.ordinal) },
+            "cudaDeviceCanAccessPeer",
+            || format!("device {}, peer {}", self.ordinal, peer.ordinal),
+        )?;
+        Ok(v != 0)
+    }
+
+    /// Lets this device access `peer`'s memory directly (`cudaDeviceEnablePeerAccess` with this
+    /// device current), once per ordered pair and process: the result is kept in a
+    /// process-wide table, and access that other code already enabled
+    /// (`cudaErrorPeerAccessAlreadyEnabled`) counts as enabled. [`Stream::copy_peer`] calls it
+    /// for the stream's device and the other buffer's; call it yourself to pay its cost (the
+    /// driver maps `peer`'s allocations into this device's address space) before the first
+    /// copy. Access is one-way: `b.enable_peer_access(&a)` is a separate call. A no-op for
+    /// `self`.
+    ///
+    /// Where the devices cannot reach each other this is [`Error::NoPeerAccess`] (remembered:
+    /// asking again costs nothing). Access enabled here covers memory from `cudaMalloc`
+    /// ([`DeviceBuffer::new`](crate::DeviceBuffer::new)), not the stream-ordered pool of
+    /// [`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async): copies from or to such
+    /// buffers still work, through whatever path the driver picks.
+    pub fn enable_peer_access(&self, peer: &Device) -> Result<()> {
+        const OP: &str = "Device::enable_peer_access";
+        if self == peer {
+            return Ok(());
+        }
+        let key = (self.ordinal, peer.ordinal);
+        // Held across the CUDA calls: a pair is enabled by one thread, once.
+        let mut table = PEERS.lock().unwrap_or_else(|e| e.into_inner());
+        let refused = |cuda| Error::NoPeerAccess {
+            op: OP,
+            device: self.ordinal,
+            peer: peer.ordinal,
+            cuda,
+        };
+        match table.get(&key) {
+            Some(PeerAccess::Enabled) => return Ok(()),
+            Some(PeerAccess::Impossible(cuda)) => return Err(refused(*cuda)),
+            None => {}
+        }
+        if !self.can_access_peer(peer)? {
+            table.insert(key, PeerAccess::Impossible(None));
+            return Err(refused(None));
+        }
+        self.make_current()?;
+        // SAFETY: plain call with value arguments; the device is current, flags must be 0.
+        let err = unsafe { sys::cudaDeviceEnablePeerAccess(peer.ordinal, 0) };
+        use sys::cudaError as E;
+        match err {
+            E::cudaSuccess => {}
+            E::cudaErrorPeerAccessAlreadyEnabled => {
+                // Enabled by other code in this process: what we wanted. The failed call left
+                // its code as the thread's last error; clear it so no later check finds it.
+                clear_last_error();
+            }
+            E::cudaErrorPeerAccessUnsupported | E::cudaErrorInvalidDevice => {
+                // Not possible on this system (cudaErrorInvalidDevice is what the call returns
+                // when cudaDeviceCanAccessPeer would say no).
+                clear_last_error();
+                let cuda = Some(CudaError::from_raw(err));
+                table.insert(key, PeerAccess::Impossible(cuda));
+                return Err(refused(cuda));
+            }
+            E::cudaErrorTooManyPeers => {
+                // A limit of this process's state, not of the pair: not remembered.
+                clear_last_error();
+                return Err(refused(Some(CudaError::from_raw(err))));
+            }
+            other => check_with(other, "cudaDeviceEnablePeerAccess", || {
+                format!("device {}, peer {}", self.ordinal, peer.ordinal)
+            })?,
+        }
+        table.insert(key, PeerAccess::Enabled);
+        Ok(())
+    }
+
     /// A new non-blocking stream on this device at default priority.
     pub fn stream(&self) -> Result<Stream> {
         Stream::new(self)
@@ -406,6 +504,18 @@ impl Device {
         )
     }
 }
+
+/// What `Device::enable_peer_access` found for an ordered pair (accessing device, owner).
+#[derive(Clone, Copy, Debug)]
+enum PeerAccess {
+    Enabled,
+    /// `cudaDeviceCanAccessPeer` said no (`None`), or the driver refused to enable it.
+    Impossible(Option<CudaError>),
+}
+
+/// Peer access per ordered pair of ordinals, for the whole process (peer access belongs to the
+/// devices' primary contexts, which every thread shares).
+static PEERS: Mutex<BTreeMap<(i32, i32), PeerAccess>> = Mutex::new(BTreeMap::new());
 
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

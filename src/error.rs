@@ -100,6 +100,21 @@ pub enum Error {
         /// The device of the buffer or event.
         found: i32,
     },
+    /// A copy between two devices that cannot reach each other's memory directly (no NVLink or
+    /// PCIe peer path between them, or the driver refused to enable it). Nothing was queued.
+    /// `Device::can_access_peer` says in advance; to move the data anyway, stage it through
+    /// pinned host memory (`copy_d2h`, then `copy_h2d`).
+    NoPeerAccess {
+        /// The operation, e.g. `Stream::copy_peer`.
+        op: &'static str,
+        /// The device whose copy engines would access the other's memory (the stream's).
+        device: i32,
+        /// The device whose memory it cannot access.
+        peer: i32,
+        /// `cudaDeviceEnablePeerAccess`'s error, where it refused; `None` where
+        /// `cudaDeviceCanAccessPeer` said no.
+        cuda: Option<CudaError>,
+    },
     /// An argument was rejected before any CUDA call was made.
     InvalidArgument {
         /// The operation that rejected it.
@@ -154,6 +169,7 @@ impl Error {
             Error::NoDevice { cuda, .. }
             | Error::OutOfMemory { cuda, .. }
             | Error::Cuda { cuda, .. } => Some(*cuda),
+            Error::NoPeerAccess { cuda, .. } => *cuda,
             _ => None,
         }
     }
@@ -222,6 +238,25 @@ impl fmt::Display for Error {
                 f,
                 "{op}: wrong device: the stream is on device {expected}, the operand on device {found}"
             ),
+            Error::NoPeerAccess {
+                op,
+                device,
+                peer,
+                cuda,
+            } => {
+                write!(
+                    f,
+                    "{op}: device {device} cannot access device {peer}'s memory directly"
+                )?;
+                match cuda {
+                    Some(c) => write!(f, " (cudaDeviceEnablePeerAccess failed: {c})")?,
+                    None => write!(f, " (cudaDeviceCanAccessPeer says no)")?,
+                }
+                write!(
+                    f,
+                    "; stage the data through pinned host memory (copy_d2h, then copy_h2d)"
+                )
+            }
             Error::InvalidArgument { op, reason } => write!(f, "{op}: invalid argument: {reason}"),
             Error::Io {
                 op,

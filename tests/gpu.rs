@@ -6,6 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use bytemuck::Pod;
+use common::guard::{Guarded, GUARD};
 use common::{ensure, random_bytes, rng, same, R};
 use libtest_mimic::{Arguments, Trial};
 use pinstream::{
@@ -133,6 +134,35 @@ fn main() {
         Trial::test("wrong_device_is_an_error", wrong_device_is_an_error)
             .with_ignored_flag(!two_gpus),
     );
+    // Copies between devices: one GPU is enough for a same-device pair and the bench's note;
+    // the rest needs two (ignored with fewer).
+    trials.push(Trial::test("peer/same_device", peer_same_device).with_ignored_flag(no_gpu));
+    trials.push(
+        Trial::test("peer/bandwidth_one_device", peer_bandwidth_one_device)
+            .with_ignored_flag(no_gpu),
+    );
+    for (from, to) in [(0, 1), (1, 0)] {
+        for (on, on_source) in [("push", true), ("pull", false)] {
+            for &size in PEER_SIZES {
+                trials.push(
+                    Trial::test(format!("peer/copy/{from}to{to}/{on}/{size}"), move || {
+                        peer_copy(from, to, on_source, size)
+                    })
+                    .with_ignored_flag(!two_gpus),
+                );
+            }
+        }
+    }
+    let mut two = |name: &str, f: fn() -> R| {
+        trials.push(Trial::test(name, f).with_ignored_flag(!two_gpus));
+    };
+    two("peer/typed", peer_typed);
+    two("peer/ordered_across_devices", peer_ordered_across_devices);
+    two("peer/errors", peer_errors);
+    two("peer/stream_ordered_buffers", peer_stream_ordered_buffers);
+    two("peer/drop_while_in_flight", peer_drop_while_in_flight);
+    two("peer/bandwidth_small", peer_bandwidth_small);
+    two("peer/bandwidth_chunked", peer_bandwidth_chunked);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -1284,5 +1314,380 @@ fn gate_from_many_threads() -> R {
             h.join().map_err(|_| "thread panicked")??;
         }
         Ok(())
+    })
+}
+
+/// Byte counts for the peer copies: none a multiple of anything but 1.
+const PEER_SIZES: &[usize] = &[
+    1,
+    3,
+    4095,
+    65_537,
+    (1 << 20) + 13,
+    (16 << 20) - 7,
+    (96 << 20) + 5,
+];
+
+/// Fresh random bytes from a view at an odd offset of a buffer on device `from` into a view of a
+/// buffer on device `to` between poisoned guard bytes, the copy queued on a stream of the source
+/// (`on_source`: it pushes) or of the destination (it pulls). The data goes up on one stream,
+/// the poison on another, the copy on a third and the read-back on the second: nothing but the
+/// trackers orders them.
+fn peer_copy(from: usize, to: usize, on_source: bool, size: usize) -> R {
+    let (da, db) = (Device::get(from)?, Device::get(to)?);
+    let (sa, sb) = (da.stream()?, db.stream()?);
+    let (data, seed) = random_bytes(size);
+    let mut src = DeviceBuffer::<u8>::new(&da, size + 16)?;
+    sa.copy_h2d(&data[..], &mut src.slice_mut(7..7 + size)?)?;
+    let mut dst = Guarded::<u8>::new(&sb, GUARD + 1, size, GUARD + 3, 0x5A)?;
+    let on = if on_source {
+        da.stream()?
+    } else {
+        db.stream()?
+    };
+    on.copy_peer(&src.slice(7..7 + size)?, &mut dst.view_mut()?)?;
+    let what = format!(
+        "peer copy of {size} bytes, {from} to {to}, on a stream of {}",
+        on.device().ordinal()
+    );
+    let got = dst.read_checked(&sb, &what)?;
+    same(&what, &got, &data, seed)
+}
+
+/// Elements wider than a byte, odd counts, both directions.
+fn peer_typed() -> R {
+    fn one<T: Pod + PartialEq + std::fmt::Debug>(a: &Device, b: &Device, n: usize) -> R {
+        let (bytes, seed) = random_bytes(n * std::mem::size_of::<T>());
+        let data: Vec<T> = bytemuck::pod_collect_to_vec(&bytes);
+        let (sa, sb) = (a.stream()?, b.stream()?);
+        let mut src = DeviceBuffer::<T>::new(a, n)?;
+        sa.copy_h2d(&data[..], &mut src)?;
+        let mut dst = DeviceBuffer::<T>::new(b, n)?;
+        sb.memset(&mut dst, 0xEE)?;
+        sb.copy_peer(&src, &mut dst)?;
+        let mut back = vec![T::zeroed(); n];
+        let got = sa.copy_d2h(&dst.slice(..)?, &mut back[..]);
+        // `dst` lives on `b`: reading it on `a`'s stream is a wrong-device error; read it on b.
+        ensure(matches!(got, Err(Error::WrongDevice { .. })), || {
+            format!(
+                "d2h of device {}'s buffer on device {}'s stream: {:?}",
+                b.ordinal(),
+                a.ordinal(),
+                got.err()
+            )
+        })?;
+        let got = sb.copy_d2h(&dst, &mut back[..])?.wait()?;
+        same(
+            &format!(
+                "{n} x {} from {} to {}",
+                std::any::type_name::<T>(),
+                a.ordinal(),
+                b.ordinal()
+            ),
+            bytemuck::cast_slice::<T, u8>(got),
+            &bytes,
+            seed,
+        )
+    }
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    for (a, b) in [(d0, d1), (d1, d0)] {
+        one::<f16>(&a, &b, 100_003)?;
+        one::<u64>(&a, &b, 12_347)?;
+        one::<[u8; 3]>(&a, &b, 777)?;
+    }
+    Ok(())
+}
+
+/// A peer copy is ordered after every earlier use of both buffers and before every later one,
+/// on any stream of either device: the source written by a memset queued behind a slow kernel
+/// on the source's device (the copy must see it), the destination written behind a slow kernel
+/// on another stream of its device (the copy must land after it), the source overwritten right
+/// after the copy was queued (the copy, itself held back, must still read the old value), and
+/// the destination read back on yet another stream.
+fn peer_ordered_across_devices() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let (s0, s0b, s1, s1b) = (d0.stream()?, d0.stream()?, d1.stream()?, d1.stream()?);
+    let n = (8 << 20) + 3;
+    let mut src = DeviceBuffer::<u8>::new(&d0, n)?;
+    let mut dst = DeviceBuffer::<u8>::new(&d1, n)?;
+    let mut host = PinnedBuffer::<u8>::new(&d1, n, HostAlloc::DEFAULT)?;
+    for round in 1..=6u8 {
+        let (want, later) = (round, round + 100);
+        s0.spin(Duration::from_millis(20))?;
+        s0.memset(&mut src, want)?;
+        s1b.spin(Duration::from_millis(20))?;
+        s1b.memset(&mut dst, 0xEE)?;
+        // Pull (a stream of the destination) in odd rounds, push in even ones.
+        let on = if round % 2 == 1 { &s1 } else { &s0b };
+        on.spin(Duration::from_millis(10))?;
+        on.copy_peer(&src, &mut dst)?;
+        s0.memset(&mut src, later)?;
+        let got = s1b.copy_d2h(&dst, &mut host)?.wait()?;
+        let bad = got.iter().filter(|&&v| v != want).count();
+        ensure(bad == 0, || {
+            format!(
+                "round {round} (copy on device {}): {bad} of {n} bytes differ; first {:?}, want {want} \
+                 (0xEE: the copy landed before the destination's memset; {later}: it read the \
+                 source after the later memset; else before the first)",
+                on.device().ordinal(),
+                got.iter().find(|&&v| v != want)
+            )
+        })?;
+    }
+    // And the other way, the source on device 1.
+    let mut back = DeviceBuffer::<u8>::new(&d0, n)?;
+    s1.spin(Duration::from_millis(20))?;
+    s1.memset(&mut dst, 0x42)?;
+    s0.copy_peer(&dst, &mut back)?;
+    s1.memset(&mut dst, 0x43)?;
+    let mut host0 = vec![0u8; n];
+    let got = s0b.copy_d2h(&back, &mut host0[..])?.wait()?;
+    ensure(got.iter().all(|&v| v == 0x42), || {
+        format!("device 1 to 0: got {:?}", got.iter().find(|&&v| v != 0x42))
+    })
+}
+
+/// Typed errors before anything is queued: lengths, a stream on neither device, and (where the
+/// pair has no peer access) `NoPeerAccess`; the destination keeps its poison. Zero elements and
+/// repeated enabling are fine.
+fn peer_errors() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let (s0, s1) = (d0.stream()?, d1.stream()?);
+    let n = 4097;
+    let (data, _) = random_bytes(n);
+    let mut src = DeviceBuffer::<u8>::new(&d0, n)?;
+    s0.copy_h2d(&data[..], &mut src)?;
+    let mut dst = Guarded::<u8>::new(&s1, GUARD, n + 1, GUARD, 0x5A)?;
+    let e = s1.copy_peer(&src, &mut dst.view_mut()?).err();
+    ensure(
+        matches!(
+            e,
+            Some(Error::LengthMismatch {
+                op: "Stream::copy_peer",
+                src: 4097,
+                dst: 4098
+            })
+        ),
+        || format!("length mismatch: {e:?}"),
+    )?;
+    let got = dst.read_checked(&s1, "after a refused copy")?;
+    ensure(got.iter().all(|&b| b == 0x5A), || {
+        "a refused copy wrote the destination".into()
+    })?;
+    // Both buffers on device 0, the stream on device 1.
+    let mut other = DeviceBuffer::<u8>::new(&d0, n)?;
+    let e = s1.copy_peer(&src, &mut other).err();
+    ensure(
+        matches!(
+            e,
+            Some(Error::WrongDevice {
+                expected: 1,
+                found: 0,
+                ..
+            })
+        ),
+        || format!("stream on neither device: {e:?}"),
+    )?;
+    let (a, b) = (d0.can_access_peer(&d1)?, d1.can_access_peer(&d0)?);
+    println!("peer access: 0->1 {a}, 1->0 {b}");
+    if a {
+        // Zero elements: nothing to do, no error.
+        let mut empty = DeviceBuffer::<u8>::new(&d1, 0)?;
+        s0.copy_peer(&src.slice(..0)?, &mut empty)?;
+    }
+    ensure(d0.can_access_peer(&d0)?, || {
+        "a device reaches itself".into()
+    })?;
+    let mut fits = Guarded::<u8>::new(&s1, GUARD, n, GUARD, 0x5A)?;
+    for (s, ok) in [(&s0, a), (&s1, b)] {
+        let r = s.copy_peer(&src, &mut fits.view_mut()?);
+        match (ok, r) {
+            (true, Ok(())) => {}
+            (
+                false,
+                Err(Error::NoPeerAccess {
+                    op: "Stream::copy_peer",
+                    ..
+                }),
+            ) => {}
+            (ok, r) => return Err(format!("access {ok}: {r:?}").into()),
+        }
+    }
+    if a && b {
+        for _ in 0..3 {
+            d0.enable_peer_access(&d1)?;
+            d1.enable_peer_access(&d0)?;
+        }
+        let got = fits.read_checked(&s1, "after the copies")?;
+        same("after the copies", &got, &data, 0)?;
+    }
+    d0.enable_peer_access(&d0)?;
+    Ok(())
+}
+
+/// Buffers from the stream-ordered pools (`new_async`), which peer access does not cover: the
+/// copies still deliver, both ways, and the buffers are freed in stream order after them.
+fn peer_stream_ordered_buffers() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let (s0, s1) = (d0.stream()?, d1.stream()?);
+    let n = (4 << 20) + 9;
+    let (data, seed) = random_bytes(n);
+    let mut a = DeviceBuffer::<u8>::new_async(&s0, n)?;
+    s0.copy_h2d(&data[..], &mut a)?;
+    let mut b = DeviceBuffer::<u8>::new_async(&s1, n)?;
+    s1.copy_peer(&a, &mut b)?;
+    let mut c = DeviceBuffer::<u8>::new_async(&s0, n)?;
+    s0.copy_peer(&b, &mut c)?;
+    drop(a);
+    drop(b);
+    let mut back = vec![0u8; n];
+    let got = s0.copy_d2h(&c, &mut back[..])?.wait()?;
+    same("0 -> 1 -> 0 through pool memory", got, &data, seed)
+}
+
+/// Dropping the source right after a peer copy was queued (behind a slow kernel on the other
+/// device) waits for the copy: memory allocated and zeroed at once on the source's device
+/// (likely the same address) does not leak into the copy.
+fn peer_drop_while_in_flight() -> R {
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    let (s0, s1) = (d0.stream()?, d1.stream()?);
+    let n = (16 << 20) + 1;
+    let (data, seed) = random_bytes(n);
+    let mut dst = DeviceBuffer::<u8>::new(&d1, n)?;
+    {
+        let mut src = DeviceBuffer::<u8>::new(&d0, n)?;
+        s0.copy_h2d(&data[..], &mut src)?;
+        s1.spin(Duration::from_millis(100))?;
+        s1.copy_peer(&src, &mut dst)?;
+    }
+    let mut reuse = DeviceBuffer::<u8>::new(&d0, n)?;
+    s0.memset(&mut reuse, 0)?;
+    let mut back = vec![0u8; n];
+    let got = s1.copy_d2h(&dst, &mut back[..])?.wait()?;
+    same("copied from a dropped source", got, &data, seed)?;
+    // And the destination dropped with the copy in flight.
+    let src = DeviceBuffer::<u8>::new(&d0, n)?;
+    {
+        let mut gone = DeviceBuffer::<u8>::new(&d1, n)?;
+        s0.spin(Duration::from_millis(50))?;
+        s0.copy_peer(&src, &mut gone)?;
+    }
+    d0.synchronize()?;
+    d1.synchronize()?;
+    Ok(())
+}
+
+/// `copy_peer` of a pair on one device is a device-to-device copy: guarded, odd sizes, on a
+/// stream of that device; different lengths are `LengthMismatch`.
+fn peer_same_device() -> R {
+    let dev = dev0()?;
+    let (s, s2) = (dev.stream()?, dev.stream()?);
+    ensure(dev.can_access_peer(&dev)?, || {
+        "a device reaches itself".into()
+    })?;
+    dev.enable_peer_access(&dev)?;
+    for size in [1, 4095, (1 << 20) + 13] {
+        let (data, seed) = random_bytes(size);
+        let mut src = DeviceBuffer::<u8>::new(&dev, size)?;
+        s2.copy_h2d(&data[..], &mut src)?;
+        let mut dst = Guarded::<u8>::new(&s2, GUARD + 1, size, GUARD + 3, 0x5A)?;
+        s.copy_peer(&src, &mut dst.view_mut()?)?;
+        let got = dst.read_checked(&s2, "same-device copy_peer")?;
+        same(
+            &format!("same-device copy_peer of {size} bytes"),
+            &got,
+            &data,
+            seed,
+        )?;
+        let mut longer = DeviceBuffer::<u8>::new(&dev, size + 1)?;
+        let e = s.copy_peer(&src, &mut longer).err();
+        ensure(
+            matches!(
+                e,
+                Some(Error::LengthMismatch {
+                    op: "Stream::copy_peer",
+                    ..
+                })
+            ),
+            || format!("{e:?}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// `bench::peer` on one device: no rows, and a note that says p2p needs two.
+fn peer_bandwidth_one_device() -> R {
+    use pinstream::bench::{peer, sweep::Options};
+    let opts = Options {
+        sizes: vec![4096],
+        ..Options::default()
+    };
+    let out = peer::run(&[dev0()?], &opts, &mut |_| {})?;
+    ensure(
+        out.rows.is_empty() && out.notes.len() == 1 && out.notes[0].contains("needs two devices"),
+        || format!("{out:?}"),
+    )
+}
+
+/// Every peer row of a small run: as many as promised, verified, at least 5 samples, plausible,
+/// and each p2p-bidir-sum sample above its p2p-bidir sample.
+fn peer_bandwidth_check(opts: &pinstream::bench::sweep::Options) -> R {
+    use pinstream::bench::peer;
+    let devices = [Device::get(0)?, Device::get(1)?];
+    let mut seen = 0;
+    let out = peer::run(&devices, opts, &mut |_| seen += 1)?;
+    println!("notes: {:?}", out.notes);
+    let pairs_ok =
+        devices[0].can_access_peer(&devices[1])? && devices[1].can_access_peer(&devices[0])?;
+    let want = if pairs_ok {
+        peer::row_count(2, opts)
+    } else {
+        0
+    };
+    ensure(out.rows.len() == want && seen == want, || {
+        format!("{} rows, {seen} reported, {want} promised", out.rows.len())
+    })?;
+    for r in &out.rows {
+        println!(
+            "{} {} {} {}: {:.2} GB/s ({} per sample)",
+            r.device, r.kind, r.direction, r.bytes, r.gbps.median, r.copies_per_sample
+        );
+        ensure(
+            r.verified
+                && r.kind == peer::KIND
+                && (r.device == "0->1" || r.device == "1->0")
+                && peer::DIRECTIONS.contains(&r.direction)
+                && r.gbps.samples.len() >= 5
+                && r.gbps.median > 0.01
+                && r.gbps.median < 10_000.0,
+            || format!("{r:?}"),
+        )?;
+    }
+    for sum in out.rows.iter().filter(|r| r.direction == "p2p-bidir-sum") {
+        let one = out
+            .rows
+            .iter()
+            .find(|r| r.direction == "p2p-bidir" && r.device == sum.device && r.bytes == sum.bytes)
+            .ok_or("no p2p-bidir row")?;
+        for (s, o) in sum.gbps.samples.iter().zip(&one.gbps.samples) {
+            ensure(s > o, || format!("sum {s} <= one direction {o}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn peer_bandwidth_small() -> R {
+    peer_bandwidth_check(&pinstream::bench::sweep::Options {
+        sizes: vec![4096, (1 << 20) + 7],
+        ..Default::default()
+    })
+}
+
+/// Pieces (`--chunk`) that do not divide the size still deliver every byte.
+fn peer_bandwidth_chunked() -> R {
+    peer_bandwidth_check(&pinstream::bench::sweep::Options {
+        sizes: vec![(3 << 20) + 5],
+        chunk: Some(256 << 10),
+        ..Default::default()
     })
 }

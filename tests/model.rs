@@ -129,6 +129,7 @@ impl Env {
             plain: 3,
             max_len: self.max_kib * 256,
             temp_streams: true,
+            peer: devices >= 2,
         }
     }
 }
@@ -195,11 +196,19 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 /// `threads` threads, each its own random sequence, sharing `cfg.streams` streams per device.
 fn gpu_trial(env: &Env, name: &str, threads: usize, devices: usize) -> R {
-    let cfg = env.cfg(devices);
+    let mut cfg = env.cfg(devices);
+    // Peer copies where every pair of devices reaches the other both ways (else the API
+    // refuses them with `NoPeerAccess`, which the model does not draw).
+    let all = Device::all()?;
+    for a in all.iter().take(devices) {
+        for b in all.iter().take(devices) {
+            cfg.peer &= a.can_access_peer(b)?;
+        }
+    }
     let shared = Arc::new(state::data(mix(env.seed, SHARED), cfg.shared_len()));
     println!(
-        "{name}: seed {} (PINSTREAM_MODEL_SEED), {} ops per thread, {threads} thread(s), {devices} device(s), {} streams each, buffers up to {} KiB",
-        env.seed, env.ops, cfg.streams, env.max_kib
+        "{name}: seed {} (PINSTREAM_MODEL_SEED), {} ops per thread, {threads} thread(s), {devices} device(s), {} streams each, buffers up to {} KiB, peer copies {}",
+        env.seed, env.ops, cfg.streams, env.max_kib, cfg.peer
     );
     let world = gpu::World::new(devices, cfg.streams, &shared)?;
     let stop = AtomicBool::new(false);
@@ -422,6 +431,14 @@ fn expect_and_apply(_: &Env) -> R {
         wait: false,
         clobber: None,
     };
+    let peer = |on, src, src_range, dst, dst_range| Op::Peer {
+        on,
+        spin: 0,
+        src,
+        src_range,
+        dst,
+        dst_range,
+    };
     let cases: Vec<(Op, Option<Expect>)> = vec![
         (h2d(0..4, 13..17, on0), Some(Expect::OutOfRange)),
         #[allow(clippy::reversed_empty_ranges)]
@@ -490,6 +507,26 @@ fn expect_and_apply(_: &Env) -> R {
                 dst: 0,
                 dst_range: 0..4,
             },
+            Some(Expect::WrongDevice {
+                expected: 0,
+                found: 1,
+            }),
+        ),
+        // The same copy with `copy_peer`: on a stream of either device.
+        (peer(on0, Dev::Own(1), 0..4, 0, 0..4), None),
+        (peer(on1, Dev::Own(1), 0..4, 0, 0..4), None),
+        (peer(on1, Dev::Shared(0), 0..4, 1, 8..12), None),
+        (
+            peer(on0, Dev::Own(1), 0..4, 0, 0..5),
+            Some(Expect::LengthMismatch { src: 4, dst: 5 }),
+        ),
+        (
+            peer(on0, Dev::Own(1), 0..13, 0, 0..13),
+            Some(Expect::OutOfRange),
+        ),
+        // Both on device 1: a device-to-device copy, the stream on device 1.
+        (
+            peer(on0, Dev::Shared(1), 0..4, 1, 0..4),
             Some(Expect::WrongDevice {
                 expected: 0,
                 found: 1,
@@ -724,6 +761,21 @@ fn check_step(cfg: &Cfg, m: &Model, step: &Step) -> Option<String> {
                 || !dev_ok(Dev::Own(*dst), dst_range))
             .then(|| "d2d buffers or ranges".into())
         }),
+        Op::Peer {
+            on,
+            src,
+            src_range,
+            dst,
+            dst_range,
+            ..
+        } => (!on_ok(*on) || !cfg.peer)
+            .then(|| "stream".into())
+            .or_else(|| {
+                (m.dev_device(*src) == m.dev_device[*dst]
+                    || !dev_ok(*src, src_range)
+                    || !dev_ok(Dev::Own(*dst), dst_range))
+                .then(|| "peer buffers or ranges".into())
+            }),
         Op::Memset { on, dst, range, .. }
         | Op::Fill { on, dst, range, .. }
         | Op::Iota { on, dst, range, .. } => {
@@ -817,6 +869,9 @@ fn plan_valid_and_covering(env: &Env) -> R {
         "d2h+drop",
         "d2h+forget",
         "d2d",
+        "peer",
+        "peer-push",
+        "peer-pull",
         "memset",
         "fill",
         "iota",
@@ -867,7 +922,11 @@ fn plan_valid_and_covering(env: &Env) -> R {
     for d in ["OutOfRange", "LengthMismatch", "WrongDevice", "ReadOnly"] {
         want.push(format!("defect-{d}"));
     }
-    want.extend(["d2h-from-shared".into(), "d2d-from-shared".into()]);
+    want.extend([
+        "d2h-from-shared".into(),
+        "d2d-from-shared".into(),
+        "peer-from-shared".into(),
+    ]);
     let missing: Vec<&String> = want.iter().filter(|w| !seen.contains(*w)).collect();
     ensure(missing.is_empty(), || {
         format!("seed {}: never generated: {missing:?}", env.seed)
@@ -894,6 +953,13 @@ fn features(m: &Model, step: &Step) -> Vec<String> {
             dst,
             dst_range,
             ..
+        }
+        | Op::Peer {
+            src,
+            src_range,
+            dst,
+            dst_range,
+            ..
         } => (Some((*src, src_range)), Some((Dev::Own(*dst), dst_range))),
         Op::Memset { dst, range, .. }
         | Op::Fill { dst, range, .. }
@@ -913,6 +979,7 @@ fn features(m: &Model, step: &Step) -> Vec<String> {
         Op::H2d { on, spin, .. }
         | Op::D2h { on, spin, .. }
         | Op::D2d { on, spin, .. }
+        | Op::Peer { on, spin, .. }
         | Op::Memset { on, spin, .. }
         | Op::Fill { on, spin, .. }
         | Op::Iota { on, spin, .. } => {
@@ -975,6 +1042,19 @@ fn features(m: &Model, step: &Step) -> Vec<String> {
             src: Dev::Shared(_),
             ..
         } => f.push("d2d-from-shared".into()),
+        Op::Peer { on, src, .. } => {
+            f.push(
+                if on.device() == m.dev_device(*src) {
+                    "peer-push"
+                } else {
+                    "peer-pull"
+                }
+                .into(),
+            );
+            if matches!(src, Dev::Shared(_)) {
+                f.push("peer-from-shared".into());
+            }
+        }
         Op::Iota {
             start, step, range, ..
         } if u64::from(*start) + u64::from(*step) * (range.len() as u64) > u64::from(u32::MAX) => {

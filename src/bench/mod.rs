@@ -1,8 +1,10 @@
 //! Measurement code behind `pinstream bandwidth` and the criterion benches: a gate kernel that
-//! holds a stream while copies are queued, statistics, the transfer sweep, the cost of pooled
-//! pinned memory, and the experiments of PyTorch's pin_memory / non_blocking guide.
+//! holds a stream while copies are queued, statistics, the transfer sweep, copies between GPUs,
+//! the cost of pooled pinned memory, and the experiments of PyTorch's pin_memory / non_blocking
+//! guide.
 
 mod gate;
+pub mod peer;
 pub mod pool;
 pub mod prefetch;
 pub mod scenarios;

@@ -22,7 +22,7 @@ use crate::sys::cudaMemcpyKind as Kind;
 
 /// Copies queued behind a closed gate at most: a stream's queue is finite, and a host blocked on
 /// a full queue behind the gate could only wait for the gate's timeout.
-const GATE_DEPTH: usize = 128;
+pub(super) const GATE_DEPTH: usize = 128;
 
 /// Pieces one copy is split into at most with `Options::chunk`.
 pub const MAX_PIECES: usize = 64;
@@ -87,24 +87,37 @@ pub enum Direction {
     D2D,
     /// H2D and D2H started together; each direction and the sum are reported.
     Bidir,
+    /// Device to device between two GPUs, every ordered pair: measured by
+    /// [`super::peer::run`], not by [`run`] (which skips it). Not in the default set.
+    P2P,
 }
 
 impl Direction {
-    /// Every direction, in the order the sweep measures them.
-    pub const ALL: [Direction; 4] = [
+    /// The directions of one device, in the order the sweep measures them: the default set.
+    pub const PER_DEVICE: [Direction; 4] = [
         Direction::H2D,
         Direction::D2H,
         Direction::D2D,
         Direction::Bidir,
     ];
 
-    /// The name used in rows and on the command line: `h2d`, `d2h`, `d2d`, `bidir`.
+    /// Every direction: [`Direction::PER_DEVICE`], then [`Direction::P2P`].
+    pub const ALL: [Direction; 5] = [
+        Direction::H2D,
+        Direction::D2H,
+        Direction::D2D,
+        Direction::Bidir,
+        Direction::P2P,
+    ];
+
+    /// The name used in rows and on the command line: `h2d`, `d2h`, `d2d`, `bidir`, `p2p`.
     pub fn name(self) -> &'static str {
         match self {
             Direction::H2D => "h2d",
             Direction::D2H => "d2h",
             Direction::D2D => "d2d",
             Direction::Bidir => "bidir",
+            Direction::P2P => "p2p",
         }
     }
 
@@ -121,7 +134,8 @@ pub struct Options {
     pub sizes: Vec<usize>,
     /// Host memory kinds to measure (default: all).
     pub kinds: Vec<MemKind>,
-    /// Directions to measure (default: all).
+    /// Directions to measure (default: [`Direction::PER_DEVICE`]; [`Direction::P2P`] is for
+    /// [`super::peer::run`]).
     pub directions: Vec<Direction>,
     /// Samples per point, at least (default 5).
     pub min_samples: usize,
@@ -141,7 +155,7 @@ impl Default for Options {
         Options {
             sizes: (12..=30).map(|p| 1usize << p).collect(),
             kinds: MemKind::ALL.to_vec(),
-            directions: Direction::ALL.to_vec(),
+            directions: Direction::PER_DEVICE.to_vec(),
             min_samples: 5,
             min_sample_time: Duration::from_millis(20),
             warmup_samples: 1,
@@ -160,7 +174,8 @@ impl Options {
         }
     }
 
-    /// How many rows `run` produces, for progress reporting.
+    /// How many rows `run` produces, for progress reporting (p2p rows not included: see
+    /// [`super::peer::row_count`]).
     pub fn row_count(&self) -> usize {
         // Pageable and staged memory have no bidir rows (a pageable copy blocks the host; the
         // stager's threads cannot be gated); d2d is two rows per size, whatever the kinds.
@@ -170,7 +185,7 @@ impl Options {
                 .map(|d| match d {
                     Direction::H2D | Direction::D2H => 1,
                     Direction::Bidir if !matches!(kind, MemKind::Pageable | MemKind::Staged) => 4,
-                    Direction::Bidir | Direction::D2D => 0,
+                    Direction::Bidir | Direction::D2D | Direction::P2P => 0,
                 })
                 .sum()
         };
@@ -185,7 +200,7 @@ impl Options {
 
     /// Copies per sample so that one sample lasts at least `min_sample_time`, given that one
     /// copy took `one` seconds.
-    fn reps_for(&self, one: f64) -> usize {
+    pub(super) fn reps_for(&self, one: f64) -> usize {
         ((secs(self.min_sample_time) / one.max(1e-7)).ceil() as usize).clamp(1, 100_000)
     }
 }
@@ -236,11 +251,16 @@ struct BidirSample {
     partly_alone: bool,
 }
 
-struct Measured {
-    gbps: Stats,
-    host_gbps: Option<Stats>,
-    reps: usize,
-    timed_out: bool,
+pub(super) struct Measured {
+    pub(super) gbps: Stats,
+    pub(super) host_gbps: Option<Stats>,
+    pub(super) reps: usize,
+    pub(super) timed_out: bool,
+}
+
+/// Whole copies of `bytes` (issued in `opts.piece(bytes)` pieces) that fit behind a closed gate.
+pub(super) fn gate_reps(opts: &Options, bytes: usize) -> usize {
+    (GATE_DEPTH / bytes.div_ceil(opts.piece(bytes))).max(1)
 }
 
 struct Ctx<'o> {
@@ -256,7 +276,8 @@ struct Ctx<'o> {
     ev: [TimingEvent; 6],
 }
 
-/// Runs the sweep on `device`; `progress` sees each row as it is measured.
+/// Runs the sweep on `device`; `progress` sees each row as it is measured. Nothing is allocated
+/// or measured when `opts` asks for no rows of one device (e.g. only [`Direction::P2P`]).
 pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> Result<Vec<Row>> {
     let max = opts
         .sizes
@@ -266,6 +287,9 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
         .ok_or_else(|| Error::invalid("bandwidth", "no sizes given"))?;
     if opts.sizes.contains(&0) {
         return Err(Error::invalid("bandwidth", "sizes must be at least 1 byte"));
+    }
+    if opts.row_count() == 0 {
+        return Ok(Vec::new());
     }
     let up = device.stream()?;
     let pattern = pattern(max)?;
@@ -346,7 +370,7 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
 
 /// Whether `got` equals the start of `want`; above 256 MiB (or for write-combined memory, which
 /// the host reads slowly) every 4093rd byte and the last page are compared.
-fn matches(got: &[u8], want: &[u8], sparse: bool) -> bool {
+pub(super) fn matches(got: &[u8], want: &[u8], sparse: bool) -> bool {
     if got.len() > want.len() {
         return false;
     }
@@ -418,8 +442,8 @@ impl Ctx<'_> {
                 let mut row = match dir {
                     Direction::H2D => self.staged_h2d(stager, src, b)?,
                     Direction::D2H => self.staged_d2h(stager, dst, b)?,
-                    // Skipped for staged memory: see above.
-                    Direction::D2D | Direction::Bidir => continue,
+                    // Skipped for staged memory: see above (p2p: `peer::run`).
+                    Direction::D2D | Direction::Bidir | Direction::P2P => continue,
                 };
                 row.note = Some(if b < min_bytes {
                     format!(
@@ -527,7 +551,7 @@ impl Ctx<'_> {
 
     /// Whole copies that fit behind a closed gate.
     fn gate_reps(&self, bytes: usize) -> usize {
-        (GATE_DEPTH / bytes.div_ceil(self.opts.piece(bytes))).max(1)
+        gate_reps(self.opts, bytes)
     }
 
     /// One sample: (seconds by events, seconds by host clock, gate timed out).
@@ -909,7 +933,7 @@ fn check_direct(
     Ok(got == want)
 }
 
-fn empty_stats() -> Stats {
+pub(super) fn empty_stats() -> Stats {
     Stats {
         samples: Vec::new(),
         median: 0.0,

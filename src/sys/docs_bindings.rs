@@ -840,6 +840,16 @@ unsafe extern "C" {
     ) -> cudaError_t;
 }
 unsafe extern "C" {
+    pub fn cudaMemcpyPeerAsync(
+        dst: *mut ::std::os::raw::c_void,
+        dstDevice: ::std::os::raw::c_int,
+        src: *const ::std::os::raw::c_void,
+        srcDevice: ::std::os::raw::c_int,
+        count: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
     pub fn cudaMemcpyBatchAsync(
         dsts: *const *mut ::std::os::raw::c_void,
         srcs: *const *const ::std::os::raw::c_void,
@@ -874,6 +884,19 @@ unsafe extern "C" {
     pub fn cudaPointerGetAttributes(
         attributes: *mut cudaPointerAttributes,
         ptr: *const ::std::os::raw::c_void,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaDeviceCanAccessPeer(
+        canAccessPeer: *mut ::std::os::raw::c_int,
+        device: ::std::os::raw::c_int,
+        peerDevice: ::std::os::raw::c_int,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaDeviceEnablePeerAccess(
+        peerDevice: ::std::os::raw::c_int,
+        flags: ::std::os::raw::c_uint,
     ) -> cudaError_t;
 }
 unsafe extern "C" {

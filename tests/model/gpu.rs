@@ -334,17 +334,26 @@ impl Exec<'_, '_, '_> {
         }
     }
 
+    /// `copy_d2d`, or `copy_peer` for `Op::Peer`.
     fn d2d(&mut self, op: &Op) -> Result<(), Error> {
-        let Op::D2d {
-            on,
-            spin,
-            src,
-            src_range,
-            dst,
-            dst_range,
-        } = op
-        else {
-            unreachable!()
+        let (on, spin, src, src_range, dst, dst_range, peer) = match op {
+            Op::D2d {
+                on,
+                spin,
+                src,
+                src_range,
+                dst,
+                dst_range,
+            } => (on, spin, src, src_range, dst, dst_range, false),
+            Op::Peer {
+                on,
+                spin,
+                src,
+                src_range,
+                dst,
+                dst_range,
+            } => (on, spin, src, src_range, dst, dst_range, true),
+            _ => unreachable!(),
         };
         let s = self.stream(*on)?;
         Self::spin(&s, *spin)?;
@@ -366,7 +375,11 @@ impl Exec<'_, '_, '_> {
         src_view!(source, src_range.clone(), |sv| dst_view!(
             target,
             dst_range.clone(),
-            |dv| s.copy_d2d(sv, dv)
+            |dv| if peer {
+                s.copy_peer(sv, dv)
+            } else {
+                s.copy_d2d(sv, dv)
+            }
         ))
     }
 
@@ -411,7 +424,7 @@ impl Backend for Exec<'_, '_, '_> {
         match op {
             Op::H2d { .. } => self.h2d(op).map(|()| None),
             Op::D2h { .. } => self.d2h(op),
-            Op::D2d { .. } => self.d2d(op).map(|()| None),
+            Op::D2d { .. } | Op::Peer { .. } => self.d2d(op).map(|()| None),
             Op::Memset { .. } | Op::Fill { .. } | Op::Iota { .. } => self.kernel(op).map(|()| None),
             Op::Spin { on, micros } => {
                 let s = self.stream(*on)?;

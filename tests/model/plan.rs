@@ -110,6 +110,15 @@ pub enum Op {
         dst: usize,
         dst_range: Range<usize>,
     },
+    /// `copy_peer` from a buffer on one device to a buffer on another, on a stream of either.
+    Peer {
+        on: On,
+        spin: u32,
+        src: Dev,
+        src_range: Range<usize>,
+        dst: usize,
+        dst_range: Range<usize>,
+    },
     Memset {
         on: On,
         spin: u32,
@@ -204,6 +213,7 @@ impl Op {
                 ..
             } => "d2h+forget",
             Op::D2d { .. } => "d2d",
+            Op::Peer { .. } => "peer",
             Op::Memset { .. } => "memset",
             Op::Fill { .. } => "fill",
             Op::Iota { .. } => "iota",
@@ -253,6 +263,9 @@ pub struct Cfg {
     pub max_len: usize,
     /// Whether ops may run on a stream of their own that is dropped right after.
     pub temp_streams: bool,
+    /// Whether to draw copies between devices (`copy_peer`; two devices or more, which can
+    /// reach each other both ways).
+    pub peer: bool,
 }
 
 impl Cfg {
@@ -317,7 +330,9 @@ impl Gen {
             let step = match self.rng.random_range(0..100) {
                 0..=13 => self.h2d(m),
                 14..=29 => self.d2h(m),
-                30..=37 => self.d2d(m),
+                30..=33 => self.d2d(m),
+                34..=37 if self.peer_ok() => self.peer(m),
+                34..=37 => self.d2d(m),
                 38..=42 => self.memset(m),
                 43..=47 => self.fill(m),
                 48..=52 => self.iota(m),
@@ -623,6 +638,48 @@ impl Gen {
         })
     }
 
+    fn peer_ok(&self) -> bool {
+        self.cfg.peer && self.cfg.devices >= 2
+    }
+
+    /// A copy from a buffer on another device than the destination's, on a stream of the
+    /// source's device (push) or the destination's (pull).
+    fn peer(&mut self, m: &Model) -> Option<Step> {
+        let dst = self.own_dev(m, |_| true)?;
+        let device = m.dev_device[dst];
+        let mut srcs: Vec<Dev> = (0..m.dev.len())
+            .filter(|&i| m.dev_device[i] != device)
+            .map(Dev::Own)
+            .collect();
+        if srcs.is_empty() || self.rng.random_ratio(1, 5) {
+            srcs = (0..self.cfg.devices)
+                .filter(|&d| d != device)
+                .map(Dev::Shared)
+                .collect();
+        }
+        let src = self.pick(&srcs)?;
+        let (slen, dlen) = (m.dev_len(src), m.dev[dst].len());
+        let n = self.len_upto(slen.min(dlen));
+        let (src_range, dst_range) = (self.range_in(slen, n), self.range_in(dlen, n));
+        let on = if self.coin() {
+            self.on(m.dev_device(src))
+        } else {
+            self.on(device)
+        };
+        let spin = self.spin();
+        Some(Step {
+            op: Op::Peer {
+                on,
+                spin,
+                src,
+                src_range,
+                dst,
+                dst_range,
+            },
+            defect: None,
+        })
+    }
+
     /// Buffer, stream, spin and range for memset / fill / iota.
     fn kernel_target(&mut self, m: &Model) -> Option<(On, u32, usize, Range<usize>)> {
         let dst = self.own_dev(m, |_| true)?;
@@ -828,6 +885,7 @@ impl Gen {
         let mut step = match self.rng.random_range(0..6) {
             0 => self.h2d(m),
             1 => self.d2h(m),
+            2 if self.peer_ok() && self.coin() => self.peer(m),
             2 => self.d2d(m),
             3 => self.memset(m),
             4 => self.fill(m),
@@ -836,12 +894,17 @@ impl Gen {
         if step.defect.is_some() {
             return Some(step);
         }
-        let copy = matches!(step.op, Op::H2d { .. } | Op::D2h { .. } | Op::D2d { .. });
+        let copy = matches!(
+            step.op,
+            Op::H2d { .. } | Op::D2h { .. } | Op::D2d { .. } | Op::Peer { .. }
+        );
         let mut defects = vec![Defect::OutOfRange];
         if copy {
             defects.push(Defect::LengthMismatch);
         }
-        if self.cfg.devices >= 2 {
+        // A peer copy on the wrong device needs a third device: its stream may be on either.
+        let peer = matches!(step.op, Op::Peer { .. });
+        if self.cfg.devices >= if peer { 3 } else { 2 } {
             defects.push(Defect::WrongDevice);
         }
         let defect = self.pick(&defects)?;
@@ -896,6 +959,26 @@ impl Gen {
                     (Defect::OutOfRange, false) => *dst_range = self.bad_range(dlen),
                     (Defect::LengthMismatch, _) => *dst_range = self.other_len(dst_range, dlen),
                     _ => *on = self.on(other_device(m.dev_device(*src))),
+                }
+            }
+            Op::Peer {
+                src,
+                src_range,
+                dst,
+                dst_range,
+                on,
+                ..
+            } => {
+                let (slen, dlen) = (m.dev_len(*src), m.dev[*dst].len());
+                let (sd, dd) = (m.dev_device(*src), m.dev_device[*dst]);
+                match (defect, coin) {
+                    (Defect::OutOfRange, true) => *src_range = self.bad_range(slen),
+                    (Defect::OutOfRange, false) => *dst_range = self.bad_range(dlen),
+                    (Defect::LengthMismatch, _) => *dst_range = self.other_len(dst_range, dlen),
+                    _ => {
+                        let third = (0..devices).find(|&d| d != sd && d != dd)?;
+                        *on = self.on(third);
+                    }
                 }
             }
             Op::Memset { dst, range, on, .. }

@@ -552,6 +552,39 @@ impl Backend for Sim {
                 }
                 Ok(None)
             }
+            Op::Peer {
+                on,
+                spin,
+                src,
+                src_range,
+                dst,
+                dst_range,
+            } => {
+                const OP: &str = "Stream::copy_peer";
+                let q = self.queue(*on);
+                self.spin(q, *spin);
+                let (sloc, sdev) = self.dev_loc(*src);
+                let (dloc, ddev) = (Loc::Dev(*dst), self.dev_device[*dst]);
+                check_range(src_range, self.len(sloc))?;
+                check_range(dst_range, self.len(dloc))?;
+                self.same_len(OP, sloc, src_range, dloc, dst_range)?;
+                let device = self.queues[q].device;
+                if sdev == ddev || (device != sdev && device != ddev) {
+                    same_device(OP, device, sdev)?;
+                    same_device(OP, device, ddev)?;
+                }
+                if !src_range.is_empty() {
+                    let cmd = Cmd::Copy {
+                        src: sloc,
+                        soff: src_range.start,
+                        dst: dloc,
+                        doff: dst_range.start,
+                        len: src_range.len(),
+                    };
+                    self.ordered(q, &[sloc, dloc], cmd);
+                }
+                Ok(None)
+            }
             Op::Memset {
                 on,
                 spin,

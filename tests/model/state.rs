@@ -222,6 +222,31 @@ impl Model {
                     .or_else(|| Self::wrong(*on, self.dev_device(*src)))
                     .or_else(|| Self::wrong(*on, self.dev_device[*dst]))
             }
+            // `copy_peer`: between devices the stream may be on either; on one device it is
+            // `copy_d2d`.
+            Op::Peer {
+                on,
+                src,
+                src_range,
+                dst,
+                dst_range,
+                ..
+            } => {
+                if bad(src_range, self.dev_len(*src)) || bad(dst_range, self.dev[*dst].len()) {
+                    return Some(Expect::OutOfRange);
+                }
+                let (sd, dd) = (self.dev_device(*src), self.dev_device[*dst]);
+                mismatch(src_range.len(), dst_range.len()).or_else(|| {
+                    if sd == dd {
+                        Self::wrong(*on, sd)
+                    } else {
+                        (on.device() != sd && on.device() != dd).then_some(Expect::WrongDevice {
+                            expected: on.device(),
+                            found: sd,
+                        })
+                    }
+                })
+            }
             Op::Memset { on, dst, range, .. }
             | Op::Fill { on, dst, range, .. }
             | Op::Iota { on, dst, range, .. } => {
@@ -255,6 +280,7 @@ impl Model {
             },
             Op::H2d { dst, .. }
             | Op::D2d { dst, .. }
+            | Op::Peer { dst, .. }
             | Op::Memset { dst, .. }
             | Op::Fill { dst, .. }
             | Op::Iota { dst, .. } => read_dev(*dst),
@@ -345,6 +371,13 @@ impl Model {
                 self.host_mut(*dst)[dst_range.clone()].copy_from_slice(&part);
             }
             Op::D2d {
+                src,
+                src_range,
+                dst,
+                dst_range,
+                ..
+            }
+            | Op::Peer {
                 src,
                 src_range,
                 dst,

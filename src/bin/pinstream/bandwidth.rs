@@ -1,11 +1,13 @@
 //! `pinstream bandwidth`: the transfer benchmark (sweep, latency, pinning cost, host memcpy,
-//! optional scenarios and file reads), printed as a table, CSV or JSON, optionally plotted.
+//! optional peer-to-peer rows, scenarios and file reads), printed as a table, CSV or JSON,
+//! optionally plotted.
 
 use std::fmt::Write as _;
 use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::Args;
+use pinstream::bench::peer;
 use pinstream::bench::scenarios::{self, Case};
 use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
 use pinstream::bench::{host_memcpy_gbps, size_name};
@@ -27,7 +29,9 @@ pub struct BandwidthArgs {
     /// and slots come from PINSTREAM_STAGING_* and show in the note column). Default: all.
     #[arg(long, value_delimiter = ',', value_parser = parse_kind)]
     kinds: Vec<MemKind>,
-    /// Directions: h2d, d2h, d2d, bidir.
+    /// Directions: h2d, d2h, d2d, bidir (the default set), and p2p: copies between GPUs, every
+    /// ordered pair of the machine's devices whatever --device says (rows p2p, p2p-read,
+    /// p2p-bidir, p2p-bidir-sum; needs two devices).
     #[arg(long, value_delimiter = ',', value_parser = parse_direction)]
     directions: Vec<Direction>,
     /// Samples per point (at least 5 are taken).
@@ -98,7 +102,10 @@ fn parse_kind(s: &str) -> std::result::Result<MemKind, String> {
 }
 
 fn parse_direction(s: &str) -> std::result::Result<Direction, String> {
-    Direction::parse(s).ok_or_else(|| format!("`{s}` is not a direction (h2d, d2h, d2d, bidir)"))
+    Direction::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = Direction::ALL.iter().map(|d| d.name()).collect();
+        format!("`{s}` is not a direction ({})", names.join(", "))
+    })
 }
 
 fn bad(op: &'static str, reason: impl Into<String>) -> Error {
@@ -196,6 +203,11 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
             ),
         ));
     }
+    let p2p = opts.directions.contains(&Direction::P2P);
+    let peers = if p2p { Device::all()? } else { Vec::new() };
+    if p2p {
+        ctx.push(("peer access".into(), peer_access(&peers)?));
+    }
     if let Some(c) = args.chunk {
         ctx.push((
             "copies".into(),
@@ -232,6 +244,25 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
                     l.what = format!("device {}: {}", dev.ordinal(), l.what);
                     l
                 }));
+        }
+        if p2p {
+            let bar = progress_bar(peer::row_count(peers.len(), &opts) as u64);
+            let measured = peer::run(&peers, &opts, &mut |r| {
+                if let Some(b) = &bar {
+                    b.inc(1);
+                    b.set_message(format!(
+                        "{} {} {}",
+                        r.device,
+                        r.direction,
+                        size_name(r.bytes)
+                    ));
+                }
+            })?;
+            if let Some(b) = bar {
+                b.finish_and_clear();
+            }
+            report.rows.extend(measured.rows);
+            report.warnings.extend(measured.notes);
         }
         if devices.len() > 1 {
             let size = opts
@@ -296,8 +327,23 @@ pub fn run(args: BandwidthArgs) -> Result<()> {
     Ok(())
 }
 
+/// "0->1 yes, 1->0 yes": whether each ordered pair reaches the other's memory directly.
+fn peer_access(devices: &[Device]) -> Result<String> {
+    if devices.len() < 2 {
+        return Ok(format!("p2p needs two devices; {} here", devices.len()));
+    }
+    let mut pairs = Vec::new();
+    for a in devices {
+        for b in devices.iter().filter(|b| *b != a) {
+            let yes = if a.can_access_peer(b)? { "yes" } else { "no" };
+            pairs.push(format!("{}->{} {yes}", a.ordinal(), b.ordinal()));
+        }
+    }
+    Ok(pairs.join(", "))
+}
+
 fn progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
-    if !std::io::stderr().is_terminal() {
+    if total == 0 || !std::io::stderr().is_terminal() {
         return None;
     }
     let bar = indicatif::ProgressBar::new(total);
@@ -337,8 +383,9 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
     for r in &report.rows {
         if r.partly_alone {
             report.warnings.push(format!(
-                "{} {} {}: one direction outran the other by over 1.5x, so part of the slower \
-                 one's time ran alone",
+                "device {} {} {} {}: one direction outran the other by over 1.5x, so part of \
+                 the slower one's time ran alone",
+                r.device,
                 r.kind,
                 r.direction,
                 size_name(r.bytes)
@@ -346,7 +393,8 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
         }
         if r.gate_timed_out {
             report.warnings.push(format!(
-                "{} {} {}: the gate timed out; enqueue time is in this figure",
+                "device {} {} {} {}: the gate timed out; enqueue time is in this figure",
+                r.device,
                 r.kind,
                 r.direction,
                 size_name(r.bytes)
@@ -359,7 +407,7 @@ fn warn_slow(report: &mut Report, link: Option<f64>) {
 /// JSON's `rows` (which also holds the samples).
 #[derive(Debug, Serialize)]
 struct BandwidthRow {
-    /// "0", "1", ... or "all".
+    /// "0", "1", ... or "all"; "0->1" on peer rows (source->destination).
     device: String,
     kind: &'static str,
     direction: &'static str,
@@ -511,7 +559,7 @@ fn table(r: &Report) -> String {
                 }
             }
         }
-        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, on pageable,\n staged and file rows, whose GB/s is the host clock too (the host does that work: no gate);\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n note: the staging engine's threads and slots, or how a file was read;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done)");
+        let _ = writeln!(s, "(decimal GB/s from CUDA events, median of samples; host GB/s: host clock, on pageable,\n staged and file rows, whose GB/s is the host clock too (the host does that work: no gate);\n memcpy: one thread's host memcpy at that size, what caps a pageable copy staged on one thread;\n note: the staging engine's threads and slots, or how a file was read;\n bidir-h2d/-d2h: each direction with the other kept busy, bidir-sum: their sum,\n bidir-pair: 2 x size over the time until both directions' copies are done;\n peer rows (device a->b): p2p on a's stream (a pushes), p2p-read on b's (b pulls),\n p2p-bidir: a->b while b->a runs, p2p-bidir-sum: both directions)");
     }
     let latency = latency_rows(r);
     if !latency.is_empty() {
@@ -622,10 +670,11 @@ fn plot(
 ) -> std::result::Result<(), String> {
     use plotters::prelude::*;
     let series: Vec<(String, Vec<(f64, f64)>)> = {
-        let mut keys: Vec<(String, &str, &str)> = Vec::new();
+        let mut keys: Vec<(String, &str, &str, &str)> = Vec::new();
         for r in rows {
             let k = (
                 format!("{} {} {}", r.device, r.kind, r.direction),
+                r.device.as_str(),
                 r.kind,
                 r.direction,
             );
@@ -636,10 +685,10 @@ fn plot(
             }
         }
         keys.into_iter()
-            .map(|(label, kind, dir)| {
+            .map(|(label, device, kind, dir)| {
                 let pts = rows
                     .iter()
-                    .filter(|r| r.kind == kind && r.direction == dir && r.device != "all")
+                    .filter(|r| r.device == device && r.kind == kind && r.direction == dir)
                     .map(|r| (r.bytes as f64, r.gbps.median))
                     .collect();
                 (label, pts)
@@ -758,7 +807,54 @@ mod tests {
         assert!(cli.args.kinds.is_empty() && cli.args.file.is_none());
         assert_eq!(cli.args.file_bytes, 1 << 30);
         assert!(Cli::try_parse_from(["bandwidth", "--file-bytes", "0"]).is_err());
+        let cli = Cli::try_parse_from(["bandwidth", "--directions", "p2p,d2d"]).unwrap();
+        assert_eq!(cli.args.directions, vec![Direction::P2P, Direction::D2D]);
+        let e = parse_direction("peer").unwrap_err();
+        assert!(e.contains("bidir, p2p"), "{e}");
         assert!(Cli::try_parse_from(["bandwidth", "--kinds", "staged,nope"]).is_err());
+    }
+
+    #[test]
+    fn peer_rows_print_their_pair() {
+        let stats = Stats::new(vec![300.0, 310.0, 320.0]).unwrap();
+        let row = |device: &str, direction| Row {
+            device: device.into(),
+            kind: peer::KIND,
+            direction,
+            bytes: 512 << 20,
+            copies_per_sample: 12,
+            gbps: stats.clone(),
+            host_gbps: None,
+            host_memcpy_gbps: None,
+            verified: true,
+            gate_timed_out: false,
+            partly_alone: false,
+            note: Some("on 0 (push)".into()),
+        };
+        let report = Report {
+            context: Vec::new(),
+            rows: vec![row("0->1", "p2p"), row("1->0", "p2p-bidir-sum")],
+            latency: Vec::new(),
+            pinning: Vec::new(),
+            scenarios: Vec::new(),
+            warnings: Vec::new(),
+        };
+        let table = table(&report);
+        let line = table.lines().find(|l| l.starts_with("0->1")).unwrap();
+        assert_eq!(
+            line,
+            "0->1   peer             p2p          512M    310.00   300.00   320.00   2.63          -       - yes  on 0 (push)"
+        );
+        assert!(
+            table.contains("1->0   peer             p2p-bidir-sum"),
+            "{table}"
+        );
+        let out = csv(&report).unwrap();
+        assert!(out
+            .lines()
+            .nth(1)
+            .unwrap()
+            .starts_with("0->1,peer,p2p,536870912,12,310.0,"));
     }
 
     #[test]
