@@ -11,7 +11,6 @@
 //    vector store per plane.
 //  - general: one thread per output pixel; variable-size samples, crops, mirror, channel padding,
 //    any layout pair, per-sample mean/std.
-#include <cstdlib>
 #include "normalize.h"
 #include "pinstream.cuh"
 
@@ -337,23 +336,28 @@ constexpr int ROW_THREADS = 256;
 constexpr int ROW_SMEM = 12288;  // bytes of staged source per block (R rows)
 constexpr int ROW_R_MAX = 16;
 
-// The 4 bytes at `p`, read as aligned words where [lo, hi) holds them, else byte by byte (bytes
-// outside [lo, hi) read as 0 and are never used).
-__device__ __forceinline__ uint32_t load_word_shifted(const uint8_t* p, const uint8_t* lo, const uint8_t* hi) {
-  const uintptr_t x = (uintptr_t)p, a0 = x & ~(uintptr_t)3;
-  const uint32_t sh = (uint32_t)(x - a0) * 8;
-  const uintptr_t need_end = sh ? a0 + 8 : a0 + 4;
-  if (a0 >= (uintptr_t)lo && need_end <= (uintptr_t)hi) {
-    const uint32_t w0 = __ldg(reinterpret_cast<const uint32_t*>(a0));
-    if (!sh) return w0;
-    const uint32_t w1 = __ldg(reinterpret_cast<const uint32_t*>(a0) + 1);
-    return __funnelshift_r(w0, w1, sh);
-  }
-  uint32_t v = 0;
+// The 16-byte aligned chunk at `p`: one vector load where [lo, hi) holds all of it, else byte by
+// byte (bytes outside [lo, hi) read as 0 and are never used).
+__device__ __forceinline__ uint4 load_chunk(const uint8_t* p, const uint8_t* lo, const uint8_t* hi) {
+  if (p >= lo && p + 16 <= hi) return __ldg(reinterpret_cast<const uint4*>(p));
+  uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    if (p + i >= lo && p + i < hi) v |= (uint32_t)__ldg(p + i) << (8 * i);
-  return v;
+  for (int i = 0; i < 16; ++i)
+    if (p + i >= lo && p + i < hi) w[i / 4] |= (uint32_t)__ldg(p + i) << (8 * (i % 4));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// `n` words of tile bytes starting at byte offset `o` (any alignment): aligned shared loads and
+// funnel shifts.
+template <int N>
+__device__ __forceinline__ void tile_words(const uint8_t* tile, uint32_t o, uint32_t (&w)[N]) {
+  const uint32_t* t = reinterpret_cast<const uint32_t*>(tile) + o / 4;
+  const uint32_t sh = (o % 4) * 8;
+  uint32_t raw[N + 1];
+#pragma unroll
+  for (int i = 0; i <= N; ++i) raw[i] = t[i];
+#pragma unroll
+  for (int i = 0; i < N; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
 }
 
 template <int C>
@@ -363,9 +367,10 @@ __device__ __forceinline__ uint32_t byte_of(const uint32_t (&w)[C], int i) {
 
 // Overflow audit: as `general` (64-bit element and byte offsets); per block at most
 // ROW_R_MAX * 4 segments of at most 4 * ROW_MAX + 4 bytes, so smem-local indices are small.
-template <typename Out, int C, int MINB>
-__global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+template <typename Out, int C>
+__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
   extern __shared__ __align__(16) uint8_t tile[];
+  __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
   Out* out = reinterpret_cast<Out*>(a.out);
   const bool in_nhwc = a.in_layout == PINSTREAM_NHWC;
@@ -378,7 +383,7 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
     const uint8_t* img = in + d.in_offset;  // the sample's source image
     const uint8_t* img_end = img + src_hw * C;
     const uint32_t L = in_nhwc ? out_w * C : out_w;  // bytes per segment
-    const uint32_t nw = (L + 3) / 4;                  // staged words per segment
+    const uint32_t nc = (L + 15) / 16 + 1;           // 16-byte chunks covering any span of L bytes
     float mean[C], k[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) params(a, (int)s, c, mean[c], k[c]);
@@ -392,28 +397,34 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
       const uint32_t rows = min(R, out_h - oy0);
       const uint32_t G = rows * segs_per_row;
       __syncthreads();  // the previous rows' reads of the tile are done
-      for (uint32_t base = threadIdx.x; base < G * nw; base += 4 * ROW_THREADS) {
-        uint32_t v[4];
+      // Segment g's span starts at byte lead(g) = b & 15 of its first chunk; chunks go to the tile
+      // as they are (16-byte stores), four loads in flight per thread.
+      auto span = [&](uint32_t g) -> const uint8_t* {
+        const uint32_t r = g / segs_per_row, c = g - r * segs_per_row;
+        const size_t pix = (size_t)(d.crop_y + oy0 + r) * d.src_w + d.crop_x;
+        return in_nhwc ? img + pix * C : img + (size_t)c * src_hw + pix;
+      };
+      for (uint32_t base = threadIdx.x; base < G * nc; base += 4 * ROW_THREADS) {
+        uint4 v[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t i = base + j * ROW_THREADS;
-          if (i < G * nw) {
-            const uint32_t g = i / nw, w = i - g * nw;
-            const uint32_t r = g / segs_per_row, c = g - r * segs_per_row;
-            const size_t pix = (size_t)(d.crop_y + oy0 + r) * d.src_w + d.crop_x;
-            const uint8_t* b = in_nhwc ? img + pix * C : img + (size_t)c * src_hw + pix;
-            v[j] = load_word_shifted(b + 4 * w, img, img_end);
+          if (i < G * nc) {
+            const uint32_t g = i / nc, ch = i - g * nc;
+            const uint8_t* a16 = reinterpret_cast<const uint8_t*>((uintptr_t)span(g) & ~(uintptr_t)15);
+            v[j] = load_chunk(a16 + 16 * ch, img, img_end);
           }
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const uint32_t i = base + j * ROW_THREADS;
-          if (i < G * nw) {
-            const uint32_t g = i / nw, w = i - g * nw;
-            reinterpret_cast<uint32_t*>(tile + g * S)[w] = v[j];
+          if (i < G * nc) {
+            const uint32_t g = i / nc, ch = i - g * nc;
+            reinterpret_cast<uint4*>(tile + g * S)[ch] = v[j];
           }
         }
       }
+      if (threadIdx.x < G) lead_s[threadIdx.x] = (uint8_t)((uintptr_t)span(threadIdx.x) & 15);
       __syncthreads();
       if (fast) {
         for (uint32_t r = ty; r < rows; r += rp) {
@@ -423,9 +434,7 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
             float o[C][4];
             if (in_nhwc) {
               uint32_t w[C];
-              const uint32_t* t = reinterpret_cast<const uint32_t*>(tile + r * S + sx * C);
-#pragma unroll
-              for (int i = 0; i < C; ++i) w[i] = t[i];
+              tile_words<C>(tile + r * S, lead_s[r] + sx * C, w);
 #pragma unroll
               for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -433,7 +442,9 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
             } else {
 #pragma unroll
               for (int c = 0; c < C; ++c) {
-                const uint32_t w = *reinterpret_cast<const uint32_t*>(tile + (r * C + c) * S + sx);
+                uint32_t w1[1];
+                tile_words<1>(tile + (r * C + c) * S, lead_s[r * C + c] + sx, w1);
+                const uint32_t w = w1[0];
 #pragma unroll
                 for (int p = 0; p < 4; ++p) o[c][p] = norm((w >> (8 * p)) & 0xFFu, mean[c], k[c], a.shift);
               }
@@ -465,7 +476,8 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
             oi = d.out_offset + (size_t)(oy0 + r) * per_row + e;
           }
           const uint32_t sx = d.mirror ? out_w - 1 - x : x;
-          const uint32_t v = in_nhwc ? tile[r * S + sx * C + c] : tile[(r * C + c) * S + sx];
+          const uint32_t v = in_nhwc ? tile[r * S + lead_s[r] + sx * C + c]
+                                     : tile[(r * C + c) * S + lead_s[r * C + c] + sx];
           out[oi] = Conv<Out>::from(norm(v, pick4(mean, c), pick4(k, c), a.shift));
         }
       }
@@ -537,35 +549,23 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
   if (a.samples != nullptr && a.c_out == a.c_in && a.c_in >= 1 && a.c_in <= 4 && a.w <= ROW_MAX && a.h > 0 &&
       out_addr % (4 * sizeof(Out)) == 0) {
     // Rows per block: as many as fit ROW_SMEM of staged source, at most ROW_R_MAX.
-    // EXPERIMENT: PINSTREAM_CROP_VARIANT picks (min blocks, max rows).
-    int variant = 0;
-    if (const char* v = getenv("PINSTREAM_CROP_VARIANT")) variant = atoi(v);
-    const uint32_t rmax = variant == 1 ? 4u : variant == 2 ? 8u : variant == 3 ? 16u : (uint32_t)ROW_R_MAX;
     const bool nhwc = a.in_layout == PINSTREAM_NHWC;
     const uint32_t L = nhwc ? (uint32_t)a.w * a.c_in : (uint32_t)a.w;
-    const uint32_t S = (L + 3) / 4 * 4 + 4;  // L bytes rounded up to words, per segment (+4: banks)
+    // Per segment: the chunks covering a span (lead up to 15 bytes) and one word more for the
+    // funnel-shifted reads at its end.
+    const uint32_t S = ((L + 15) / 16 + 1) * 16 + 16;
     const uint32_t segs = nhwc ? 1u : (uint32_t)a.c_in;
     uint32_t R = ROW_SMEM / (segs * S);
-    R = R < 1 ? 1 : (R > rmax ? rmax : R);
+    R = R < 1 ? 1 : (R > (uint32_t)ROW_R_MAX ? (uint32_t)ROW_R_MAX : R);
     const size_t smem = (size_t)R * segs * S;
     dim3 grid((unsigned)cap(((size_t)a.h + R - 1) / R, 65535), (unsigned)cap((size_t)a.n, 65535));
-#define PS_CROP(CC)                                                                              \
-  case CC:                                                                                       \
-    if (variant == 0)                                                                            \
-      crop_rows<Out, CC, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S);                       \
-    else if (variant == 3)                                                                       \
-      crop_rows<Out, CC, 8><<<grid, ROW_THREADS, smem, stream>>>(a, R, S);                       \
-    else                                                                                         \
-      crop_rows<Out, CC, 6><<<grid, ROW_THREADS, smem, stream>>>(a, R, S);                       \
-    return pinstream::launched();
     switch (a.c_in) {
-      PS_CROP(1)
-      PS_CROP(2)
-      PS_CROP(3)
-      PS_CROP(4)
+      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
       default: break;
     }
-#undef PS_CROP
   }
   // general: at most 4096 x 256 threads per sample (the kernel's stride bound), h and w being the
   // largest output height and width (their product may exceed any sample's; only the grid uses it).
