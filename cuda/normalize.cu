@@ -1,7 +1,7 @@
 // Fused normalize / cast: out = k[c] * (x - mean[c]) + shift (k = scale / std), u8 in, f32 / f16 /
 // bf16 / u8 / i8 out, NCHW or NHWC in and out, one launch per batch.
 //
-// Three kernels, chosen by the launcher:
+// Four kernels, chosen by the launcher:
 //  - same_layout: NCHW->NCHW or NHWC->NHWC of a uniform batch. A warp moves 512 input bytes per
 //    step: lane l loads words l, l+32, l+64, l+96 (four coalesced 128-byte loads in flight) and
 //    stores each as four outputs (float4 / 8-byte / 4-byte), so every store instruction of a warp
@@ -9,9 +9,10 @@
 //  - nhwc_to_nchw<C>: the fused transpose. A block stages 512 pixels x C bytes of input in shared
 //    memory with 16-byte loads, then each thread writes 4 pixels of every channel plane as one
 //    vector store per plane.
-//  - general: one thread per output pixel; variable-size samples, crops, mirror, channel padding,
-//    any layout pair, per-sample mean/std.
-#include <cstdlib>
+//  - crop_rows<C>: per-sample tables (crops, mirrors, variable sizes) without channel padding:
+//    rows staged in shared memory with 16-byte loads, 4 pixels x C channels per thread out.
+//  - general: one thread per output pixel; everything else (channel padding, unaligned outputs,
+//    rows wider than 2048), any layout pair, per-sample mean/std.
 #include "normalize.h"
 #include "pinstream.cuh"
 
@@ -368,8 +369,8 @@ __device__ __forceinline__ uint32_t byte_of(const uint32_t (&w)[C], int i) {
 
 // Overflow audit: as `general` (64-bit element and byte offsets); per block at most
 // ROW_R_MAX * 4 segments of at most 4 * ROW_MAX + 4 bytes, so smem-local indices are small.
-template <typename Out, int C, int MINB>
-__global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+template <typename Out, int C>
+__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
   extern __shared__ __align__(16) uint8_t tile[];
   __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
@@ -556,31 +557,19 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
     // funnel-shifted reads at its end.
     const uint32_t S = ((L + 15) / 16 + 1) * 16 + 16;
     const uint32_t segs = nhwc ? 1u : (uint32_t)a.c_in;
-    // EXPERIMENT: PINSTREAM_CROP_VARIANT picks (min blocks per SM, max rows per block).
-    int variant = 0;
-    if (const char* v = getenv("PINSTREAM_CROP_VARIANT")) variant = atoi(v);
-    const uint32_t rmax = variant == 2 || variant == 3 ? 8u : (uint32_t)ROW_R_MAX;
+    // 16 rows of 224 x 3 at most: more rows per block or more blocks per SM (fewer registers)
+    // measured slower on the H100 (BENCHMARKS.md).
     uint32_t R = ROW_SMEM / (segs * S);
-    R = R < 1 ? 1 : (R > rmax ? rmax : R);
+    R = R < 1 ? 1 : (R > (uint32_t)ROW_R_MAX ? (uint32_t)ROW_R_MAX : R);
     const size_t smem = (size_t)R * segs * S;
     dim3 grid((unsigned)cap(((size_t)a.h + R - 1) / R, 65535), (unsigned)cap((size_t)a.n, 65535));
-#define PS_CROP(CC)                                                        \
-  case CC:                                                                 \
-    if (variant == 0)                                                      \
-      crop_rows<Out, CC, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    else if (variant == 3)                                                 \
-      crop_rows<Out, CC, 6><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    else                                                                   \
-      crop_rows<Out, CC, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    return pinstream::launched();
     switch (a.c_in) {
-      PS_CROP(1)
-      PS_CROP(2)
-      PS_CROP(3)
-      PS_CROP(4)
+      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
       default: break;
     }
-#undef PS_CROP
   }
   // general: at most 4096 x 256 threads per sample (the kernel's stride bound), h and w being the
   // largest output height and width (their product may exceed any sample's; only the grid uses it).
