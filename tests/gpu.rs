@@ -276,9 +276,13 @@ fn device_info() -> R {
     let rt = Device::runtime_version()?;
     let drv = Device::driver_version()?.ok_or("no driver version on a machine with a device")?;
     println!("runtime {rt}, driver {drv}");
-    ensure(rt.major >= 12 && drv.major >= 12, || {
-        format!("runtime {rt}, driver {drv}")
-    })?;
+    // The runtime is the one this build linked (11.x and 12.x toolkits too); a working device
+    // means the driver supports at least that version.
+    let built = pinstream::Version::from_cuda(pinstream::CUDART_VERSION as i32);
+    ensure(
+        rt == built && (drv.major, drv.minor) >= (rt.major, rt.minor),
+        || format!("runtime {rt} (built with {built}), driver {drv}"),
+    )?;
     // Where the kernel module shows its release, it is read: digits and dots, e.g. 580.159.04.
     let shown = ["/sys/module/nvidia/version", "/proc/driver/nvidia/version"]
         .iter()

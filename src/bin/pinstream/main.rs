@@ -61,6 +61,13 @@ fn parse() -> Result<Cli, clap::Error> {
 }
 
 fn main() -> ExitCode {
+    // `pinstream info | head` should end quietly, as other command-line tools do, not panic in
+    // `println!` when the reader goes away: restore the default SIGPIPE action (Rust ignores it).
+    // SAFETY: `signal` with a valid signal number and `SIG_DFL` only changes this process's
+    // disposition; no handler runs Rust code, and no other thread exists yet.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = match parse() {
         Ok(cli) => cli,
         // `pinstream` alone prints the help to stdout, status 0, like `--help`.
