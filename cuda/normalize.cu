@@ -13,7 +13,6 @@
 //    rows staged in shared memory with 16-byte loads, 4 pixels x C channels per thread out.
 //  - general: one thread per output pixel; everything else (channel padding, unaligned outputs,
 //    rows wider than 2048), any layout pair, per-sample mean/std.
-#include <cstdlib>
 #include "normalize.h"
 #include "pinstream.cuh"
 
@@ -370,8 +369,8 @@ __device__ __forceinline__ uint32_t byte_of(const uint32_t (&w)[C], int i) {
 
 // Overflow audit: as `general` (64-bit element and byte offsets); per block at most
 // ROW_R_MAX * 4 segments of at most 4 * ROW_MAX + 4 bytes, so smem-local indices are small.
-template <typename Out, int C, int MINB>
-__global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+template <typename Out, int C>
+__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
   extern __shared__ __align__(16) uint8_t tile[];
   __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
@@ -434,32 +433,31 @@ __global__ void __launch_bounds__(ROW_THREADS, MINB) crop_rows(pinstream_norm_ar
           for (uint32_t x4 = tx; x4 < q; x4 += tpr) {
             const uint32_t x = 4 * x4;
             const uint32_t sx = d.mirror ? out_w - 4 - x : x;  // first of the 4 source pixels
-            Out* dst = out + d.out_offset + (size_t)(oy0 + r) * out_w + x;
-            // Channel by channel: 4 values, one store (the mirror reverses them).
-            auto put = [&](int c, uint32_t w) {
-              const float v0 = norm(w & 0xFFu, mean[c], k[c], a.shift);
-              const float v1 = norm((w >> 8) & 0xFFu, mean[c], k[c], a.shift);
-              const float v2 = norm((w >> 16) & 0xFFu, mean[c], k[c], a.shift);
-              const float v3 = norm(w >> 24, mean[c], k[c], a.shift);
-              if (d.mirror)
-                Vec4<Out>::store(dst + (size_t)c * npix, v3, v2, v1, v0);
-              else
-                Vec4<Out>::store(dst + (size_t)c * npix, v0, v1, v2, v3);
-            };
+            float o[C][4];
             if (in_nhwc) {
               uint32_t w[C];
               tile_words<C>(tile + r * S, lead_s[r] + sx * C, w);
 #pragma unroll
-              for (int c = 0; c < C; ++c)
-                put(c, byte_of<C>(w, c) | byte_of<C>(w, C + c) << 8 | byte_of<C>(w, 2 * C + c) << 16 |
-                           byte_of<C>(w, 3 * C + c) << 24);
+              for (int p = 0; p < 4; ++p)
+#pragma unroll
+                for (int c = 0; c < C; ++c) o[c][p] = norm(byte_of<C>(w, p * C + c), mean[c], k[c], a.shift);
             } else {
 #pragma unroll
               for (int c = 0; c < C; ++c) {
                 uint32_t w1[1];
                 tile_words<1>(tile + (r * C + c) * S, lead_s[r * C + c] + sx, w1);
-                put(c, w1[0]);
+                const uint32_t w = w1[0];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) o[c][p] = norm((w >> (8 * p)) & 0xFFu, mean[c], k[c], a.shift);
               }
+            }
+            Out* dst = out + d.out_offset + (size_t)(oy0 + r) * out_w + x;
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+              if (d.mirror)
+                Vec4<Out>::store(dst + (size_t)c * npix, o[c][3], o[c][2], o[c][1], o[c][0]);
+              else
+                Vec4<Out>::store(dst + (size_t)c * npix, o[c][0], o[c][1], o[c][2], o[c][3]);
             }
           }
         }
@@ -559,31 +557,19 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
     // funnel-shifted reads at its end.
     const uint32_t S = ((L + 15) / 16 + 1) * 16 + 16;
     const uint32_t segs = nhwc ? 1u : (uint32_t)a.c_in;
-    // EXPERIMENT: PINSTREAM_CROP_VARIANT picks (min blocks per SM, max rows per block).
-    int variant = 0;
-    if (const char* v = getenv("PINSTREAM_CROP_VARIANT")) variant = atoi(v);
-    const uint32_t rmax = variant >= 2 ? 8u : (uint32_t)ROW_R_MAX;
+    // 16 rows of 224 x 3 at most: more rows per block or more blocks per SM (fewer registers)
+    // measured slower on the H100 (BENCHMARKS.md).
     uint32_t R = ROW_SMEM / (segs * S);
-    R = R < 1 ? 1 : (R > rmax ? rmax : R);
+    R = R < 1 ? 1 : (R > (uint32_t)ROW_R_MAX ? (uint32_t)ROW_R_MAX : R);
     const size_t smem = (size_t)R * segs * S;
     dim3 grid((unsigned)cap(((size_t)a.h + R - 1) / R, 65535), (unsigned)cap((size_t)a.n, 65535));
-#define PS_CROP(CC)                                                        \
-  case CC:                                                                 \
-    if (variant == 0)                                                      \
-      crop_rows<Out, CC, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    else if (variant == 2)                                                 \
-      crop_rows<Out, CC, 5><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    else                                                                   \
-      crop_rows<Out, CC, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); \
-    return pinstream::launched();
     switch (a.c_in) {
-      PS_CROP(1)
-      PS_CROP(2)
-      PS_CROP(3)
-      PS_CROP(4)
+      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
       default: break;
     }
-#undef PS_CROP
   }
   // general: at most 4096 x 256 threads per sample (the kernel's stride bound), h and w being the
   // largest output height and width (their product may exceed any sample's; only the grid uses it).
