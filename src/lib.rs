@@ -38,6 +38,7 @@ pub mod memory;
 pub mod prefetch;
 pub mod staging;
 mod stream;
+mod sync;
 
 pub use bytemuck::{self, Pod, Zeroable};
 pub use half::{self, bf16, f16};

@@ -13,6 +13,20 @@ pub mod sweep;
 
 pub use gate::Gate;
 
+/// Median wall time in ms of `f` over 7 runs after one warm-up (host clock; `f` synchronises).
+pub(crate) fn median_ms(
+    mut f: impl FnMut() -> crate::error::Result<()>,
+) -> crate::error::Result<f64> {
+    f()?; // warm-up
+    let mut t = Vec::new();
+    for _ in 0..7 {
+        let start = Instant::now();
+        f()?;
+        t.push(secs(start.elapsed()) * 1e3);
+    }
+    Ok(Stats::new(t).map_or(0.0, |s| s.median))
+}
+
 use std::time::{Duration, Instant};
 
 /// Summary of repeated samples.

@@ -13,7 +13,7 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use super::{secs, Stats};
+use super::{median_ms, secs};
 use crate::device::Device;
 use crate::error::Result;
 use crate::kernels::{self, Layout, Normalize, Spec};
@@ -65,17 +65,6 @@ pub fn synth(i: u64, out: &mut Vec<u8>, len: usize) {
     for (k, b) in out.iter_mut().step_by(4096).enumerate() {
         *b = (k as u64).wrapping_add(i) as u8;
     }
-}
-
-fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?;
-    let mut t = Vec::new();
-    for _ in 0..7 {
-        let start = Instant::now();
-        f()?;
-        t.push(secs(start.elapsed()) * 1e3);
-    }
-    Ok(Stats::new(t).map_or(0.0, |s| s.median))
 }
 
 /// The parts of one batch, each measured alone (ms).

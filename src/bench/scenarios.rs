@@ -4,10 +4,10 @@
 //! engine's defaults, overridden by the `PINSTREAM_STAGING_*` variables): from the same pageable
 //! memory, one call per tensor, one call per list, one packed batch.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::staging::describe;
-use super::{pattern, secs, Stats};
+use super::{median_ms, pattern};
 use crate::device::Device;
 use crate::error::Result;
 use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
@@ -24,19 +24,6 @@ pub struct Case {
     pub ms: f64,
     /// What the case shows, or how it was done (empty where there is nothing to add).
     pub note: String,
-}
-
-const REPEAT: usize = 7;
-
-fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
-    f()?; // warm-up
-    let mut t = Vec::new();
-    for _ in 0..REPEAT {
-        let start = Instant::now();
-        f()?;
-        t.push(secs(start.elapsed()) * 1e3);
-    }
-    Ok(Stats::new(t).map_or(0.0, |s| s.median))
 }
 
 /// Runs scenarios (a) to (d) on `device`, with the staged cases of (a) to (c) moved by one

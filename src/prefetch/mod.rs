@@ -26,7 +26,7 @@ use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use bytemuck::Pod;
@@ -38,6 +38,7 @@ use crate::kernels::{self, Normalize, OutputElement, Spec};
 use crate::memory::{DeviceBuffer, DeviceView, PinnedPool, PoolConfig, PoolStats};
 use crate::staging::{Stager, StagerConfig};
 use crate::stream::Stream;
+use crate::sync::{lock, panic_message};
 
 /// What a source returns when it cannot produce a batch; the prefetcher turns it into
 /// [`Error::Loader`] naming the batch.
@@ -200,10 +201,6 @@ impl PrefetchConfig {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A loaded batch, or why there is none.
 enum Loaded<E> {
     Batch(u64, HostBatch<E>),
@@ -335,6 +332,9 @@ enum Msg<O: Pod, E: Pod> {
 /// thread uploads each batch through the staging engine into one of `depth` device slots and
 /// runs the fused normalize there, and [`next`](Prefetcher::next) hands the batches out in
 /// order, bound to the consumer's stream.
+///
+/// Dropping it stops the threads and frees the slots once nothing uses them; a loader that is
+/// inside the source at that moment is waited for (the source's call is not interrupted).
 ///
 /// ```no_run
 /// use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
@@ -643,16 +643,6 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
 impl<O: OutputElement, E: Pod + Send + 'static> Drop for DeviceBatch<'_, O, E> {
     fn drop(&mut self) {
         self.p.give_back();
-    }
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_string()
     }
 }
 

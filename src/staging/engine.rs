@@ -11,7 +11,7 @@
 use std::os::raw::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use super::plan::{Piece, Plan};
@@ -22,13 +22,8 @@ use crate::event::Event;
 use crate::memory::sealed::HostMem;
 use crate::memory::{PinnedPool, PoolBlock};
 use crate::stream::Stream;
+use crate::sync::{lock, panic_message};
 use crate::sys;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A poisoned lock only means a thread panicked while holding it; every state behind these
-    // locks is updated in single steps, so it is still consistent.
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// A pinned slot and the event recorded after the last DMA that read or wrote it.
 struct Slot {
@@ -494,16 +489,6 @@ fn run_job(
                 message: panic_message(&*panic),
             }),
         }
-    }
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_string()
     }
 }
 
