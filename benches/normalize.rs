@@ -5,7 +5,7 @@
 //!
 //! `cargo bench --bench normalize`, or on the GPU machine `.gpu/bench/normalize --bench`.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use pinstream::kernels::{self, Crop, Layout, Normalize, OutputElement, Sample, Spec};
@@ -33,19 +33,28 @@ fn input(stream: &Stream, n: usize) -> DeviceBuffer<u8> {
 }
 
 /// GPU seconds per launch of `op`, over `LAUNCHES` launches.
-fn per_launch(stream: &Stream, mut op: impl FnMut()) -> f64 {
+fn per_launch(stream: &Stream, op: impl FnMut()) -> f64 {
+    per_launch_host(stream, op).0
+}
+
+/// GPU seconds per launch of `op`, and host seconds per call to queue it (when the second is
+/// the larger, the host limits the rate and the GPU idles between launches).
+fn per_launch_host(stream: &Stream, mut op: impl FnMut()) -> (f64, f64) {
     let dev = stream.device();
     let (a, b) = (
         TimingEvent::new(&dev).unwrap(),
         TimingEvent::new(&dev).unwrap(),
     );
     stream.record(&a).unwrap();
+    let t = Instant::now();
     for _ in 0..LAUNCHES {
         op();
     }
+    let host = t.elapsed().as_secs_f64() / f64::from(LAUNCHES);
     stream.record(&b).unwrap();
     b.synchronize().unwrap();
-    f64::from(a.elapsed_ms(&b).unwrap()) / 1e3 / f64::from(LAUNCHES)
+    let gpu = f64::from(a.elapsed_ms(&b).unwrap()) / 1e3 / f64::from(LAUNCHES);
+    (gpu, host)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -233,17 +242,21 @@ fn normalize(c: &mut Criterion) {
         for _ in 0..3 {
             per_launch(&stream, &mut cs.run);
         }
-        let t = median((0..20).map(|_| per_launch(&stream, &mut cs.run)).collect());
+        let (gpu, host): (Vec<f64>, Vec<f64>) = (0..20)
+            .map(|_| per_launch_host(&stream, &mut cs.run))
+            .unzip();
+        let (t, th) = (median(gpu), median(host));
         let tc = median(copy);
         println!(
-            "  {:<20} {:>8.4} ms  {:>7.1} GB/s   d2d copy of the same {} MB: {:>8.4} ms {:>7.1} GB/s   {:>5.1} %",
+            "  {:<20} {:>8.4} ms  {:>7.1} GB/s   d2d copy of the same {} MB: {:>8.4} ms {:>7.1} GB/s   {:>5.1} %   host {:>5.1} us/call",
             cs.name,
             t * 1e3,
             bytes as f64 / t / 1e9,
             bytes / 1_000_000,
             tc * 1e3,
             bytes as f64 / tc / 1e9,
-            100.0 * tc / t
+            100.0 * tc / t,
+            th * 1e6
         );
     }
 }

@@ -1,11 +1,12 @@
 //! `Stream`: an ordered queue of GPU work on one device; non-blocking by default.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::device::Device;
 use crate::error::{check, check_with, Error, Result};
 use crate::event::AnyEvent;
+use crate::memory::DeviceBuffer;
 use crate::sys;
 
 /// A CUDA stream created with `cudaStreamNonBlocking`, so it never synchronises with the legacy
@@ -40,6 +41,10 @@ struct Inner {
     raw: sys::cudaStream_t,
     device: Device,
     priority: i32,
+    /// Device memory for the small per-launch tables of kernels (the normalize sample table),
+    /// reused launch after launch: every use is queued on this stream, so each launch's upload
+    /// is ordered after the previous launch's reads. Held locked from upload to launch.
+    scratch: Mutex<Option<DeviceBuffer<u8>>>,
 }
 
 // SAFETY: CUDA streams may be used from any thread; the runtime synchronises internally.
@@ -49,10 +54,15 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        // The scratch buffer is freed after this: let its last upload finish first.
+        let scratch = crate::sync::lock(&self.scratch).is_some();
         // SAFETY: the stream is live and destroyed once. Queued work still completes; the buffers
         // it touches keep their own events, so nothing is freed under it.
         unsafe {
             let _ = sys::cudaSetDevice(self.device.raw());
+            if scratch {
+                let _ = sys::cudaStreamSynchronize(self.raw);
+            }
             let _ = sys::cudaStreamDestroy(self.raw);
         }
     }
@@ -93,6 +103,7 @@ impl Stream {
                 raw,
                 device: *device,
                 priority,
+                scratch: Mutex::new(None),
             }),
         })
     }
@@ -110,6 +121,24 @@ impl Stream {
     /// The raw handle, for use with other CUDA libraries. It stays owned by the `Stream`.
     pub fn as_raw(&self) -> sys::cudaStream_t {
         self.inner.raw
+    }
+
+    /// The stream's scratch buffer, at least `bytes` long, locked: upload into it and queue the
+    /// launch that reads it before the guard drops. A buffer too small is replaced (its drop
+    /// waits for the launches that still read it: only while the tables grow).
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<MutexGuard<'_, Option<DeviceBuffer<u8>>>> {
+        let mut g = crate::sync::lock(&self.inner.scratch);
+        if g.as_ref().is_none_or(|b| b.len() < bytes) {
+            // Room to grow by half again before the next replacement.
+            let len = bytes.saturating_add(bytes / 2).max(4096);
+            if g.is_some() {
+                // An upload whose launch failed to queue is not tracked: wait for it too.
+                self.synchronize()?;
+            }
+            *g = None;
+            *g = Some(DeviceBuffer::new(&self.inner.device, len)?);
+        }
+        Ok(g)
     }
 
     /// Makes the stream's device current on this thread; every operation does this first.

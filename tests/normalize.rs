@@ -131,8 +131,9 @@ fn main() {
         }
     }
     type Case = (&'static str, fn() -> R);
-    let gpu: [Case; 6] = [
+    let gpu: [Case; 7] = [
         ("fast_paths_uniform", fast_paths_uniform),
+        ("tables_queued_back_to_back", tables_queued_back_to_back),
         ("misaligned_views_fall_back", misaligned_views_fall_back),
         ("many_samples", many_samples),
         ("real_images", real_images),
@@ -323,6 +324,68 @@ fn matrix<O: OutputElement + std::fmt::Debug>(il: Layout, ol: Layout, v: Variant
         }
     }
     Ok(())
+}
+
+/// The per-sample tables live in one scratch buffer per stream, reused launch after launch:
+/// launches with different crops, queued back to back without a wait (the table growing and
+/// shrinking), from four threads sharing clones of one stream, each must still read its own
+/// table. Every output is checked only after all were queued.
+fn tables_queued_back_to_back() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (_, seed) = rng();
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4u64)
+            .map(|t| {
+                let stream = stream.clone();
+                scope.spawn(move || -> R {
+                    let mut rng = <SmallRng as rand::SeedableRng>::seed_from_u64(seed ^ t);
+                    let mut queued = Vec::new();
+                    for k in 0..24 {
+                        // 1..64 samples (tables of 48 B .. 3 KiB, growing and shrinking).
+                        let n = 1 + (k * 7 + t as usize * 13) % 64;
+                        let sizes: Vec<(usize, usize)> = (0..n)
+                            .map(|_| (rng.random_range(4..20), rng.random_range(4..20)))
+                            .collect();
+                        let mut spec = Spec::variable(3, &sizes, random_norm(&mut rng, 3, false))
+                            .layouts(Layout::Nhwc, Layout::Nchw);
+                        for s in spec.samples.iter_mut() {
+                            let (w, h) = (rng.random_range(1..=s.w), rng.random_range(1..=s.h));
+                            s.crop = Some(Crop {
+                                x: rng.random_range(0..=s.w - w),
+                                y: rng.random_range(0..=s.h - h),
+                                w,
+                                h,
+                            });
+                            s.mirror = rng.random_bool(0.5);
+                        }
+                        let input = random_u8(&mut rng, spec.input_len()?);
+                        let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
+                        stream.copy_h2d(&input[..], &mut d_in)?;
+                        let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
+                        stream.memset(&mut d_out, 0xFF)?; // NaN until written
+                        kernels::normalize::<f32, _, _>(&stream, &d_in, &spec, &mut d_out, None)?;
+                        queued.push((spec, input, d_in, d_out));
+                    }
+                    stream.synchronize()?;
+                    for (k, (spec, input, _d_in, d_out)) in queued.iter().enumerate() {
+                        let mut got = vec![0f32; spec.output_len()?];
+                        stream.copy_d2h(d_out, &mut got[..])?.wait()?;
+                        let exact = cpu::normalize_exact(input, spec, None)?;
+                        let what =
+                            format!("thread {t}, launch {k}, {} samples", spec.samples.len());
+                        compare::<f32>(&what, &got, &exact, spec.norm.shift, seed)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a thread panicked".into())))
+            .collect::<Vec<R>>()
+    });
+    results.into_iter().collect()
 }
 
 /// Uniform batches that take the vectorised kernels (h*w a multiple of 4, aligned buffers),
