@@ -267,7 +267,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
             return Ok(false);
         }
         b.spec.clone_from(&spec);
-        synth(i, &mut b.pixels, n);
+        synth(i, b.pageable(), n);
         b.extras.clear();
         Ok(true)
     });
