@@ -1,5 +1,5 @@
-//! A training loop fed by the prefetcher: loader threads "decode" batches into pageable memory,
-//! the prefetcher stages them to the GPU and normalizes them (u8 NHWC -> f32 NCHW, random crops
+//! A training loop fed by the prefetcher: loader threads "decode" batches into page-locked
+//! memory, the prefetcher copies them to the GPU and normalizes them (u8 NHWC -> f32 NCHW, random crops
 //! and mirrors, ImageNet mean/std) while the previous step runs, and each step gets its batch
 //! ready on its own stream. Copy this shape into your own loop.
 //!
@@ -35,9 +35,9 @@ fn main() -> ExitCode {
     common::exit_status("prefetch", train(batches))
 }
 
-/// What a data loader does per batch: decode into `b.pixels` (here: a pattern), choose each
-/// sample's crop and mirror, set the labels. Runs on the loader threads, several at once.
-fn load(i: u64, b: &mut HostBatch<i64>) {
+/// What a data loader does per batch: decode into the batch's pixels (here: a pattern), choose
+/// each sample's crop and mirror, set the labels. Runs on the loader threads, several at once.
+fn load(i: u64, b: &mut HostBatch<i64>) -> pinstream::Result<()> {
     let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut rand = move |n: usize| {
         x ^= x << 13;
@@ -66,14 +66,17 @@ fn load(i: u64, b: &mut HostBatch<i64>) {
         pad_to_4: None,
         norm: Normalize::imagenet(),
     };
-    b.pixels.resize(BATCH * SRC * SRC * 3, 0);
+    // Page-locked memory (recycled, so write every byte): the upload is then one DMA, with no
+    // staging copy through host memory.
+    let pixels = b.pinned(BATCH * SRC * SRC * 3)?;
     // Your JPEG decoder writes here; we write a pattern that changes with the batch.
-    for (row, px) in b.pixels.chunks_mut(SRC * 3).enumerate() {
+    for (row, px) in pixels.chunks_mut(SRC * 3).enumerate() {
         px.fill((row as u64 ^ i) as u8);
     }
     b.extras.clear();
     b.extras
         .extend((0..BATCH).map(|k| ((i as usize * BATCH + k) % 1000) as i64));
+    Ok(())
 }
 
 fn train(batches: u64) -> Result<(), Box<dyn std::error::Error>> {
@@ -85,7 +88,7 @@ fn train(batches: u64) -> Result<(), Box<dyn std::error::Error>> {
         if i >= batches {
             return Ok(false); // end of the epoch
         }
-        load(i, b);
+        load(i, b)?;
         Ok(true)
     });
     let config = PrefetchConfig {

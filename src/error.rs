@@ -144,7 +144,8 @@ pub enum Error {
         message: String,
     },
     /// A prefetcher's source failed (returned an error, panicked, or gave a batch whose pixels
-    /// do not match its spec) at this batch; the batches before it came out whole.
+    /// do not match its spec, are page-locked for another device, or name a file range that
+    /// cannot be read) at this batch; the batches before it came out whole.
     Loader {
         /// The global batch index the source was called with.
         batch: u64,

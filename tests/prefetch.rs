@@ -2,10 +2,14 @@
 //! that went in, in order, for 1..4 loader threads and depths 1..4, with fast and slow consumers
 //! (a slow consumer's delayed reads catch a slot refilled before its release); variable sizes
 //! with crops and mirrors; loader errors, panics and bad batches at batch k; a leaked batch
-//! guard; dropping mid-epoch; sharding; a long run with memory checked. Ignored without a GPU.
+//! guard; dropping mid-epoch; sharding; a long run with memory checked. The same for pixels in
+//! page-locked memory (`HostBatch::pinned`), in file ranges (`HostBatch::set_file`) and mixed,
+//! with bad lengths and ranges at batch k. Ignored without a GPU, except the `host/` trials.
 
 mod common;
 
+use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,8 +17,8 @@ use std::time::{Duration, Instant};
 use common::{ensure, R};
 use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{cpu, Crop, Layout, Normalize, Sample, Spec};
-use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
-use pinstream::{Device, DeviceBuffer, Error, Stream};
+use pinstream::prefetch::{HostBatch, LoadError, Pixels, PrefetchConfig, Prefetcher, Source};
+use pinstream::{Device, DeviceBuffer, Error, FileSource, PinnedPool, PoolConfig, Stream};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -38,7 +42,23 @@ fn main() {
     gpu("source/iterator", iterator_source);
     gpu("shards/two_on_one_device", shards_one_device);
     gpu("soak/memory_flat_10000", soak);
+    gpu("pinned/threads_and_depths", pinned_threads_and_depths);
+    gpu("pinned/slow_consumer_delayed_reads", pinned_slow_consumer);
+    gpu("pinned/blocks_of_a_user_pool", pinned_user_pool);
+    gpu("pinned/soak_memory_flat_2000", pinned_soak);
+    gpu("pinned/host_far_ahead_bounded", pinned_host_far_ahead);
+    gpu("file/ranges", file_ranges);
+    gpu("mixed/pageable_pinned_file", mixed_kinds);
+    gpu("source/iterator_pinned_and_file", iterator_pinned_and_file);
+    gpu("errors/bad_pinned_length_at_k", bad_pinned_length);
+    gpu("errors/file_range_past_end_at_k", file_range_past_end);
     trials.push(Trial::test("shards/two_devices", shards_two_devices).with_ignored_flag(!two_gpus));
+    trials.push(
+        Trial::test("errors/pinned_block_of_another_device", pinned_other_device)
+            .with_ignored_flag(!two_gpus),
+    );
+    trials.push(Trial::test("host/pinned_without_pool", pinned_without_pool));
+    trials.push(Trial::test("host/pixels_len_and_read", pixels_len_and_read));
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -48,14 +68,44 @@ fn seed() -> u64 {
     *SEED.get_or_init(|| rand::rng().next_u64())
 }
 
-/// Batch `i`'s content: a pure function of (seed, i), so the consumer can rebuild it.
-fn fill_uniform(i: u64, b: &mut HostBatch<i64>, n: usize, hw: usize) {
-    b.spec = Spec::uniform(n, 3, hw, hw, Normalize::imagenet());
+/// Batch `i`'s pixel bytes: a pure function of (seed, i), so the consumer can rebuild them.
+fn uniform_bytes(i: u64, out: &mut [u8]) {
     let mut r = SmallRng::seed_from_u64(seed() ^ i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    b.pixels.resize(n * 3 * hw * hw, 0);
-    r.fill_bytes(&mut b.pixels);
+    r.fill_bytes(out);
+}
+
+/// Batch `i`'s spec and extras.
+fn uniform_meta(i: u64, b: &mut HostBatch<i64>, n: usize, hw: usize) {
+    b.spec = Spec::uniform(n, 3, hw, hw, Normalize::imagenet());
     b.extras.clear();
     b.extras.extend((0..n as i64).map(|k| i as i64 * 1000 + k));
+}
+
+/// Batch `i`'s content in pageable memory.
+fn fill_uniform(i: u64, b: &mut HostBatch<i64>, n: usize, hw: usize) {
+    uniform_meta(i, b, n, hw);
+    let px = b.pageable();
+    px.resize(n * 3 * hw * hw, 0);
+    uniform_bytes(i, px);
+}
+
+/// Batch `i`'s content (the same as `fill_uniform`) in page-locked memory of the prefetcher.
+fn fill_uniform_pinned(
+    i: u64,
+    b: &mut HostBatch<i64>,
+    n: usize,
+    hw: usize,
+) -> Result<(), LoadError> {
+    uniform_meta(i, b, n, hw);
+    uniform_bytes(i, b.pinned(n * 3 * hw * hw)?);
+    Ok(())
+}
+
+/// The reference of batch `i`: pageable, as `fill_uniform` makes it.
+fn uniform_want(i: u64, n: usize, hw: usize) -> HostBatch<i64> {
+    let mut want = HostBatch::default();
+    fill_uniform(i, &mut want, n, hw);
+    want
 }
 
 fn uniform_source(end: u64, n: usize, hw: usize) -> Source<i64> {
@@ -79,7 +129,7 @@ fn check(
 ) -> R {
     let mut px = vec![f32::NAN; got.len()];
     stream.copy_d2h(got, &mut px[..])?.wait()?;
-    let exact = cpu::normalize_exact(&want.pixels, &want.spec, None)?;
+    let exact = cpu::normalize_exact(&want.pixels.read()?, &want.spec, None)?;
     let worst = cpu::worst_error(&px, &exact, want.spec.norm.shift)?;
     ensure(worst.is_none_or(|w| w.units <= 1.0), || {
         format!(
@@ -143,13 +193,17 @@ fn order_threads_and_depths() -> R {
 /// everything is read back only at the end. A slot refilled before the consumer's release
 /// would show up as a wrong copy.
 fn slow_consumer() -> R {
+    slow_consumer_with(uniform_source)
+}
+
+/// `slow_consumer` over the uniform batches of `source(end, n, hw)`.
+fn slow_consumer_with(source: fn(u64, usize, usize) -> Source<i64>) -> R {
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let (n, hw, end) = (4usize, 96usize, 24u64);
     let len = n * 3 * hw * hw;
     for depth in [1, 2, 4] {
-        let mut p =
-            Prefetcher::<f32, i64>::new(&stream, uniform_source(end, n, hw), config(3, depth))?;
+        let mut p = Prefetcher::<f32, i64>::new(&stream, source(end, n, hw), config(3, depth))?;
         let mut copies = Vec::new();
         while let Some(b) = p.next() {
             let b = b?;
@@ -164,7 +218,7 @@ fn slow_consumer() -> R {
             stream.copy_d2h(d, &mut px[..])?.wait()?;
             let mut want = HostBatch::default();
             fill_uniform(i as u64, &mut want, n, hw);
-            let exact = cpu::normalize_exact(&want.pixels, &want.spec, None)?;
+            let exact = cpu::normalize_exact(&want.pixels.read()?, &want.spec, None)?;
             let worst = cpu::worst_error(&px, &exact, 0.0)?;
             ensure(worst.is_none_or(|w| w.units <= 1.0), || {
                 format!("depth {depth}, batch {i}: overwritten before release? {worst:?}")
@@ -204,8 +258,9 @@ fn fill_variable(i: u64, b: &mut HostBatch<i64>) {
         norm: Normalize::imagenet(),
     };
     let len = b.spec.input_len().expect("small");
-    b.pixels.resize(len, 0);
-    r.fill_bytes(&mut b.pixels);
+    let px = b.pageable();
+    px.resize(len, 0);
+    r.fill_bytes(px);
     b.extras.clear();
     b.extras.extend((0..n as i64).map(|k| -(i as i64) - k));
 }
@@ -240,14 +295,19 @@ fn variable_sizes() -> R {
 
 /// Runs a source that misbehaves at batch `k` (by `how`) and checks batches before it are whole,
 /// batch k is a `Loader` error naming it, and nothing comes after.
-fn fails_at(
-    k: u64,
-    how: fn(u64, &mut HostBatch<i64>) -> Result<bool, pinstream::prefetch::LoadError>,
-) -> R {
-    let dev = Device::get(0)?;
+fn fails_at<F>(k: u64, how: F) -> R
+where
+    F: Fn(u64, &mut HostBatch<i64>) -> Result<bool, LoadError> + Send + Sync + 'static,
+{
+    fails_on(&Device::get(0)?, k, Source::new(how)).map(drop)
+}
+
+/// `fails_at` on `dev` with a ready-made source; returns the error's message.
+fn fails_on(dev: &Device, k: u64, source: Source<i64>) -> Result<String, Failed> {
     let stream = dev.stream()?;
+    let mut last = String::new();
     for threads in [1, 4] {
-        let mut p = Prefetcher::<f32, i64>::new(&stream, Source::new(how), config(threads, 2))?;
+        let mut p = Prefetcher::<f32, i64>::new(&stream, source.clone(), config(threads, 2))?;
         for i in 0..k {
             let b = p
                 .next()
@@ -264,7 +324,8 @@ fn fails_at(
         }
         match p.next() {
             Some(Err(Error::Loader { batch, message })) if batch == k => {
-                ensure(!message.is_empty(), || "empty message".into())?
+                ensure(!message.is_empty(), || "empty message".into())?;
+                last = message;
             }
             other => {
                 return Err(format!("batch {k}: {:?}", other.map(|r| r.map(|b| b.index()))).into())
@@ -272,7 +333,7 @@ fn fails_at(
         }
         ensure(p.next().is_none(), || "a batch after the error".into())?;
     }
-    Ok(())
+    Ok(last)
 }
 
 fn loader_error() -> R {
@@ -299,7 +360,7 @@ fn bad_batch() -> R {
     fails_at(3, |i, b| {
         fill_uniform(i, b, 4, 32);
         if i == 3 {
-            b.pixels.pop();
+            b.pageable().pop();
         }
         Ok(true)
     })
@@ -485,5 +546,553 @@ fn soak() -> R {
     // Free device memory may move a little with other processes; allow 2 MiB.
     ensure(now.2.abs_diff(then.2) <= 2 << 20, || {
         format!("free device memory moved: after 10 {then:?}, after 10000 {now:?}")
+    })
+}
+
+/// Runs `source` to its end (`end` batches) and checks every batch, in order, against
+/// `want(i)`.
+fn run_checked(
+    stream: &Stream,
+    source: Source<i64>,
+    config: PrefetchConfig,
+    end: u64,
+    want: impl Fn(u64) -> HostBatch<i64>,
+    what: &str,
+) -> R {
+    let mut p = Prefetcher::<f32, i64>::new(stream, source, config)?;
+    let mut seen = 0u64;
+    while let Some(b) = p.next() {
+        let b = b?;
+        ensure(b.index() == seen, || {
+            format!("{what}: batch {} came out {seen}th", b.index())
+        })?;
+        let what = format!("{what}, batch {seen}");
+        check(stream, &b.pixels()?, &b.extras()?, &want(seen), &what)?;
+        seen += 1;
+    }
+    ensure(seen == end, || format!("{what}: {seen} batches of {end}"))?;
+    let after = p.next().is_none();
+    ensure(after, || format!("{what}: a batch after the end"))
+}
+
+/// The uniform batches in page-locked memory from `HostBatch::pinned`.
+fn pinned_source(end: u64, n: usize, hw: usize) -> Source<i64> {
+    Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        fill_uniform_pinned(i, b, n, hw)?;
+        Ok(true)
+    })
+}
+
+fn pinned_threads_and_depths() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    for threads in [1, 4] {
+        for depth in [1, 3] {
+            let end = 17;
+            run_checked(
+                &stream,
+                pinned_source(end, 8, 64),
+                config(threads, depth),
+                end,
+                |i| uniform_want(i, 8, 64),
+                &format!("pinned, {threads} loaders, depth {depth}"),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// The slow consumer over page-locked pixels: the loaders get their blocks back while the
+/// copies out of them still wait behind the consumer's release on the GPU.
+fn pinned_slow_consumer() -> R {
+    slow_consumer_with(pinned_source)
+}
+
+/// Blocks of the user's own pools (one `cudaHostAlloc`, one registered) on the prefetcher's
+/// device, set directly, next to `pinned()` (which may then reuse a user block).
+fn pinned_user_pool() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let alloc = PinnedPool::new(&dev, PoolConfig::default())?;
+    let register = PinnedPool::new(
+        &dev,
+        PoolConfig {
+            backing: pinstream::PoolBacking::Register {
+                threads: 2,
+                huge_pages: false,
+                flags: pinstream::HostRegister::DEFAULT,
+            },
+            ..PoolConfig::default()
+        },
+    )?;
+    let (n, hw, end) = (4usize, 40usize, 24u64);
+    let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        if i % 3 == 2 {
+            fill_uniform_pinned(i, b, n, hw)?;
+            return Ok(true);
+        }
+        uniform_meta(i, b, n, hw);
+        let pool = if i % 3 == 0 { &alloc } else { &register };
+        let mut block = pool.alloc::<u8>(n * 3 * hw * hw)?;
+        uniform_bytes(i, block.as_mut_slice()?);
+        b.pixels = Pixels::Pinned(block);
+        Ok(true)
+    });
+    run_checked(
+        &stream,
+        src,
+        config(3, 2),
+        end,
+        |i| uniform_want(i, n, hw),
+        "user pools",
+    )
+}
+
+/// The most pool bytes a prefetcher of `c` over page-locked batches of `len` bytes may hold:
+/// the stager's slots, plus one block per host batch (at most `ahead + 1` exist) and one per
+/// copy in flight (at most `depth`: the feeder waits for a slot's previous batch before it
+/// queues a copy from page-locked memory).
+fn pinned_bound(c: &PrefetchConfig, len: usize) -> usize {
+    let ahead = if c.ahead == 0 {
+        c.depth + c.loader_threads
+    } else {
+        c.ahead
+    };
+    let class = len.next_multiple_of(4096); // the pool's class of a block below 32 KiB
+    c.stager.slots * c.stager.slot_bytes + (ahead + 1 + c.depth) * class
+}
+
+/// 2000 small batches in page-locked memory: device bytes, the pool's bytes and the device's
+/// free memory are the same after the last batch as after the twentieth (the blocks are
+/// reused, not allocated anew), and within `pinned_bound`; every 100th batch is checked. The
+/// first 16 batches meet a slow consumer, so that the copies wait on the GPU, the loaders find
+/// their blocks busy and the pool reaches its most blocks before batch 20.
+fn pinned_soak() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let end = 2000u64;
+    let c = config(2, 2);
+    let bound = pinned_bound(&c, 4 * 3 * 32 * 32);
+    let mut p = Prefetcher::<f32, i64>::new(&stream, pinned_source(end, 4, 32), c)?;
+    let mut at20 = None;
+    let mut i = 0u64;
+    let measure = |p: &Prefetcher<f32, i64>| -> Result<_, Failed> {
+        let s = p.pinned_stats();
+        Ok((
+            p.device_bytes(),
+            s.cached_bytes + s.in_use_bytes,
+            dev.memory_info()?.free,
+        ))
+    };
+    loop {
+        let Some(b) = p.next() else { break };
+        let b = b?;
+        if i % 100 == 0 {
+            let what = format!("batch {i}");
+            check(
+                &stream,
+                &b.pixels()?,
+                &b.extras()?,
+                &uniform_want(i, 4, 32),
+                &what,
+            )?;
+        }
+        if i < 16 {
+            stream.spin(Duration::from_micros(500))?;
+        }
+        drop(b);
+        if i == 20 {
+            stream.synchronize()?;
+            at20 = Some(measure(&p)?);
+        }
+        i += 1;
+    }
+    stream.synchronize()?;
+    ensure(i == end, || format!("{i} batches"))?;
+    let now = measure(&p)?;
+    let then = at20.ok_or("no batch 20")?;
+    ensure(now.0 == then.0 && now.1 == then.1, || {
+        format!(
+            "slot / pinned bytes grew: after 20 {then:?}, after {end} {now:?} ({:?})",
+            p.pinned_stats()
+        )
+    })?;
+    ensure(now.1 <= bound, || {
+        format!("{} pinned bytes, more than {bound}", now.1)
+    })?;
+    // Free device memory may move a little with other processes; allow 2 MiB.
+    ensure(now.2.abs_diff(then.2) <= 2 << 20, || {
+        format!("free device memory moved: after 20 {then:?}, after {end} {now:?}")
+    })
+}
+
+/// A consumer whose GPU work is slow and whose host never waits runs far ahead of the GPU:
+/// the page-locked blocks that copies still read stay bounded all the same (the feeder waits
+/// for a slot's previous batch), checked against `pinned_bound`, and every batch is right.
+fn pinned_host_far_ahead() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (n, hw, end) = (4usize, 32usize, 300u64);
+    let len = n * 3 * hw * hw;
+    let c = config(4, 2);
+    let bound = pinned_bound(&c, len);
+    // Allocated up front: an allocation in the loop could synchronise with the device.
+    let mut copies = (0..end)
+        .map(|_| DeviceBuffer::<f32>::new(&dev, len))
+        .collect::<Result<Vec<_>, _>>()?;
+    stream.synchronize()?;
+    let mut p = Prefetcher::<f32, i64>::new(&stream, pinned_source(end, n, hw), c)?;
+    let mut worst = 0usize;
+    let mut seen = 0usize;
+    loop {
+        let Some(b) = p.next() else { break };
+        let b = b?;
+        let d = copies
+            .get_mut(seen)
+            .ok_or("more batches than the source has")?;
+        stream.spin(Duration::from_micros(300))?;
+        stream.copy_d2d(&b.pixels()?, d)?;
+        drop(b);
+        seen += 1;
+        let s = p.pinned_stats();
+        worst = worst.max(s.cached_bytes + s.in_use_bytes);
+    }
+    ensure(worst <= bound, || {
+        format!("{worst} pinned bytes, more than {bound}: the feeder ran ahead of the GPU")
+    })?;
+    ensure(seen == end as usize, || format!("{seen} batches of {end}"))?;
+    for (i, d) in copies.iter().enumerate() {
+        let mut px = vec![f32::NAN; len];
+        stream.copy_d2h(d, &mut px[..])?.wait()?;
+        let want = uniform_want(i as u64, n, hw);
+        let exact = cpu::normalize_exact(&want.pixels.read()?, &want.spec, None)?;
+        let w = cpu::worst_error(&px, &exact, 0.0)?;
+        ensure(w.is_none_or(|w| w.units <= 1.0), || {
+            format!("batch {i}: {w:?} (seed {})", seed())
+        })?;
+    }
+    Ok(())
+}
+
+/// Batches written into a temporary file, removed on drop: batch `i` is `ranges[i]`, each
+/// after `gap` bytes of junk (so the offsets are odd).
+struct BatchFile {
+    path: PathBuf,
+    file: Arc<FileSource>,
+    ranges: Vec<(u64, usize)>,
+}
+
+impl Drop for BatchFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Writes batches `0..count` of `dims(i) = (n, hw)` (`uniform_bytes`) into a new file.
+fn write_batches(
+    name: &str,
+    count: u64,
+    dims: impl Fn(u64) -> (usize, usize),
+    gap: usize,
+) -> Result<BatchFile, Failed> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let path = std::env::temp_dir().join(format!(
+        "pinstream-test-prefetch-{name}-{}-{}.bin",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut f = std::fs::File::create(&path)?;
+    // A guard from here on; its `file` is replaced once everything is written.
+    let mut out = BatchFile {
+        path: path.clone(),
+        file: Arc::new(FileSource::open(&path)?),
+        ranges: Vec::new(),
+    };
+    let mut at = 0u64;
+    for i in 0..count {
+        let (n, hw) = dims(i);
+        let mut bytes = vec![0u8; n * 3 * hw * hw];
+        uniform_bytes(i, &mut bytes);
+        f.write_all(&vec![0xEE; gap])?;
+        at += gap as u64;
+        f.write_all(&bytes)?;
+        out.ranges.push((at, bytes.len()));
+        at += bytes.len() as u64;
+    }
+    f.write_all(&vec![0xEE; gap])?;
+    f.flush()?;
+    out.file = Arc::new(FileSource::open(&path)?);
+    Ok(out)
+}
+
+/// Batches as ranges of a file: read back on the host, then through prefetchers of several
+/// shapes, each batch against the CPU reference.
+fn file_ranges() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (n, hw, end) = (4usize, 48usize, 19u64);
+    let bf = Arc::new(write_batches("ranges", end, |_| (n, hw), 13)?);
+    for i in 0..end {
+        let (offset, len) = bf.ranges[i as usize];
+        let px = Pixels::File {
+            file: bf.file.clone(),
+            offset,
+            len,
+        };
+        let want = uniform_want(i, n, hw);
+        ensure(px.read()? == want.pixels.read()?, || {
+            format!(
+                "batch {i}: the file range reads back wrong (seed {})",
+                seed()
+            )
+        })?;
+    }
+    for (threads, depth) in [(1, 1), (3, 2), (4, 3)] {
+        let f = bf.clone();
+        let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+            let Some(&(offset, len)) = f.ranges.get(i as usize) else {
+                return Ok(false);
+            };
+            uniform_meta(i, b, n, hw);
+            b.set_file(f.file.clone(), offset, len);
+            Ok(true)
+        });
+        run_checked(
+            &stream,
+            src,
+            config(threads, depth),
+            end,
+            |i| uniform_want(i, n, hw),
+            &format!("file, {threads} loaders, depth {depth}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Batch `i`'s shape in the mixed trial: sizes change, so blocks and slots are resized.
+fn mixed_dims(i: u64) -> (usize, usize) {
+    (1 + (i % 4) as usize, 16 + 8 * ((i / 3) % 4) as usize)
+}
+
+/// Batch `i` pageable, pinned or a file range by `i % 3`, of changing sizes.
+fn mixed_kinds() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let end = 48u64;
+    let bf = Arc::new(write_batches("mixed", end, mixed_dims, 5)?);
+    for (threads, depth) in [(1, 1), (3, 2)] {
+        let f = bf.clone();
+        let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+            if i >= end {
+                return Ok(false);
+            }
+            let (n, hw) = mixed_dims(i);
+            match i % 3 {
+                0 => fill_uniform(i, b, n, hw),
+                1 => fill_uniform_pinned(i, b, n, hw)?,
+                _ => {
+                    uniform_meta(i, b, n, hw);
+                    let (offset, len) = f.ranges[i as usize];
+                    b.set_file(f.file.clone(), offset, len);
+                }
+            }
+            Ok(true)
+        });
+        run_checked(
+            &stream,
+            src,
+            config(threads, depth),
+            end,
+            |i| {
+                let (n, hw) = mixed_dims(i);
+                uniform_want(i, n, hw)
+            },
+            &format!("mixed, {threads} loaders, depth {depth}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// `Source::iter` over batches made with `HostBatch::new`: pageable, a block of the user's pool,
+/// a file range, by `i % 3`.
+fn iterator_pinned_and_file() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (n, hw, end) = (2usize, 24usize, 12u64);
+    let bf = Arc::new(write_batches("iter", end, |_| (n, hw), 3)?);
+    let pool = PinnedPool::new(&dev, PoolConfig::default())?;
+    let f = bf.clone();
+    let it = (0..end).map(move |i| -> Result<HostBatch<i64>, LoadError> {
+        let mut b = HostBatch::new(
+            Pixels::default(),
+            Spec::uniform(0, 3, 1, 1, Normalize::imagenet()),
+            Vec::new(),
+        );
+        uniform_meta(i, &mut b, n, hw);
+        b.pixels = match i % 3 {
+            0 => {
+                let mut v = vec![0u8; n * 3 * hw * hw];
+                uniform_bytes(i, &mut v);
+                Pixels::Pageable(v)
+            }
+            1 => {
+                let mut block = pool.alloc::<u8>(n * 3 * hw * hw)?;
+                uniform_bytes(i, block.as_mut_slice()?);
+                Pixels::Pinned(block)
+            }
+            _ => {
+                let (offset, len) = f.ranges[i as usize];
+                Pixels::File {
+                    file: f.file.clone(),
+                    offset,
+                    len,
+                }
+            }
+        };
+        Ok(b)
+    });
+    run_checked(
+        &stream,
+        Source::iter(it),
+        config(3, 2),
+        end,
+        |i| uniform_want(i, n, hw),
+        "iterator",
+    )
+}
+
+/// Pinned pixels one byte short at batch 4: a `Loader` error there, nothing after.
+fn bad_pinned_length() -> R {
+    fails_at(4, |i, b| {
+        if i == 4 {
+            uniform_meta(i, b, 4, 32);
+            b.pinned(4 * 3 * 32 * 32 - 1)?.fill(7);
+            return Ok(true);
+        }
+        fill_uniform_pinned(i, b, 4, 32)?;
+        Ok(true)
+    })
+}
+
+/// A file range past the end of the file at batch 3 (refused before the read), then a file
+/// truncated after it was opened (the read itself fails): a `Loader` error at batch 3 naming
+/// the file, nothing after.
+fn file_range_past_end() -> R {
+    let dev = Device::get(0)?;
+    let k = 3u64;
+    for truncate in [false, true] {
+        let bf = Arc::new(write_batches("past-end", k + 1, |_| (4, 32), 0)?);
+        let last_offset = bf.ranges[k as usize].0;
+        if truncate {
+            // The FileSource still believes the old length: the stager's pread hits the end.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&bf.path)?
+                .set_len(last_offset + 100)?;
+        }
+        let f = bf.clone();
+        let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+            uniform_meta(i, b, 4, 32);
+            let (offset, len) = f.ranges[i.min(k) as usize];
+            // Without truncation, batch k asks for 10 bytes past the end.
+            let offset = if i == k && !truncate {
+                offset + 10
+            } else {
+                offset
+            };
+            b.set_file(f.file.clone(), offset, len);
+            Ok(true)
+        });
+        let message = fails_on(&dev, k, src)?;
+        let path = bf.path.display().to_string();
+        ensure(message.contains(&path), || {
+            format!("truncated {truncate}: {message:?} does not name {path}")
+        })?;
+    }
+    Ok(())
+}
+
+/// A block of device 1's pool in a prefetcher of device 0 at batch 2: a `Loader` error naming
+/// both devices.
+fn pinned_other_device() -> R {
+    let dev = Device::get(0)?;
+    let other = PinnedPool::new(&Device::get(1)?, PoolConfig::default())?;
+    let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i == 2 {
+            uniform_meta(i, b, 4, 32);
+            let mut block = other.alloc::<u8>(4 * 3 * 32 * 32)?;
+            uniform_bytes(i, block.as_mut_slice()?);
+            b.pixels = Pixels::Pinned(block);
+            return Ok(true);
+        }
+        fill_uniform_pinned(i, b, 4, 32)?;
+        Ok(true)
+    });
+    let message = fails_on(&dev, 2, src)?;
+    ensure(
+        message.contains("cuda:0") && message.contains("cuda:1"),
+        || format!("{message:?} does not name both devices"),
+    )
+}
+
+/// Without a prefetcher there is no pool: `pinned()` refuses and leaves the pixels alone.
+fn pinned_without_pool() -> R {
+    let mut b = HostBatch::<i64>::new(
+        Pixels::Pageable(vec![1, 2, 3]),
+        Spec::uniform(1, 3, 1, 1, Normalize::imagenet()),
+        vec![5],
+    );
+    match b.pinned(3) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            ensure(reason.contains("pool"), || format!("reason {reason:?}"))?
+        }
+        other => return Err(format!("pinned() without a pool: {other:?}").into()),
+    }
+    ensure(
+        matches!(&b.pixels, Pixels::Pageable(v) if v == &[1, 2, 3]),
+        || format!("pixels changed: {:?}", b.pixels),
+    )?;
+    let mut d = HostBatch::<i64>::default();
+    ensure(
+        matches!(d.pinned(0), Err(Error::InvalidArgument { .. })),
+        || "default batch".into(),
+    )
+}
+
+/// `Pixels::len` / `read` and the switches between kinds, on the host.
+fn pixels_len_and_read() -> R {
+    let mut b = HostBatch::<i64>::default();
+    ensure(b.pixels.is_empty() && b.pixels.read()?.is_empty(), || {
+        "default pixels".into()
+    })?;
+    b.pageable().extend_from_slice(&[9; 1000]);
+    ensure(b.pixels.len() == 1000, || "pageable len".into())?;
+    ensure(b.pixels.read()?.iter().all(|&x| x == 9), || "read".into())?;
+    let bf = write_batches("host", 2, |_| (1, 8), 7)?;
+    let (offset, len) = bf.ranges[1];
+    b.set_file(bf.file.clone(), offset, len);
+    ensure(b.pixels.len() == len && b.pixels.kind() == "file", || {
+        "file len".into()
+    })?;
+    let mut want = vec![0u8; len];
+    uniform_bytes(1, &mut want);
+    ensure(b.pixels.read()?.as_ref() == &want[..], || {
+        format!("the file range reads back wrong (seed {})", seed())
+    })?;
+    // Back to pageable: the vector put aside, empty, with its capacity.
+    let v = b.pageable();
+    ensure(v.is_empty() && v.capacity() >= 1000, || {
+        format!("stash: len {}, capacity {}", v.len(), v.capacity())
+    })?;
+    // A range past the end reads as an error, not a panic.
+    b.set_file(bf.file.clone(), bf.file.len() - 3, 4);
+    ensure(matches!(b.pixels.read(), Err(Error::Io { .. })), || {
+        "past the end".into()
     })
 }

@@ -4,23 +4,78 @@
 //! - `apex`: APEX's `data_prefetcher` — one batch ahead on a side stream, a pageable copy that
 //!   blocks the host, and three passes for the normalize (`float()`, `sub_`, `div_`: a cast,
 //!   then two passes of the same 8 bytes per element as the in-place `sub_` and `div_`);
-//! - `pinstream`: the [`Prefetcher`] (loader threads, staged upload, fused normalize, depth K).
+//! - `pinstream`: the [`Prefetcher`] (loader threads, upload, fused normalize, depth K), its
+//!   loaders writing pageable memory, page-locked memory, or naming ranges of a file
+//!   ([`PixelSource`]).
 //!
 //! Next to them, the parts measured alone (host clock, median of 7): the staged, pinned and
 //! pageable upload of one batch, the fused normalize, and the ideal time per batch
-//! `max(compute, staged upload + normalize)`.
+//! `max(compute, upload + normalize)`, the upload being the pinned copy for page-locked pixels
+//! and the staged one otherwise.
 
-use std::sync::mpsc;
+use std::fmt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::{median_ms, secs};
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kernels::{self, Layout, Normalize, Spec};
 use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
 use crate::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
-use crate::staging::{Stager, StagerConfig};
+use crate::staging::{FileSource, Stager, StagerConfig};
 use crate::stream::Stream;
+
+/// Where the prefetcher's loaders put a batch's pixels (see
+/// [`Pixels`](crate::prefetch::Pixels)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum PixelSource {
+    /// Written into a `Vec<u8>`, uploaded through the staging engine.
+    #[default]
+    Pageable,
+    /// Written into page-locked memory (`HostBatch::pinned`), one DMA each.
+    Pinned,
+    /// Ranges of a file written before the run, read by the staging engine with `pread`.
+    File,
+}
+
+impl PixelSource {
+    /// Every source, in order.
+    pub const ALL: [PixelSource; 3] = [
+        PixelSource::Pageable,
+        PixelSource::Pinned,
+        PixelSource::File,
+    ];
+
+    /// `pageable`, `pinned` or `file`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PixelSource::Pageable => "pageable",
+            PixelSource::Pinned => "pinned",
+            PixelSource::File => "file",
+        }
+    }
+}
+
+impl fmt::Display for PixelSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for PixelSource {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        PixelSource::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| format!("unknown pixel source {s:?} (pageable, pinned, file)"))
+    }
+}
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -41,6 +96,9 @@ pub struct Setup {
     pub depth: usize,
     /// Loader threads of the prefetcher, and the loader workers of `apex`.
     pub threads: usize,
+    /// Where the prefetcher's loaders put the pixels (`serial` and `apex` always use pageable
+    /// memory).
+    pub source: PixelSource,
 }
 
 impl Setup {
@@ -57,10 +115,15 @@ impl Setup {
     }
 }
 
-/// Synthetic pixels of batch `i`: every byte written (as a decoder would), varying with `i`,
-/// never all zero.
+/// Synthetic pixels of batch `i` in `out` (resized to `len`); see [`synth_into`].
 pub fn synth(i: u64, out: &mut Vec<u8>, len: usize) {
     out.resize(len, 0);
+    synth_into(i, out);
+}
+
+/// Synthetic pixels of batch `i`: every byte of `out` written (as a decoder would), varying
+/// with `i`, never all zero.
+pub fn synth_into(i: u64, out: &mut [u8]) {
     out.fill((i % 251) as u8 + 1);
     for (k, b) in out.iter_mut().step_by(4096).enumerate() {
         *b = (k as u64).wrapping_add(i) as u8;
@@ -85,9 +148,16 @@ pub struct Parts {
 }
 
 impl Parts {
-    /// `max(compute, staged upload + normalize)`.
-    pub fn ideal_ms(&self) -> f64 {
-        self.compute_ms.max(self.staged_ms + self.normalize_ms)
+    /// `max(compute, upload + normalize)` for pixels from `source`: the upload is the plain
+    /// copy from pinned memory for page-locked pixels (one DMA, no staging), and the staged
+    /// upload otherwise (a file range read from the page cache costs about what the staging
+    /// copy from memory does).
+    pub fn ideal_ms(&self, source: PixelSource) -> f64 {
+        let upload = match source {
+            PixelSource::Pinned => self.pinned_ms,
+            PixelSource::Pageable | PixelSource::File => self.staged_ms,
+        };
+        self.compute_ms.max(upload + self.normalize_ms)
     }
 }
 
@@ -255,19 +325,98 @@ pub fn apex(device: &Device, s: &Setup) -> Result<f64> {
     result
 }
 
+/// A file of synthetic batches in the temporary directory, removed when this drops (also when
+/// the run fails).
+#[derive(Debug)]
+pub struct TempBatches {
+    path: PathBuf,
+    /// Batches in the file.
+    pub count: u64,
+    /// Bytes per batch.
+    pub bytes: usize,
+}
+
+/// At most this many distinct batches go into the file of a `File` run.
+const FILE_BATCHES: u64 = 8;
+/// And at most this many bytes (but always at least one batch).
+const FILE_BYTES: u64 = 2 << 30;
+
+impl TempBatches {
+    /// Writes `count` batches of `bytes` (`synth_into(k)` for batch `k`) into a new file.
+    pub fn write(count: u64, bytes: usize) -> Result<TempBatches> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "pinstream-prefetch-{}-{}.bin",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        let io = |e: std::io::Error| Error::Io {
+            op: "bench::prefetch",
+            path: path.display().to_string(),
+            offset: 0,
+            len: bytes,
+            message: e.to_string(),
+        };
+        let mut file = std::fs::File::create_new(&path).map_err(io)?;
+        // From here on the file is removed on every way out.
+        let me = TempBatches {
+            path: path.clone(),
+            count,
+            bytes,
+        };
+        let mut buf = vec![0u8; bytes];
+        for k in 0..count {
+            synth_into(k, &mut buf);
+            file.write_all(&buf).map_err(io)?;
+        }
+        file.flush().map_err(io)?;
+        Ok(me)
+    }
+
+    /// Where it is.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for TempBatches {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// The prefetcher on each of `devices` (one shard and one consumer thread per device); time per
-/// batch of all devices together.
+/// batch of all devices together. With `PixelSource::File` the batches are ranges of a file of
+/// at most 8 distinct batches (2 GiB at most) written to the temporary directory first and
+/// removed afterwards.
 pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let spec = s.spec();
     let n = s.bytes();
     let per = (s.warmup + s.batches) as u64;
     let total = per * devices.len() as u64;
+    let file = match s.source {
+        PixelSource::File => {
+            let count = (FILE_BYTES / (n.max(1) as u64)).clamp(1, FILE_BATCHES);
+            let batches = TempBatches::write(count, n)?;
+            let source = Arc::new(FileSource::open(batches.path())?);
+            Some((batches, source))
+        }
+        PixelSource::Pageable | PixelSource::Pinned => None,
+    };
+    let ranges = file.as_ref().map(|(b, f)| (b.count, f.clone()));
+    let kind = s.source;
     let source = Source::new(move |i, b: &mut HostBatch<i64>| {
         if i >= total {
             return Ok(false);
         }
         b.spec.clone_from(&spec);
-        synth(i, &mut b.pixels, n);
+        match (kind, &ranges) {
+            (PixelSource::Pinned, _) => synth_into(i, b.pinned(n)?),
+            (PixelSource::File, Some((count, f))) => {
+                b.set_file(f.clone(), (i % count) * n as u64, n)
+            }
+            _ => synth(i, b.pageable(), n),
+        }
         b.extras.clear();
         Ok(true)
     });
@@ -322,11 +471,55 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
             })
             .collect::<Result<Vec<_>>>()
     })?;
+    // The file goes only now, when no loader can read it any more.
+    drop(file);
     let start = times.iter().map(|t| t.0).min();
     let end = times.iter().map(|t| t.1).max();
     let batches: u64 = times.iter().map(|t| t.2).sum();
     match (start, end) {
         (Some(a), Some(b)) if batches > 0 => Ok(secs(b - a) * 1e3 / batches as f64),
         _ => Ok(f64::NAN),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pixel_source_names() {
+        for p in PixelSource::ALL {
+            assert_eq!(p.to_string().parse::<PixelSource>(), Ok(p));
+        }
+        assert_eq!(" Pinned ".parse::<PixelSource>(), Ok(PixelSource::Pinned));
+        assert!("mmap".parse::<PixelSource>().is_err());
+        assert_eq!(PixelSource::default(), PixelSource::Pageable);
+    }
+
+    #[test]
+    fn synth_writes_every_byte() {
+        let mut a = vec![0u8; 10_000];
+        synth_into(3, &mut a);
+        assert!(a.iter().all(|&b| b != 0));
+        let mut v = Vec::new();
+        synth(3, &mut v, 10_000);
+        assert_eq!(v, a);
+        synth_into(4, &mut a);
+        assert_ne!(v, a);
+    }
+
+    #[test]
+    fn temp_batches_hold_the_batches_and_go_away() {
+        let t = TempBatches::write(3, 5000).unwrap();
+        let path = t.path().to_path_buf();
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 3 * 5000);
+        for (k, chunk) in bytes.chunks(5000).enumerate() {
+            let mut want = vec![0u8; 5000];
+            synth_into(k as u64, &mut want);
+            assert_eq!(chunk, &want[..], "batch {k}");
+        }
+        drop(t);
+        assert!(!path.exists());
     }
 }

@@ -797,7 +797,6 @@ impl<T: Pod> PoolBlock<T> {
     }
 
     /// Whether the GPU has finished every use of it so far, without blocking.
-    #[allow(dead_code)] // for the staging engine, like `PinnedBuffer::is_idle`
     pub(crate) fn is_idle(&self) -> bool {
         self.block.as_ref().is_none_or(|b| b.tracker.is_idle())
     }

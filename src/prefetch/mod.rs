@@ -3,10 +3,21 @@
 //! ```text
 //!  loader threads (N)          feeder thread                       consumer (your thread)
 //!  source(i, &mut batch) ──▶ in order: wait for a free slot ──▶ next(): its stream waits for
-//!  (pageable pixels, spec,    on the slot's stream: wait for its      the slot's `ready` event,
-//!   extras), any order         `release`, staged upload, fused         hands out a DeviceBatch;
-//!                              normalize, extras, record `ready`       its drop records `release`
+//!  (pixels, spec, extras),    on the slot's stream: wait for its      the slot's `ready` event,
+//!   any order                 `release`, upload, fused normalize,     hands out a DeviceBatch;
+//!                              extras, record `ready`                  its drop records `release`
 //! ```
+//!
+//! The pixels come in three kinds ([`Pixels`]), which cost host memory bandwidth differently.
+//! Pageable pixels (`batch.pageable()`, a `Vec<u8>`) are uploaded through the staging engine:
+//! the loader writes them, the engine reads them and writes its pinned slots, the DMA reads the
+//! slots. Pinned pixels (`batch.pinned(len)?`, page-locked memory of the prefetcher's pool) go to
+//! the device in one DMA with no staging copy: the fast path for a loader that decodes. File
+//! ranges (`batch.set_file(file, offset, len)`) are read by the engine with `pread` straight
+//! into its slots, so the loader does not touch the bytes at all. For page-locked pixels the
+//! feeder queues a copy on a slot only once the slot's previous batch is done on the GPU (the
+//! staging engine's ring holds it back likewise for the other kinds), so the blocks that copies
+//! still read stay few however far the consumer's host runs ahead of the GPU.
 //!
 //! K device slots (the depth) each own their input, output and extras buffers, a stream and two
 //! events; they are made once and reused, so device memory stays flat (a buffer grows only when
@@ -19,7 +30,8 @@
 //! recorded then, after everything the consumer has queued so far).
 //!
 //! Host batches are recycled: the source fills a `HostBatch` handed back from an earlier batch
-//! (its vectors keep their capacity), so a steady run allocates nothing.
+//! (its vectors keep their capacity, its page-locked block is reused once its copy is over), so
+//! a steady run allocates nothing.
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
@@ -31,12 +43,15 @@ use std::thread::JoinHandle;
 
 use bytemuck::Pod;
 
+mod pixels;
+pub use pixels::Pixels;
+
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::kernels::{self, Normalize, OutputElement, Spec};
 use crate::memory::{DeviceBuffer, DeviceView, PinnedPool, PoolConfig, PoolStats};
-use crate::staging::{Stager, StagerConfig};
+use crate::staging::{FileSource, Stager, StagerConfig};
 use crate::stream::Stream;
 use crate::sync::{lock, panic_message};
 
@@ -44,25 +59,134 @@ use crate::sync::{lock, panic_message};
 /// [`Error::Loader`] naming the batch.
 pub type LoadError = Box<dyn std::error::Error + Send + Sync>;
 
-/// One batch on the host, as a source fills it: pageable pixels (u8, laid out as `spec` says),
-/// the normalize `spec` (layouts, crops, mirrors, mean/std), and per-sample extras such as labels.
-#[derive(Clone, Debug)]
+/// One batch on the host, as a source fills it: the pixels (u8, laid out as `spec` says; in
+/// pageable memory, page-locked memory or a file, see [`Pixels`]), the normalize `spec`
+/// (layouts, crops, mirrors, mean/std), and per-sample extras such as labels.
+///
+/// A batch handed to a source by a [`Prefetcher`] also carries the prefetcher's pinned pool, so
+/// that [`pinned`](Self::pinned) can give page-locked memory on the right device; one made with
+/// [`new`](Self::new) or `default()` has none.
 pub struct HostBatch<E = i64> {
-    /// `spec.input_len()` bytes.
-    pub pixels: Vec<u8>,
+    /// `spec.input_len()` bytes; see [`pageable`](Self::pageable), [`pinned`](Self::pinned) and
+    /// [`set_file`](Self::set_file).
+    pub pixels: Pixels,
     /// How to normalize `pixels`; also the batch's shape.
     pub spec: Spec,
     /// Anything per batch that goes to the device as is (labels, boxes); may be empty.
     pub extras: Vec<E>,
+    /// The prefetcher's pool (set by the loader thread before each call of the source).
+    pool: Option<PinnedPool>,
+    /// A pageable vector kept aside (empty, with its capacity) while the pixels are pinned or
+    /// a file range, for `pageable()` to put back.
+    stash: Vec<u8>,
 }
 
 impl<E> Default for HostBatch<E> {
     fn default() -> Self {
+        HostBatch::new(
+            Pixels::default(),
+            Spec::uniform(0, 3, 1, 1, Normalize::new(&[0.0; 3], &[1.0; 3])),
+            Vec::new(),
+        )
+    }
+}
+
+impl<E: std::fmt::Debug> std::fmt::Debug for HostBatch<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("pixels", &self.pixels)
+            .field("spec", &self.spec)
+            .field("extras", &self.extras)
+            .field("pool", &self.pool.as_ref().map(|p| p.device()))
+            .finish()
+    }
+}
+
+impl<E> HostBatch<E> {
+    /// A batch of these parts, without a pinned pool (so [`pinned`](Self::pinned) refuses):
+    /// for [`Source::iter`] and for tests.
+    pub fn new(pixels: Pixels, spec: Spec, extras: Vec<E>) -> Self {
         HostBatch {
-            pixels: Vec::new(),
-            spec: Spec::uniform(0, 3, 1, 1, Normalize::new(&[0.0; 3], &[1.0; 3])),
-            extras: Vec::new(),
+            pixels,
+            spec,
+            extras,
+            pool: None,
+            stash: Vec::new(),
         }
+    }
+
+    /// The pixels as a vector of ordinary memory to fill (resize it to `spec.input_len()`):
+    /// the one already there, or in place of page-locked pixels or a file range, the vector
+    /// that [`pinned`](Self::pinned) or [`set_file`](Self::set_file) put aside (empty, with its
+    /// capacity), so a source that switches kinds does not reallocate. A page-locked block goes
+    /// back to its pool.
+    pub fn pageable(&mut self) -> &mut Vec<u8> {
+        if !matches!(self.pixels, Pixels::Pageable(_)) {
+            self.pixels = Pixels::Pageable(std::mem::take(&mut self.stash));
+        }
+        match &mut self.pixels {
+            Pixels::Pageable(v) => v,
+            // Not reached (made pageable just above); the stash is empty then anyway.
+            _ => &mut self.stash,
+        }
+    }
+
+    /// Takes the pixels out, leaving empty pageable ones; a pageable vector is put aside
+    /// (emptied) for `pageable()`, anything else is returned to be dropped.
+    fn take_pixels(&mut self) -> Pixels {
+        match std::mem::take(&mut self.pixels) {
+            Pixels::Pageable(mut v) => {
+                v.clear();
+                self.stash = v;
+                Pixels::default()
+            }
+            other => other,
+        }
+    }
+
+    /// The pixels as `len` bytes of page-locked memory from the prefetcher's pool, to fill:
+    /// the feeder then uploads them with one DMA, without the staging copy. The block already
+    /// there is kept if it has exactly `len` bytes, belongs to the pool's device and its last
+    /// copy has finished; otherwise it goes back to its pool (which hands it out again only
+    /// after that copy) and the pool gives another (a pageable vector is put aside for
+    /// [`pageable`](Self::pageable)). So this does not wait for the GPU (unless the pool's
+    /// cache is full and a block has to be freed), and a steady run allocates nothing.
+    ///
+    /// The memory holds whatever an earlier batch left there (or zeros): **write every byte**.
+    ///
+    /// Errors: `Error::InvalidArgument` for a batch without a pool (one made with
+    /// [`new`](Self::new) or `default()` rather than handed to a source by a prefetcher); the
+    /// pool's errors (`Error::OutOfMemory`, ...) when it must allocate.
+    pub fn pinned(&mut self, len: usize) -> Result<&mut [u8]> {
+        let pool = self.pool.clone().ok_or_else(|| {
+            Error::invalid(
+                "HostBatch::pinned",
+                "this batch has no pinned pool: only batches a Prefetcher hands to its source \
+                 have one (use `pageable()`, or put a block of your own in `pixels`)",
+            )
+        })?;
+        let reuse = matches!(
+            &self.pixels,
+            Pixels::Pinned(b) if b.len() == len && b.device() == pool.device() && b.is_idle()
+        );
+        if !reuse {
+            // The old block goes back first, so that the pool may hand it out again.
+            drop(self.take_pixels());
+            self.pixels = Pixels::Pinned(pool.alloc::<u8>(len)?);
+        }
+        match &mut self.pixels {
+            Pixels::Pinned(b) => b.as_mut_slice(),
+            _ => Err(Error::invalid("HostBatch::pinned", "lost the block")),
+        }
+    }
+
+    /// The pixels as `len` bytes of `file` from `offset`, which the staging engine reads with
+    /// `pread` straight into its pinned slots (a page-locked block already there goes back to
+    /// its pool). The range is checked when the batch is uploaded: one outside the file is an
+    /// [`Error::Loader`] naming the batch.
+    pub fn set_file(&mut self, file: Arc<FileSource>, offset: u64, len: usize) {
+        drop(self.take_pixels());
+        self.pixels = Pixels::File { file, offset, len };
     }
 }
 
@@ -71,9 +195,10 @@ type SourceFn<E> =
 
 /// Where batches come from: a function of the batch index, called on the loader threads
 /// (several at once, for different indices, in any order; the prefetcher restores the order).
-/// It fills the `HostBatch` it is given (a recycled one: overwrite every field) and returns
-/// `Ok(true)`, or `Ok(false)` past the end of the data. Cheap to clone and shared by the
-/// prefetchers of [`Prefetcher::sharded`].
+/// It fills the `HostBatch` it is given (a recycled one: overwrite every field; its pixels may
+/// be of any kind, which [`HostBatch::pageable`], [`HostBatch::pinned`] and
+/// [`HostBatch::set_file`] switch) and returns `Ok(true)`, or `Ok(false)` past the end of the
+/// data. Cheap to clone and shared by the prefetchers of [`Prefetcher::sharded`].
 pub struct Source<E = i64> {
     f: Arc<SourceFn<E>>,
 }
@@ -139,7 +264,9 @@ impl<E: Pod + Send + 'static> Source<E> {
             drop(t);
             match item {
                 Some(Ok(b)) => {
+                    let pool = batch.pool.take();
                     *batch = b;
+                    batch.pool = pool;
                     Ok(true)
                 }
                 Some(Err(e)) => Err(e),
@@ -202,6 +329,8 @@ impl PrefetchConfig {
 }
 
 /// A loaded batch, or why there is none.
+// Only a few exist at a time (at most `ahead`); boxing the batch would allocate per batch.
+#[allow(clippy::large_enum_variant)]
 enum Loaded<E> {
     Batch(u64, HostBatch<E>),
     End,
@@ -329,9 +458,9 @@ enum Msg<O: Pod, E: Pod> {
 }
 
 /// Transfer and normalize hidden behind compute: N loader threads run a [`Source`], a feeder
-/// thread uploads each batch through the staging engine into one of `depth` device slots and
-/// runs the fused normalize there, and [`next`](Prefetcher::next) hands the batches out in
-/// order, bound to the consumer's stream.
+/// thread uploads each batch into one of `depth` device slots (through the staging engine, or
+/// with one DMA for page-locked [`Pixels`]) and runs the fused normalize there, and
+/// [`next`](Prefetcher::next) hands the batches out in order, bound to the consumer's stream.
 ///
 /// Dropping it stops the threads and frees the slots once nothing uses them; a loader that is
 /// inside the source at that moment is waited for (the source's call is not interrupted).
@@ -347,8 +476,9 @@ enum Msg<O: Pod, E: Pod> {
 ///         return Ok(false); // end of the epoch
 ///     }
 ///     b.spec = Spec::uniform(32, 3, 224, 224, Normalize::imagenet());
-///     b.pixels.resize(32 * 3 * 224 * 224, 0);
-///     b.pixels.fill((i % 251) as u8); // decode into it here
+///     // Page-locked memory: uploaded with one DMA, no staging copy. Write every byte.
+///     let pixels = b.pinned(32 * 3 * 224 * 224)?;
+///     pixels.fill((i % 251) as u8); // decode into it here
 ///     b.extras.clear();
 ///     b.extras.extend((0..32).map(|k| (i * 32 + k) as i64)); // labels
 ///     Ok(true)
@@ -458,10 +588,10 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         };
         let ahead = config.ahead();
         for t in 0..config.loader_threads {
-            let (loads, source) = (loads.clone(), source.clone());
+            let (loads, source, pool) = (loads.clone(), source.clone(), me.pool.clone());
             let h = std::thread::Builder::new()
                 .name(format!("pinstream-loader-{shard}.{t}"))
-                .spawn(move || loader(&loads, &source, ahead, shard, shards))
+                .spawn(move || loader(&loads, &source, &pool, ahead, shard, shards))
                 .map_err(|e| Error::invalid("Prefetcher::new", format!("spawn: {e}")))?;
             me.loaders.push(h);
         }
@@ -545,7 +675,8 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         &self.consumer
     }
 
-    /// Statistics of the pinned pool behind the staging slots (flat in a steady run).
+    /// Statistics of the pinned pool behind the staging slots and the page-locked pixels that
+    /// [`HostBatch::pinned`] hands out (flat in a steady run).
     pub fn pinned_stats(&self) -> PoolStats {
         self.pool.stats()
     }
@@ -650,6 +781,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Drop for DeviceBatch<'_, O, E> {
 fn loader<E: Pod + Send>(
     loads: &LoadShared<E>,
     source: &Source<E>,
+    pool: &PinnedPool,
     ahead: u64,
     shard: u64,
     n: u64,
@@ -671,6 +803,8 @@ fn loader<E: Pod + Send>(
             (i, s.spare.pop().unwrap_or_default())
         };
         let global = i.saturating_mul(n).saturating_add(shard);
+        // The source may have moved batches around: always this prefetcher's pool.
+        batch.pool = Some(pool.clone());
         let outcome = catch_unwind(AssertUnwindSafe(|| (source.f)(global, &mut batch)));
         let loaded = match outcome {
             Ok(Ok(true)) => Loaded::Batch(global, batch),
@@ -736,7 +870,9 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
                 return;
             };
             let filled = self.fill(&mut slot, global, &batch);
-            // The batch's host memory is no longer read (every upload finished its host side).
+            // The host no longer reads the batch (every staged upload finished its host side);
+            // a page-locked block may still be read by its DMA, which its event records, so
+            // `pinned()` reuses it only once that is over.
             lock(&self.loads.state).spare.push(batch);
             match filled {
                 Ok(()) => {
@@ -763,11 +899,33 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
             .validate("Prefetcher")
             .map_err(|e| bad(e.to_string()))?;
         let (in_len, out_len) = (batch.spec.input_len()?, batch.spec.output_len()?);
-        if batch.pixels.len() != in_len {
+        let pixels = &batch.pixels;
+        if pixels.len() != in_len {
             return Err(bad(format!(
-                "{} pixel bytes, the spec describes {in_len}",
-                batch.pixels.len()
+                "{} pixel bytes ({}), the spec describes {in_len}",
+                pixels.len(),
+                pixels.kind()
             )));
+        }
+        match pixels {
+            Pixels::Pageable(_) => {}
+            Pixels::Pinned(block) => {
+                if block.device() != self.device {
+                    return Err(bad(format!(
+                        "the pinned pixels are page-locked for {}, the prefetcher uploads to {}",
+                        block.device(),
+                        self.device
+                    )));
+                }
+                // Nothing else holds the feeder back here (the stager's ring does for the
+                // other kinds): keep it at most one batch per slot ahead of the GPU, so that the
+                // blocks busy with a copy, and with them the pool, stay bounded however far the
+                // consumer's host runs ahead. Passed at once unless the GPU is behind.
+                slot.ready.synchronize()?;
+            }
+            Pixels::File { file, offset, len } => file
+                .check_range("Prefetcher", *offset, *len)
+                .map_err(|e| bad(e.to_string()))?,
         }
         let extras_len = batch.extras.len();
         // Everything the consumer did with the slot's last batch comes first.
@@ -781,8 +939,19 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
         Slot::<O, E>::grow(dev, release, &mut b.output, out_len, bytes)?;
         Slot::<O, E>::grow(dev, release, &mut b.extras, extras_len, bytes)?;
         let stream = &slot.stream;
-        self.stager
-            .upload(stream, &batch.pixels, &mut b.input.slice_mut(..in_len)?)?;
+        let input = &mut b.input.slice_mut(..in_len)?;
+        match pixels {
+            Pixels::Pageable(v) => self.stager.upload(stream, v, input)?,
+            // One DMA, recorded in the block's event (the pool and `pinned()` wait for it).
+            Pixels::Pinned(block) => drop(stream.copy_h2d(block, input)?),
+            Pixels::File { file, offset, .. } => self
+                .stager
+                .upload_file(stream, file, *offset, input)
+                .map_err(|e| match e {
+                    Error::Io { .. } => bad(e.to_string()),
+                    e => e,
+                })?,
+        }
         if extras_len > 0 {
             self.stager.upload(
                 stream,

@@ -1,7 +1,7 @@
 //! `FileSource`: a file whose ranges the stager reads with `pread` straight into pinned slots.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -107,6 +107,51 @@ impl FileSource {
             });
         }
         Ok(())
+    }
+
+    /// Reads `len` bytes from `offset` into a new vector, through the page cache or (for an
+    /// `O_DIRECT` file) whole blocks into a block-aligned buffer. For checking and debugging:
+    /// uploads read ranges straight into the stager's slots instead. Refuses what
+    /// [`check_range`](Self::check_range) refuses; a failed or short read is an [`Error::Io`].
+    pub(crate) fn read_range(&self, op: &'static str, offset: u64, len: usize) -> Result<Vec<u8>> {
+        self.check_range(op, offset, len)?;
+        let io = |at: u64, message: String| Error::Io {
+            op,
+            path: self.path.clone(),
+            offset: at,
+            len,
+            message,
+        };
+        if !self.direct {
+            let mut out = vec![0u8; len];
+            self.file
+                .read_exact_at(&mut out, offset)
+                .map_err(|e| io(offset, e.to_string()))?;
+            return Ok(out);
+        }
+        // O_DIRECT wants the buffer, the offset (checked above) and the length in whole blocks.
+        let align = DIRECT_ALIGN as usize;
+        let span = len
+            .checked_next_multiple_of(align)
+            .ok_or_else(|| io(offset, "the length overflows".into()))?;
+        let mut buf = vec![0u8; span + align];
+        let skip = buf.as_ptr().align_offset(align);
+        if skip >= align {
+            return Err(io(offset, "no block-aligned buffer".into()));
+        }
+        let mut done = 0usize;
+        while done < len {
+            let at = offset + done as u64;
+            match self.file.read_at(&mut buf[skip + done..skip + span], at) {
+                Ok(0) => return Err(io(at, format!("the file ends at byte {at}"))),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(io(at, e.to_string())),
+            }
+        }
+        buf.copy_within(skip..skip + len, 0);
+        buf.truncate(len);
+        Ok(buf)
     }
 
     pub(crate) fn host(&self) -> Host {

@@ -1,10 +1,12 @@
 //! `pinstream prefetch`: time per batch of a training loop fed three ways (serial, APEX-style,
-//! the prefetcher) next to the ideal, over a sweep of compute times.
+//! the prefetcher) next to the ideal, over a sweep of compute times. `--source` picks where the
+//! prefetcher's loaders put the pixels (pageable memory, page-locked memory, a file); the serial
+//! and APEX-style loops, the peers, always load into pageable memory.
 
 use std::time::Duration;
 
 use clap::Args;
-use pinstream::bench::prefetch::{self, Parts, Setup};
+use pinstream::bench::prefetch::{self, Parts, PixelSource, Setup};
 use pinstream::kernels::Layout;
 use pinstream::{Device, Error, Result};
 use serde::Serialize;
@@ -43,6 +45,11 @@ pub struct PrefetchArgs {
     /// Which ways to run.
     #[arg(long, value_delimiter = ',', default_value = "serial,apex,pinstream")]
     modes: Vec<String>,
+    /// Where the prefetcher's loaders put the pixels: `pageable` (a Vec, staged upload),
+    /// `pinned` (page-locked memory, one DMA) or `file` (ranges of a temporary file, read with
+    /// pread into the stager's slots). `serial` and `apex` always use pageable memory.
+    #[arg(long, default_value_t = PixelSource::Pageable)]
+    source: PixelSource,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -64,6 +71,7 @@ fn parse_shape(s: &str) -> std::result::Result<(usize, usize, usize), String> {
 #[derive(Serialize)]
 struct Row {
     mode: String,
+    source: String,
     compute_ms: f64,
     ms_per_batch: f64,
     batches_per_s: f64,
@@ -114,29 +122,42 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             warmup: args.warmup,
             depth: args.depth,
             threads: args.threads,
+            source: args.source,
         };
         let parts = prefetch::parts(&first, &setup)?;
         bar.inc(1);
         for m in &args.modes {
             bar.set_message(format!("{m}, compute {c} ms"));
-            let (ms, note, per_device) = match m.as_str() {
-                "serial" => (prefetch::serial(&first, &setup)?, "load, pageable copy, fused normalize, step; one at a time".to_string(), 1),
-                "apex" => (prefetch::apex(&first, &setup)?, format!("1 deep, pageable copy on a side stream, 3-pass normalize, {} loader threads", args.threads), 1),
+            let (ms, note, per_device, source) = match m.as_str() {
+                "serial" => (prefetch::serial(&first, &setup)?, "load, pageable copy, fused normalize, step; one at a time".to_string(), 1, PixelSource::Pageable),
+                "apex" => (prefetch::apex(&first, &setup)?, format!("1 deep, pageable copy on a side stream, 3-pass normalize, {} loader threads", args.threads), 1, PixelSource::Pageable),
                 _ => (
                     prefetch::pinstream(&devices, &setup)?,
-                    format!("depth {}, {} loader threads, {} device(s)", args.depth, args.threads, devices.len()),
+                    format!(
+                        "depth {}, {} loader threads, {} device(s), {}",
+                        args.depth,
+                        args.threads,
+                        devices.len(),
+                        match args.source {
+                            PixelSource::Pageable => "staged upload",
+                            PixelSource::Pinned => "one DMA from page-locked memory",
+                            PixelSource::File => "pread into the stager's slots (no synth)",
+                        }
+                    ),
                     devices.len(),
+                    args.source,
                 ),
             };
             // For several devices, the aggregate: time per batch of all devices together, against
             // the ideal divided among them.
-            let ideal_ms = parts.ideal_ms() / per_device as f64;
+            let ideal_ms = parts.ideal_ms(source) / per_device as f64;
             rows.push(Row {
                 mode: if per_device > 1 {
                     format!("pinstream x{per_device}")
                 } else {
                     m.clone()
                 },
+                source: source.to_string(),
                 compute_ms: parts.compute_ms,
                 ms_per_batch: ms,
                 batches_per_s: 1e3 / ms,
@@ -166,18 +187,20 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             );
             for (c, p) in &parts_seen {
                 println!(
-                    "parts at compute {c} ms: step {:.3} ms, staged upload {:.3} ms ({:.1} GB/s), pinned {:.3}, pageable {:.3}, fused normalize {:.3}, synth on one thread {:.3}; ideal {:.3} ms",
-                    p.compute_ms, p.staged_ms, mb / p.staged_ms, p.pinned_ms, p.pageable_ms, p.normalize_ms, p.synth_ms, p.ideal_ms()
+                    "parts at compute {c} ms: step {:.3} ms, staged upload {:.3} ms ({:.1} GB/s), pinned {:.3}, pageable {:.3}, fused normalize {:.3}, synth on one thread {:.3}; ideal {:.3} ms (staged), {:.3} ms (pinned)",
+                    p.compute_ms, p.staged_ms, mb / p.staged_ms, p.pinned_ms, p.pageable_ms, p.normalize_ms, p.synth_ms,
+                    p.ideal_ms(PixelSource::Pageable), p.ideal_ms(PixelSource::Pinned)
                 );
             }
             println!(
-                "{:<14} {:>10} {:>12} {:>10} {:>10} {:>9}  note",
-                "mode", "step ms", "ms/batch", "batch/s", "ideal ms", "vs ideal"
+                "{:<14} {:<9} {:>10} {:>12} {:>10} {:>10} {:>9}  note",
+                "mode", "source", "step ms", "ms/batch", "batch/s", "ideal ms", "vs ideal"
             );
             for r in &rows {
                 println!(
-                    "{:<14} {:>10.3} {:>12.3} {:>10.1} {:>10.3} {:>8.3}x  {}",
+                    "{:<14} {:<9} {:>10.3} {:>12.3} {:>10.1} {:>10.3} {:>8.3}x  {}",
                     r.mode,
+                    r.source,
                     r.compute_ms,
                     r.ms_per_batch,
                     r.batches_per_s,

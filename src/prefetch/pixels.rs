@@ -1,0 +1,219 @@
+//! `Pixels`: where a host batch's u8 pixels are — ordinary memory, page-locked memory, or a
+//! range of a file — and so how the feeder moves them to the device.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::memory::PoolBlock;
+use crate::staging::FileSource;
+
+/// A host batch's pixels (`spec.input_len()` bytes of u8, laid out as the spec says), in one of
+/// three places. Each costs host memory bandwidth differently on the way to the device:
+///
+/// - [`Pageable`](Pixels::Pageable): the loader writes the bytes, the staging engine reads them
+///   and writes them into its pinned slots, the DMA reads the slots: three passes.
+/// - [`Pinned`](Pixels::Pinned): the loader writes page-locked memory and the feeder issues one
+///   DMA from it: two passes, no staging copy. Fill it with
+///   [`HostBatch::pinned`](super::HostBatch::pinned).
+/// - [`File`](Pixels::File): the staging engine reads the range with `pread` straight into its
+///   pinned slots, then the DMA: no loader pass at all (the page cache, or the disk with
+///   `O_DIRECT`, supplies the bytes).
+#[derive(Debug)]
+pub enum Pixels {
+    /// Ordinary memory, uploaded through the staging engine (a host copy into its pinned slots,
+    /// then the DMA).
+    Pageable(Vec<u8>),
+    /// Page-locked memory, copied to the device with one asynchronous DMA on the slot's stream.
+    /// The block must belong to a pool of the prefetcher's device (any pool: its own, through
+    /// [`HostBatch::pinned`](super::HostBatch::pinned), or one of yours); a block of another
+    /// device is an [`Error::Loader`](crate::Error::Loader). The copy is recorded in the block's
+    /// event: host access waits for it, and a pool hands the memory out again only after it.
+    Pinned(PoolBlock<u8>),
+    /// `len` bytes of `file` from `offset`, read by the staging engine with `pread` straight
+    /// into its pinned slots. A range outside the file (as it was when opened), an offset that
+    /// `O_DIRECT` refuses, or a failed read is an [`Error::Loader`](crate::Error::Loader) naming
+    /// the batch.
+    File {
+        /// The open file; shared, so many batches can name ranges of one file.
+        file: Arc<FileSource>,
+        /// Where the batch's bytes start.
+        offset: u64,
+        /// How many bytes (`spec.input_len()`).
+        len: usize,
+    },
+}
+
+impl Default for Pixels {
+    /// Empty pageable pixels.
+    fn default() -> Self {
+        Pixels::Pageable(Vec::new())
+    }
+}
+
+impl From<Vec<u8>> for Pixels {
+    fn from(v: Vec<u8>) -> Self {
+        Pixels::Pageable(v)
+    }
+}
+
+impl From<PoolBlock<u8>> for Pixels {
+    fn from(b: PoolBlock<u8>) -> Self {
+        Pixels::Pinned(b)
+    }
+}
+
+impl Pixels {
+    /// Number of bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Pixels::Pageable(v) => v.len(),
+            Pixels::Pinned(b) => b.len(),
+            Pixels::File { len, .. } => *len,
+        }
+    }
+
+    /// Whether there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `"pageable"`, `"pinned"` or `"file"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Pixels::Pageable(_) => "pageable",
+            Pixels::Pinned(_) => "pinned",
+            Pixels::File { .. } => "file",
+        }
+    }
+
+    /// The bytes, for checking and debugging: pageable pixels borrowed, pinned ones borrowed
+    /// after the GPU's last use of the block (this waits for it), a file range read into a new
+    /// vector (an [`Error::Io`](crate::Error::Io) if the range is outside the file or the read
+    /// fails).
+    pub fn read(&self) -> Result<Cow<'_, [u8]>> {
+        match self {
+            Pixels::Pageable(v) => Ok(Cow::Borrowed(v)),
+            Pixels::Pinned(b) => b.as_slice().map(Cow::Borrowed),
+            Pixels::File { file, offset, len } => file
+                .read_range("Pixels::read", *offset, *len)
+                .map(Cow::Owned),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+    use std::io::Write;
+
+    #[test]
+    fn pageable_len_and_read() {
+        let p = Pixels::default();
+        assert!(p.is_empty());
+        assert_eq!(p.len(), 0);
+        assert_eq!(p.kind(), "pageable");
+        assert_eq!(&*p.read().unwrap(), &[] as &[u8]);
+        let p = Pixels::from(vec![1u8, 2, 3]);
+        assert_eq!(p.len(), 3);
+        assert!(!p.is_empty());
+        assert!(matches!(p.read().unwrap(), Cow::Borrowed([1, 2, 3])));
+    }
+
+    /// A temporary file removed on drop.
+    struct Temp(std::path::PathBuf);
+
+    impl Drop for Temp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn temp_file(name: &str, bytes: &[u8]) -> Temp {
+        let path = std::env::temp_dir().join(format!(
+            "pinstream-pixels-{name}-{}-{:?}.bin",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let t = Temp(path);
+        let mut f = std::fs::File::create(&t.0).unwrap();
+        f.write_all(bytes).unwrap();
+        t
+    }
+
+    #[test]
+    fn file_len_and_read() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let t = temp_file("read", &data);
+        let file = Arc::new(FileSource::open(&t.0).unwrap());
+        let p = Pixels::File {
+            file: file.clone(),
+            offset: 123,
+            len: 4567,
+        };
+        assert_eq!(p.len(), 4567);
+        assert_eq!(p.kind(), "file");
+        assert_eq!(&*p.read().unwrap(), &data[123..123 + 4567]);
+        // The whole file, and an empty range at its end.
+        let whole = Pixels::File {
+            file: file.clone(),
+            offset: 0,
+            len: data.len(),
+        };
+        assert_eq!(&*whole.read().unwrap(), &data[..]);
+        let empty = Pixels::File {
+            file: file.clone(),
+            offset: data.len() as u64,
+            len: 0,
+        };
+        assert!(empty.is_empty());
+        assert!(empty.read().unwrap().is_empty());
+        // Past the end, and an offset whose end overflows: errors, no panic.
+        for (offset, len) in [(9_000u64, 1_001usize), (u64::MAX, 2), (10_001, 0)] {
+            let bad = Pixels::File {
+                file: file.clone(),
+                offset,
+                len,
+            };
+            assert!(
+                matches!(bad.read(), Err(Error::Io { .. })),
+                "{offset} {len}"
+            );
+        }
+    }
+
+    #[test]
+    fn direct_file_read() {
+        let data: Vec<u8> = (0..3 * 4096 + 100u32).map(|i| (i % 253) as u8).collect();
+        let t = temp_file("direct", &data);
+        // tmpfs has no O_DIRECT: nothing to test there.
+        let Ok(file) = FileSource::open_direct(&t.0) else {
+            return;
+        };
+        let file = Arc::new(file);
+        for (offset, len) in [
+            (0u64, 1usize),
+            (4096, 4096),
+            (4096, 2 * 4096 + 100),
+            (0, 17),
+        ] {
+            let p = Pixels::File {
+                file: file.clone(),
+                offset,
+                len,
+            };
+            let o = offset as usize;
+            assert_eq!(&*p.read().unwrap(), &data[o..o + len], "{offset} {len}");
+        }
+        let misaligned = Pixels::File {
+            file,
+            offset: 100,
+            len: 10,
+        };
+        assert!(matches!(
+            misaligned.read(),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+}
