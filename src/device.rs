@@ -341,6 +341,12 @@ impl Device {
         s.trim().parse().ok().filter(|n: &i32| *n >= 0)
     }
 
+    /// The CPUs next to the device (sysfs `local_cpulist`), where sysfs shows them.
+    pub fn local_cpus(&self) -> Option<Vec<usize>> {
+        let s = std::fs::read_to_string(self.sysfs_dir()?.join("local_cpulist")).ok()?;
+        crate::affinity::parse_cpulist(&s)
+    }
+
     /// The driver's CUDA version; `None` when no driver is installed.
     pub fn driver_version() -> Result<Option<Version>> {
         let mut v = 0;

@@ -28,6 +28,7 @@
 
 pub mod sys;
 
+mod affinity;
 pub mod bench;
 mod copy;
 mod device;

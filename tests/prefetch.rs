@@ -52,6 +52,7 @@ fn main() {
     gpu("source/iterator_pinned_and_file", iterator_pinned_and_file);
     gpu("errors/bad_pinned_length_at_k", bad_pinned_length);
     gpu("errors/file_range_past_end_at_k", file_range_past_end);
+    gpu("affinity/numa_local", numa_local);
     trials.push(Trial::test("shards/two_devices", shards_two_devices).with_ignored_flag(!two_gpus));
     trials.push(
         Trial::test("errors/pinned_block_of_another_device", pinned_other_device)
@@ -1095,4 +1096,80 @@ fn pixels_len_and_read() -> R {
     ensure(matches!(b.pixels.read(), Err(Error::Io { .. })), || {
         "past the end".into()
     })
+}
+
+/// CPUs the calling thread may run on, from procfs.
+fn thread_cpus() -> Result<Vec<usize>, Failed> {
+    let status = std::fs::read_to_string("/proc/thread-self/status")?;
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .ok_or("no Cpus_allowed_list in /proc/thread-self/status")?;
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',') {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        cpus.extend(a.trim().parse::<usize>()?..=b.trim().parse::<usize>()?);
+    }
+    Ok(cpus)
+}
+
+/// With `numa_local`, every loader runs on the CPUs next to the device (those the caller may
+/// use), and the caller's own mask is the same after `Prefetcher::new` as before; without it,
+/// the loaders keep the caller's mask.
+fn numa_local() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let caller = thread_cpus()?;
+    let local: Vec<usize> = match dev.local_cpus() {
+        Some(l) => l.into_iter().filter(|c| caller.contains(c)).collect(),
+        None => caller.clone(),
+    };
+    let want_local = if local.is_empty() {
+        caller.clone()
+    } else {
+        local
+    };
+    for on in [true, false] {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen2 = seen.clone();
+        let source = Source::new(move |i, b: &mut HostBatch<i64>| {
+            if i >= 12 {
+                return Ok(false);
+            }
+            seen2
+                .lock()
+                .map_err(|_| "poisoned")?
+                .push(thread_cpus().map_err(|e| format!("{e:?}"))?);
+            fill_uniform(i, b, 2, 8);
+            Ok(true)
+        });
+        let c = PrefetchConfig {
+            numa_local: on,
+            ..config(3, 2)
+        };
+        let mut p = Prefetcher::<f32, i64>::new(&stream, source, c)?;
+        ensure(thread_cpus()? == caller, || {
+            format!("numa_local {on}: the caller's CPUs changed")
+        })?;
+        let mut k = 0u64;
+        while let Some(b) = p.next() {
+            let b = b?;
+            check(
+                &stream,
+                &b.pixels()?,
+                &b.extras()?,
+                &uniform_want(k, 2, 8),
+                "affinity",
+            )?;
+            k += 1;
+        }
+        ensure(k == 12, || format!("{k} batches, not 12"))?;
+        let want = if on { &want_local } else { &caller };
+        for cpus in seen.lock().map_err(|_| "poisoned")?.iter() {
+            ensure(cpus == want, || {
+                format!("numa_local {on}: a loader ran on {cpus:?}, expected {want:?}")
+            })?;
+        }
+    }
+    Ok(())
 }

@@ -99,6 +99,8 @@ pub struct Setup {
     /// Where the prefetcher's loaders put the pixels (`serial` and `apex` always use pageable
     /// memory).
     pub source: PixelSource,
+    /// `PrefetchConfig::numa_local` for the prefetcher.
+    pub numa_local: bool,
 }
 
 impl Setup {
@@ -428,6 +430,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
         depth: s.depth,
         loader_threads: s.threads,
         stager: StagerConfig::from_env()?,
+        numa_local: s.numa_local,
         ..PrefetchConfig::default()
     };
     let prefetchers = Prefetcher::<f32, i64>::sharded(&streams, source, config)?;

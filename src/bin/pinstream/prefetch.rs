@@ -50,6 +50,10 @@ pub struct PrefetchArgs {
     /// pread into the stager's slots). `serial` and `apex` always use pageable memory.
     #[arg(long, default_value_t = PixelSource::Pageable)]
     source: PixelSource,
+    /// Leave the prefetcher's threads wherever the OS puts them, instead of on the CPUs next
+    /// to each device (`PrefetchConfig::numa_local`).
+    #[arg(long)]
+    no_numa_local: bool,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     format: Format,
@@ -123,6 +127,7 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             depth: args.depth,
             threads: args.threads,
             source: args.source,
+            numa_local: !args.no_numa_local,
         };
         let parts = prefetch::parts(&first, &setup)?;
         bar.inc(1);
