@@ -253,7 +253,10 @@ __global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32
     if (p + 4 <= npix) {
       Vec4<Out>::store(dst + (size_t)c * hw, r[0], r[1], r[2], r[3]);
     } else {
-      for (uint32_t i = 0; i < npix - p; ++i) dst[(size_t)c * hw + i] = Conv<Out>::from(r[i]);
+      // Constant indices only: a dynamic r[i] would put r in local memory.
+#pragma unroll
+      for (int i = 0; i < 3; ++i)
+        if ((uint32_t)i < npix - p) dst[(size_t)c * hw + i] = Conv<Out>::from(r[i]);
     }
   }
 }
@@ -369,8 +372,22 @@ __device__ __forceinline__ uint32_t byte_of(const uint32_t (&w)[C], int i) {
 
 // Overflow audit: as `general` (64-bit element and byte offsets); per block at most
 // ROW_R_MAX * 4 segments of at most 4 * ROW_MAX + 4 bytes, so smem-local indices are small.
+// Blocks per SM the register allocation must allow: 5 for 1- and 2-byte outputs (48 registers;
+// f16 crop + mirror, 3 channels: 94 -> 99 % of a copy on the H100), 4 with 4 channels (48 would
+// spill), 1 for f32 (more blocks measured no faster).
+// (Turing holds at most 1024 threads per SM: 4 there.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr int ROW_BLOCKS_NARROW = 4;
+#else
+constexpr int ROW_BLOCKS_NARROW = 5;
+#endif
 template <typename Out, int C>
-__global__ void __launch_bounds__(ROW_THREADS) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+constexpr int crop_rows_min_blocks() {
+  return sizeof(Out) <= 2 ? (C == 4 ? 4 : ROW_BLOCKS_NARROW) : 1;
+}
+
+template <typename Out, int C>
+__global__ void __launch_bounds__(ROW_THREADS, crop_rows_min_blocks<Out, C>()) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
   extern __shared__ __align__(16) uint8_t tile[];
   __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
