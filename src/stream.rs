@@ -1,5 +1,6 @@
 //! `Stream`: an ordered queue of GPU work on one device; non-blocking by default.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -41,11 +42,16 @@ struct Inner {
     raw: sys::cudaStream_t,
     device: Device,
     priority: i32,
+    /// Unique in the process, never reused (unlike the raw handle): trackers compare it.
+    id: u64,
     /// Device memory for the small per-launch tables of kernels (the normalize sample table),
     /// reused launch after launch: every use is queued on this stream, so each launch's upload
     /// is ordered after the previous launch's reads. Held locked from upload to launch.
     scratch: Mutex<Option<DeviceBuffer<u8>>>,
 }
+
+/// Ids start at 1: 0 stands for "no stream" in the trackers.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 // SAFETY: CUDA streams may be used from any thread; the runtime synchronises internally.
 unsafe impl Send for Inner {}
@@ -103,6 +109,7 @@ impl Stream {
                 raw,
                 device: *device,
                 priority,
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 scratch: Mutex::new(None),
             }),
         })
@@ -116,6 +123,11 @@ impl Stream {
     /// The priority it was created with.
     pub fn priority(&self) -> i32 {
         self.inner.priority
+    }
+
+    /// An id unique to this stream (its clones share it) for the life of the process.
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
     }
 
     /// The raw handle, for use with other CUDA libraries. It stays owned by the `Stream`.

@@ -24,6 +24,8 @@ pub struct Tracker {
 #[derive(Debug, Default)]
 struct State {
     last: Option<Arc<Event>>,
+    /// `Stream::id` of the stream `last` was recorded on (ids are never reused).
+    last_stream: u64,
     /// Set when queued work on the memory could be neither tracked nor waited for.
     poisoned: Option<Error>,
 }
@@ -98,11 +100,19 @@ pub(crate) fn ordered<R>(
             return Err(e.clone());
         }
     }
+    // A use queued on this same stream is already ordered before `op`; each other event is
+    // waited for once (the trackers of one earlier operation share its event).
+    let mut waited: Vec<&Arc<Event>> = Vec::new();
     for g in &guards {
         if let Some(ev) = g.last.as_ref() {
+            if g.last_stream == stream.id() || waited.iter().any(|w| Arc::ptr_eq(w, ev)) {
+                continue;
+            }
             stream.wait(&**ev)?;
+            waited.push(ev);
         }
     }
+    drop(waited);
     let out = op()?;
 
     // Reuse the first tracker's event when nobody else holds it and it is on this device.
@@ -130,6 +140,7 @@ pub(crate) fn ordered<R>(
     };
     for g in &mut guards {
         g.last = Some(event.clone());
+        g.last_stream = stream.id();
     }
     Ok((out, event))
 }
