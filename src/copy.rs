@@ -16,7 +16,7 @@ use crate::error::{check_with, Error, Result};
 use crate::event::Event;
 use crate::memory::bounce;
 use crate::memory::sealed::{DeviceRegion, HostMem};
-use crate::memory::tracker::{self, Tracker};
+use crate::memory::tracker::{self, Access, Tracker};
 use crate::memory::{DeviceSlice, DeviceSliceMut, HostKind, HostSlice, HostSliceMut};
 use crate::stream::Stream;
 use crate::sys;
@@ -159,8 +159,20 @@ fn same_len(op: &'static str, src: usize, dst: usize) -> Result<()> {
     Ok(())
 }
 
+/// Both trackers of a copy, every one counted as written (the measurement code's copies).
 pub(crate) fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tracker> {
     std::iter::once(a).chain(b).collect()
+}
+
+/// The uses of a copy from `src` to `dst` (a side without a tracker is pageable memory, which
+/// the copy is done with before it returns).
+pub(crate) fn reads_writes<'a>(
+    src: Option<&'a Tracker>,
+    dst: Option<&'a Tracker>,
+) -> Vec<(&'a Tracker, Access)> {
+    let reads = src.map(|t| (t, Access::Read));
+    let writes = dst.map(|t| (t, Access::Write));
+    reads.into_iter().chain(writes).collect()
 }
 
 impl Stream {
@@ -214,16 +226,20 @@ impl Stream {
                 let mut stage = || {
                     block.as_mut_slice()?[..piece.len()].copy_from_slice(piece);
                     let staged = block.host_region();
-                    tracker::ordered(self, &trackers(d.tracker, staged.tracker), || {
-                        memcpy(
-                            self,
-                            dst,
-                            staged.ptr,
-                            piece.len(),
-                            sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-                            "host to device (staged)",
-                        )
-                    })
+                    tracker::ordered_rw(
+                        self,
+                        &reads_writes(staged.tracker, Some(d.tracker)),
+                        || {
+                            memcpy(
+                                self,
+                                dst,
+                                staged.ptr,
+                                piece.len(),
+                                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                                "host to device (staged)",
+                            )
+                        },
+                    )
                 };
                 let queued = stage();
                 bounce::give_back(block);
@@ -234,16 +250,17 @@ impl Stream {
                 _src: PhantomData,
             });
         }
-        let (_, event) = tracker::ordered(self, &trackers(d.tracker, h.tracker), || {
-            memcpy(
-                self,
-                d.ptr,
-                h.ptr,
-                bytes,
-                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-                "host to device",
-            )
-        })?;
+        let (_, event) =
+            tracker::ordered_rw(self, &reads_writes(h.tracker, Some(d.tracker)), || {
+                memcpy(
+                    self,
+                    d.ptr,
+                    h.ptr,
+                    bytes,
+                    sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                    "host to device",
+                )
+            })?;
         if h.kind == HostKind::Pageable {
             // Nothing guards a plain slice once the borrow ends: finish the copy here rather
             // than trust the driver to have staged it (it may not have, and the slice may even
@@ -300,16 +317,17 @@ impl Stream {
             return Ok(pending);
         }
         self.enter()?;
-        let (_, event) = tracker::ordered(self, &trackers(d.tracker, h.tracker), || {
-            memcpy(
-                self,
-                h.ptr,
-                d.ptr,
-                bytes,
-                sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
-                "device to host",
-            )
-        })?;
+        let (_, event) =
+            tracker::ordered_rw(self, &reads_writes(Some(d.tracker), h.tracker), || {
+                memcpy(
+                    self,
+                    h.ptr,
+                    d.ptr,
+                    bytes,
+                    sys::cudaMemcpyKind::cudaMemcpyDeviceToHost,
+                    "device to host",
+                )
+            })?;
         pending.event = Some(event);
         if h.kind == HostKind::Pageable {
             // Synchronous for pageable memory already; this also covers a plain slice that is
@@ -352,16 +370,20 @@ impl Stream {
             return Ok(());
         }
         self.enter()?;
-        tracker::ordered(self, &[s.tracker, d.tracker], || {
-            memcpy(
-                self,
-                d.ptr,
-                s.ptr,
-                bytes,
-                sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
-                "device to device",
-            )
-        })
+        tracker::ordered_rw(
+            self,
+            &reads_writes(Some(s.tracker), Some(d.tracker)),
+            || {
+                memcpy(
+                    self,
+                    d.ptr,
+                    s.ptr,
+                    bytes,
+                    sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+                    "device to device",
+                )
+            },
+        )
         .map(|_| ())
     }
 
@@ -444,9 +466,11 @@ impl Stream {
             return Ok(());
         }
         self.enter()?;
-        tracker::ordered(self, &[s.tracker, d.tracker], || {
-            memcpy_peer(self, d.ptr, d.device, s.ptr, s.device, bytes)
-        })
+        tracker::ordered_rw(
+            self,
+            &reads_writes(Some(s.tracker), Some(d.tracker)),
+            || memcpy_peer(self, d.ptr, d.device, s.ptr, s.device, bytes),
+        )
         .map(|_| ())
     }
 }

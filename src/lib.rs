@@ -54,8 +54,8 @@ pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, HostAlloc, HostKind,
-    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PoolBacking, PoolBlock,
-    PoolConfig, PoolStats, Registered,
+    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PinnedView, PoolBacking,
+    PoolBlock, PoolConfig, PoolStats, Registered,
 };
 pub use staging::{
     Downloads, FileSource, Packed, PackedBatch, Packer, Stager, StagerConfig, Uploads,

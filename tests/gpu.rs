@@ -84,6 +84,19 @@ fn main() {
         buffer_used_on_two_streams_is_ordered,
     );
     gpu(
+        "tracker/reads_run_beside_each_other".into(),
+        reads_run_beside_each_other,
+    );
+    gpu(
+        "tracker/write_waits_for_every_read".into(),
+        write_waits_for_every_read,
+    );
+    gpu(
+        "tracker/host_read_beside_gpu_read".into(),
+        host_read_beside_gpu_read,
+    );
+    gpu("tracker/pinned_views".into(), pinned_views);
+    gpu(
         "drop_buffers_while_in_flight".into(),
         drop_buffers_while_in_flight,
     );
@@ -532,6 +545,160 @@ fn two_streams_copy_at_once() -> R {
 }
 
 /// Writes on one stream and reads on another need no manual event: the buffer orders them.
+/// Two copies that only read one buffer, on two streams: the second does not wait for the
+/// first (which sits behind a 200 ms spin). Before reads and writes were told apart it did.
+fn reads_run_beside_each_other() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let (data, seed) = random_bytes(3 << 20);
+    let src_host = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    let mut src = DeviceBuffer::<u8>::new(&dev, data.len())?;
+    a.copy_h2d(&src_host, &mut src)?;
+    a.synchronize()?;
+    let (mut d1, mut d2) = (
+        DeviceBuffer::<u8>::new(&dev, data.len())?,
+        DeviceBuffer::<u8>::new(&dev, data.len())?,
+    );
+    let (mut h1, mut h2) = (
+        PinnedBuffer::<u8>::new(&dev, data.len(), HostAlloc::DEFAULT)?,
+        PinnedBuffer::<u8>::new(&dev, data.len(), HostAlloc::DEFAULT)?,
+    );
+    let a_done = Event::new(&dev)?;
+    // Device memory read on two streams, and pinned memory read by two copies.
+    a.spin(Duration::from_millis(200))?;
+    a.copy_d2d(&src, &mut d1)?;
+    a.copy_h2d(&src_host, &mut d1)?;
+    a.record(&a_done)?;
+    b.copy_d2d(&src, &mut d2)?;
+    b.copy_h2d(&src_host, &mut d2)?;
+    b.synchronize()?;
+    ensure(!a_done.is_complete()?, || {
+        "the reads on stream b waited for the reads on stream a".into()
+    })?;
+    same("b's copy", b.copy_d2h(&d2, &mut h2)?.wait()?, &data, seed)?;
+    let got = a.copy_d2h(&d1, &mut h1)?.wait()?;
+    same("a's copy", got, &data, seed)
+}
+
+/// A write waits for every read queued since the last write, on every stream: a host write to
+/// a pinned source and a GPU write to a device source must not overtake reads held back by
+/// spins of different lengths.
+fn write_waits_for_every_read() -> R {
+    let dev = dev0()?;
+    let (a, b, c) = (dev.stream()?, dev.stream()?, dev.stream()?);
+    let n = 2 << 20;
+    let (old, seed) = random_bytes(n);
+    let mut host = PinnedBuffer::from_slice(&dev, &old, HostAlloc::DEFAULT)?;
+    let mut dev_src = DeviceBuffer::<u8>::new(&dev, n)?;
+    c.copy_h2d(&host, &mut dev_src)?;
+    let mut outs = (0..4)
+        .map(|_| DeviceBuffer::<u8>::new(&dev, n))
+        .collect::<pinstream::Result<Vec<_>>>()?;
+    let (o1, rest) = outs.split_at_mut(1);
+    let (o2, rest) = rest.split_at_mut(1);
+    let (o3, o4) = rest.split_at_mut(1);
+    a.spin(Duration::from_millis(150))?;
+    a.copy_h2d(&host, &mut o1[0])?;
+    a.copy_d2d(&dev_src, &mut o3[0])?;
+    b.spin(Duration::from_millis(60))?;
+    b.copy_h2d(&host, &mut o2[0])?;
+    b.copy_d2d(&dev_src, &mut o4[0])?;
+    // The writes: on the host (waits for both pinned reads) and on a third stream.
+    host.as_mut_slice()?.fill(0xA5);
+    kernels::fill(&c, &mut dev_src, 0x5Au8)?;
+    let mut back = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
+    for (what, o) in [("a", &o1[0]), ("b", &o2[0])] {
+        let got = c.copy_d2h(o, &mut back)?.wait()?;
+        same(&format!("pinned read on {what}"), got, &old, seed)?;
+    }
+    for (what, o) in [("a", &o3[0]), ("b", &o4[0])] {
+        let got = c.copy_d2h(o, &mut back)?.wait()?;
+        same(&format!("device read on {what}"), got, &old, seed)?;
+    }
+    let got = c.copy_d2h(&dev_src, &mut back)?.wait()?;
+    ensure(got.iter().all(|&v| v == 0x5A), || {
+        "the write after the reads did not land".into()
+    })
+}
+
+/// Host reads of pinned memory run beside a GPU copy that reads it (no wait), but wait for one
+/// that writes it.
+fn host_read_beside_gpu_read() -> R {
+    let dev = dev0()?;
+    let a = dev.stream()?;
+    let (data, seed) = random_bytes(1 << 20);
+    let mut host = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, data.len())?;
+    let done = Event::new(&dev)?;
+    a.spin(Duration::from_millis(200))?;
+    a.copy_h2d(&host, &mut d)?;
+    a.record(&done)?;
+    same("host read during a GPU read", host.as_slice()?, &data, seed)?;
+    ensure(!done.is_complete()?, || {
+        "as_slice waited for a copy that only reads the buffer".into()
+    })?;
+    // A write into it: as_slice waits for that.
+    kernels::fill(&a, &mut d, 7u8)?;
+    a.spin(Duration::from_millis(100))?;
+    let pending = a.copy_d2h(&d, &mut host)?;
+    drop(pending);
+    ensure(host.as_slice()?.iter().all(|&v| v == 7), || {
+        "as_slice did not wait for the copy that writes the buffer".into()
+    })
+}
+
+/// `PinnedBuffer::slice`: copies read only the range; ranges outside are typed errors.
+fn pinned_views() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let (data, seed) = random_bytes(70_001);
+    let host = PinnedBuffer::from_slice(&dev, &data, HostAlloc::PORTABLE)?;
+    let mut back = vec![0u8; 0];
+    for (lo, hi) in [
+        (0usize, 70_001usize),
+        (13, 4_109),
+        (65_536, 70_001),
+        (500, 500),
+    ] {
+        let view = host.slice(lo..hi)?;
+        ensure(view.len() == hi - lo, || {
+            format!("view {lo}..{hi} has length {}", view.len())
+        })?;
+        same(
+            &format!("view {lo}..{hi} on the host"),
+            view.as_slice()?,
+            &data[lo..hi],
+            seed,
+        )?;
+        let mut d = DeviceBuffer::<u8>::new(&dev, hi - lo)?;
+        kernels::fill(&s, &mut d, 0xEEu8)?;
+        s.copy_h2d(&view, &mut d)?;
+        back.resize(hi - lo, 0);
+        s.copy_d2h(&d, &mut back[..])?.wait()?;
+        same(
+            &format!("copy of view {lo}..{hi}"),
+            &back,
+            &data[lo..hi],
+            seed,
+        )?;
+    }
+    for (lo, hi) in [
+        (0usize, 70_002usize),
+        (70_000, 70_002),
+        (usize::MAX, usize::MAX),
+    ] {
+        let r = host.slice(lo..hi);
+        ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+            format!("slice {lo}..{hi} of 70001: {r:?}")
+        })?;
+    }
+    let (hi, lo) = (3usize, 5usize);
+    let r = host.slice(lo..hi);
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+        format!("slice 5..3: {r:?}")
+    })
+}
+
 fn buffer_used_on_two_streams_is_ordered() -> R {
     let dev = dev0()?;
     let (a, b) = (dev.stream()?, dev.stream()?);
@@ -1262,8 +1429,10 @@ fn sticky_child() -> R {
     ensure(scoped.is_err(), || {
         "the scope did not report the failed wait".into()
     })?;
-    let e = pinned.as_slice().err();
-    ensure(e.is_some(), || "host access after a failed wait".into())?;
+    // The copy only read `pinned`: a host write must wait for it, and that wait fails. (A host
+    // read needs only the last write, of which there was none on the GPU: harmless either way.)
+    let e = pinned.as_mut_slice().err();
+    ensure(e.is_some(), || "host write after a failed wait".into())?;
     drop(pinned);
     drop(d);
     drop(d2);

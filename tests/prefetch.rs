@@ -4,7 +4,9 @@
 //! with crops and mirrors; loader errors, panics and bad batches at batch k; a leaked batch
 //! guard; dropping mid-epoch; sharding; a long run with memory checked. The same for pixels in
 //! page-locked memory (`HostBatch::pinned`), in file ranges (`HostBatch::set_file`) and mixed,
-//! with bad lengths and ranges at batch k. Ignored without a GPU, except the `host/` trials.
+//! with bad lengths and ranges at batch k; and for ranges of a resident pinned buffer
+//! (`HostBatch::set_resident`), one buffer shared by two devices. Ignored without a GPU, except
+//! the `host/` trials.
 
 mod common;
 
@@ -18,7 +20,10 @@ use common::{ensure, R};
 use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{cpu, Crop, Layout, Normalize, Sample, Spec};
 use pinstream::prefetch::{HostBatch, LoadError, Pixels, PrefetchConfig, Prefetcher, Source};
-use pinstream::{Device, DeviceBuffer, Error, FileSource, PinnedPool, PoolConfig, Stream};
+use pinstream::{
+    Device, DeviceBuffer, Error, FileSource, HostAlloc, PinnedBuffer, PinnedPool, PoolConfig,
+    Stream,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -53,6 +58,16 @@ fn main() {
     gpu("errors/bad_pinned_length_at_k", bad_pinned_length);
     gpu("errors/file_range_past_end_at_k", file_range_past_end);
     gpu("affinity/numa_local", numa_local);
+    gpu("resident/ranges_threads_and_depths", resident_ranges);
+    gpu("errors/resident_range_outside_at_k", resident_range_outside);
+    trials.push(
+        Trial::test("resident/two_devices_one_buffer", resident_two_devices)
+            .with_ignored_flag(!two_gpus),
+    );
+    trials.push(
+        Trial::test("errors/resident_of_another_device", resident_other_device)
+            .with_ignored_flag(!two_gpus),
+    );
     trials.push(Trial::test("shards/two_devices", shards_two_devices).with_ignored_flag(!two_gpus));
     trials.push(
         Trial::test("errors/pinned_block_of_another_device", pinned_other_device)
@@ -452,8 +467,13 @@ fn iterator_source() -> R {
 }
 
 fn run_shards(streams: Vec<Stream>) -> R {
+    run_shards_of(streams, uniform_source(21, 4, 32))
+}
+
+/// Shards of `source` (21 batches of 4 x 3x32x32, `fill_uniform`'s content) over `streams`.
+fn run_shards_of(streams: Vec<Stream>, source: Source<i64>) -> R {
     let n = streams.len() as u64;
-    let ps = Prefetcher::<f32, i64>::sharded(&streams, uniform_source(21, 4, 32), config(2, 2))?;
+    let ps = Prefetcher::<f32, i64>::sharded(&streams, source, config(2, 2))?;
     let handles: Vec<_> = ps
         .into_iter()
         .enumerate()
@@ -1172,4 +1192,132 @@ fn numa_local() -> R {
         }
     }
     Ok(())
+}
+
+/// `end` batches of `n x 3 x hw x hw` (batch `i` as `fill_uniform` makes it) back to back in
+/// one pinned buffer allocated on `dev` with `flags`.
+fn resident_batches(
+    dev: &Device,
+    end: u64,
+    n: usize,
+    hw: usize,
+    flags: HostAlloc,
+) -> Result<Arc<PinnedBuffer<u8>>, Failed> {
+    let len = n * 3 * hw * hw;
+    let mut buf = PinnedBuffer::<u8>::new(dev, len * end as usize, flags)?;
+    for (i, chunk) in buf.as_mut_slice()?.chunks_mut(len).enumerate() {
+        uniform_bytes(i as u64, chunk);
+    }
+    Ok(Arc::new(buf))
+}
+
+/// Batch `i` is the `i`-th range of `buf` (as `resident_batches` filled it).
+fn resident_source(buf: Arc<PinnedBuffer<u8>>, end: u64, n: usize, hw: usize) -> Source<i64> {
+    Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        uniform_meta(i, b, n, hw);
+        let len = n * 3 * hw * hw;
+        b.set_resident(buf.clone(), i as usize * len, len);
+        Ok(true)
+    })
+}
+
+fn resident_ranges() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (n, hw, end) = (4usize, 40usize, 23u64);
+    let buf = resident_batches(&dev, end, n, hw, HostAlloc::DEFAULT)?;
+    let len = n * 3 * hw * hw;
+    for i in 0..end {
+        let px = Pixels::Resident {
+            buf: buf.clone(),
+            offset: i as usize * len,
+            len,
+        };
+        ensure(px.kind() == "resident" && px.len() == len, || {
+            format!("batch {i}: {} of {}", px.kind(), px.len())
+        })?;
+        let want = uniform_want(i, n, hw);
+        ensure(px.read()? == want.pixels.read()?, || {
+            format!(
+                "batch {i}: the resident range reads back wrong (seed {})",
+                seed()
+            )
+        })?;
+    }
+    for (threads, depth) in [(1, 1), (2, 2), (4, 3), (3, 4)] {
+        run_checked(
+            &stream,
+            resident_source(buf.clone(), end, n, hw),
+            config(threads, depth),
+            end,
+            |i| uniform_want(i, n, hw),
+            &format!("resident, {threads} loaders, depth {depth}"),
+        )?;
+    }
+    // With the prefetchers gone, the buffer is the caller's alone again, and writable.
+    let mut buf = Arc::try_unwrap(buf).map_err(|_| "a prefetcher kept the resident buffer")?;
+    buf.as_mut_slice()?.fill(1);
+    ensure(buf.as_slice()?.iter().all(|&b| b == 1), || "rewrite".into())
+}
+
+fn resident_range_outside() -> R {
+    let dev = Device::get(0)?;
+    let k = 3u64;
+    let (n, hw) = (4usize, 32usize);
+    let len = n * 3 * hw * hw;
+    let buf = resident_batches(&dev, k + 1, n, hw, HostAlloc::DEFAULT)?;
+    // Ten bytes past the end, and an offset whose end overflows.
+    for offset in [k as usize * len + 10, usize::MAX - 5] {
+        let b2 = buf.clone();
+        let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+            uniform_meta(i, b, n, hw);
+            let at = if i == k { offset } else { i as usize * len };
+            b.set_resident(b2.clone(), at, len);
+            Ok(true)
+        });
+        let message = fails_on(&dev, k, src)?;
+        ensure(message.contains("outside"), || {
+            format!("offset {offset}: {message:?} does not say the range is outside")
+        })?;
+        let bad = Pixels::Resident {
+            buf: buf.clone(),
+            offset,
+            len,
+        };
+        ensure(
+            matches!(bad.read(), Err(Error::InvalidArgument { .. })),
+            || format!("offset {offset}: Pixels::read of a range outside"),
+        )?;
+    }
+    Ok(())
+}
+
+/// One portable buffer feeds a prefetcher on each of two devices; every batch checked.
+fn resident_two_devices() -> R {
+    let buf = resident_batches(&Device::get(0)?, 21, 4, 32, HostAlloc::PORTABLE)?;
+    run_shards_of(
+        vec![Device::get(0)?.stream()?, Device::get(1)?.stream()?],
+        resident_source(buf, 21, 4, 32),
+    )
+}
+
+fn resident_other_device() -> R {
+    let dev = Device::get(0)?;
+    let other = resident_batches(&Device::get(1)?, 4, 4, 32, HostAlloc::DEFAULT)?;
+    let own = resident_batches(&dev, 4, 4, 32, HostAlloc::DEFAULT)?;
+    let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+        uniform_meta(i, b, 4, 32);
+        let len = 4 * 3 * 32 * 32;
+        let buf = if i == 2 { &other } else { &own };
+        b.set_resident(buf.clone(), i.min(3) as usize * len, len);
+        Ok(true)
+    });
+    let message = fails_on(&dev, 2, src)?;
+    ensure(
+        message.contains("cuda:0") && message.contains("cuda:1") && message.contains("PORTABLE"),
+        || format!("{message:?} does not name both devices and the way out"),
+    )
 }

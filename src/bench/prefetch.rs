@@ -40,22 +40,27 @@ pub enum PixelSource {
     Pinned,
     /// Ranges of a file written before the run, read by the staging engine with `pread`.
     File,
+    /// Ranges of one portable pinned buffer written before the run (a dataset held in pinned
+    /// memory, shared by every device), one DMA each and nothing written per batch.
+    Resident,
 }
 
 impl PixelSource {
     /// Every source, in order.
-    pub const ALL: [PixelSource; 3] = [
+    pub const ALL: [PixelSource; 4] = [
         PixelSource::Pageable,
         PixelSource::Pinned,
         PixelSource::File,
+        PixelSource::Resident,
     ];
 
-    /// `pageable`, `pinned` or `file`.
+    /// `pageable`, `pinned`, `file` or `resident`.
     pub fn name(self) -> &'static str {
         match self {
             PixelSource::Pageable => "pageable",
             PixelSource::Pinned => "pinned",
             PixelSource::File => "file",
+            PixelSource::Resident => "resident",
         }
     }
 }
@@ -73,7 +78,7 @@ impl FromStr for PixelSource {
         PixelSource::ALL
             .into_iter()
             .find(|p| p.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("unknown pixel source {s:?} (pageable, pinned, file)"))
+            .ok_or_else(|| format!("unknown pixel source {s:?} (pageable, pinned, file, resident)"))
     }
 }
 
@@ -156,7 +161,7 @@ impl Parts {
     /// copy from memory does).
     pub fn ideal_ms(&self, source: PixelSource) -> f64 {
         let upload = match source {
-            PixelSource::Pinned => self.pinned_ms,
+            PixelSource::Pinned | PixelSource::Resident => self.pinned_ms,
             PixelSource::Pageable | PixelSource::File => self.staged_ms,
         };
         self.compute_ms.max(upload + self.normalize_ms)
@@ -390,7 +395,8 @@ impl Drop for TempBatches {
 /// The prefetcher on each of `devices` (one shard and one consumer thread per device); time per
 /// batch of all devices together. With `PixelSource::File` the batches are ranges of a file of
 /// at most 8 distinct batches (2 GiB at most) written to the temporary directory first and
-/// removed afterwards.
+/// removed afterwards; with `PixelSource::Resident` ranges of one portable pinned buffer of as
+/// many batches, filled first.
 pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let spec = s.spec();
     let n = s.bytes();
@@ -403,18 +409,37 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
             let source = Arc::new(FileSource::open(batches.path())?);
             Some((batches, source))
         }
-        PixelSource::Pageable | PixelSource::Pinned => None,
+        PixelSource::Pageable | PixelSource::Pinned | PixelSource::Resident => None,
     };
     let ranges = file.as_ref().map(|(b, f)| (b.count, f.clone()));
+    let resident = match (s.source, devices.first()) {
+        (PixelSource::Resident, Some(d)) => {
+            let count = (FILE_BYTES / (n.max(1) as u64)).clamp(1, FILE_BATCHES);
+            let len = usize::try_from(count)
+                .ok()
+                .and_then(|c| c.checked_mul(n))
+                .ok_or_else(|| Error::invalid("bench::prefetch", "resident batches overflow"))?;
+            let mut buf = PinnedBuffer::<u8>::new(d, len, HostAlloc::PORTABLE)?;
+            let host = buf.as_mut_slice()?;
+            for (k, chunk) in host.chunks_mut(n.max(1)).enumerate() {
+                synth_into(k as u64, chunk);
+            }
+            Some((count, Arc::new(buf)))
+        }
+        _ => None,
+    };
     let kind = s.source;
     let source = Source::new(move |i, b: &mut HostBatch<i64>| {
         if i >= total {
             return Ok(false);
         }
         b.spec.clone_from(&spec);
-        match (kind, &ranges) {
-            (PixelSource::Pinned, _) => synth_into(i, b.pinned(n)?),
-            (PixelSource::File, Some((count, f))) => {
+        match (kind, &ranges, &resident) {
+            (PixelSource::Pinned, ..) => synth_into(i, b.pinned(n)?),
+            (PixelSource::Resident, _, Some((count, buf))) => {
+                b.set_resident(buf.clone(), (i % count) as usize * n, n)
+            }
+            (PixelSource::File, Some((count, f)), _) => {
                 b.set_file(f.clone(), (i % count) * n as u64, n)
             }
             _ => synth(i, b.pageable(), n),

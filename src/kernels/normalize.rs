@@ -5,7 +5,8 @@ use super::sealed::Element;
 use super::spec::Spec;
 use crate::error::{check_with, Error, Result};
 use crate::memory::sealed::DeviceMem;
-use crate::memory::{tracker, DeviceBuffer, DeviceSlice, DeviceSliceMut};
+use crate::memory::tracker::{self, Access};
+use crate::memory::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -180,7 +181,7 @@ where
     let mut args = base_args(spec);
     args.in_ = i.ptr;
     args.out = o.ptr;
-    let mut trackers = vec![i.tracker, o.tracker];
+    let mut trackers = vec![(i.tracker, Access::Read), (o.tracker, Access::Write)];
     if let Some(p) = per_sample {
         // Both at most i32::MAX x 4 (validated).
         let want = spec.samples.len() * spec.channels;
@@ -199,8 +200,8 @@ where
     }
     let per = per_sample.map(|p| (p.mean.device_region(), p.std.device_region()));
     if let Some((m, s)) = &per {
-        trackers.push(m.tracker);
-        trackers.push(s.tracker);
+        trackers.push((m.tracker, Access::Read));
+        trackers.push((s.tracker, Access::Read));
     }
     // The per-sample table, when the batch needs one: into the stream's scratch buffer with a
     // plain `cudaMemcpyAsync` from pageable memory (which the driver queues inline for a few
@@ -239,10 +240,11 @@ where
         .and_then(|g| g.as_ref())
         .map(|b| b.device_region());
     if let Some(r) = &table_region {
-        trackers.push(r.tracker);
+        // Written just before by the table's copy on this stream.
+        trackers.push((r.tracker, Access::Write));
     }
     stream.enter()?;
-    tracker::ordered(stream, &trackers, || {
+    tracker::ordered_rw(stream, &trackers, || {
         // SAFETY: every pointer in `args` addresses device memory of the checked size on this
         // stream's device, kept alive by the borrows and, afterwards, by the trackers.
         check_with(
@@ -303,14 +305,18 @@ where
     args.in_ = i.ptr;
     args.out = o.ptr;
     stream.enter()?;
-    tracker::ordered(stream, &[i.tracker, o.tracker], || {
-        // SAFETY: as in `normalize`.
-        check_with(
-            unsafe { sys::pinstream_denormalize(&args, <T as Element>::CODE, stream.as_raw()) },
-            "pinstream_denormalize",
-            || format!("{len} elements"),
-        )
-    })
+    tracker::ordered_rw(
+        stream,
+        &[(i.tracker, Access::Read), (o.tracker, Access::Write)],
+        || {
+            // SAFETY: as in `normalize`.
+            check_with(
+                unsafe { sys::pinstream_denormalize(&args, <T as Element>::CODE, stream.as_raw()) },
+                "pinstream_denormalize",
+                || format!("{len} elements"),
+            )
+        },
+    )
     .map(|_| ())
 }
 

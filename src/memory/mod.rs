@@ -5,7 +5,7 @@
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
 pub(crate) use pinned::time_alloc_free;
-pub use pinned::{HostAlloc, PinnedBuffer};
+pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
 pub(crate) use pool::HugePageBuf;
 pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;

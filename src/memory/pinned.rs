@@ -1,6 +1,7 @@
 //! `PinnedBuffer<T>`: page-locked host memory from `cudaHostAlloc`, which the copy engines read
 //! and write directly (no staging), so copies run at link speed and overlap with compute.
 
+use std::ops::RangeBounds;
 use std::os::raw::c_void;
 
 use bytemuck::Pod;
@@ -172,13 +173,29 @@ impl<T: Pod> PinnedBuffer<T> {
         self.tracker.is_idle()
     }
 
-    /// Waits for the GPU's last use, then gives read access.
+    /// Waits for the GPU's last write to it (copies that only read it may go on), then gives
+    /// read access.
     pub fn as_slice(&self) -> Result<&[T]> {
-        self.tracker.synchronize()?;
+        self.tracker.synchronize_writes()?;
         // SAFETY: `ptr` holds `len` initialised elements (zeroed at allocation, then written
-        // only through `&mut self` or by copies, which the wait above has seen finish). No copy
-        // can start while this borrow lives: writes need `&mut self`, and reads are harmless.
+        // only through `&mut self` or by copies into it, which the wait above has seen finish).
+        // No copy into it can start while this borrow lives (that needs `&mut self`); copies
+        // that read it while the host does are harmless.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+
+    /// A read-only view of `range` (in elements): a copy from it reads only those elements.
+    /// Copies from views (or from the whole buffer) run beside each other, on any streams and
+    /// devices; a copy into the buffer or `as_mut_slice` waits for them all.
+    ///
+    /// Errors: `Error::InvalidArgument` for a range outside the buffer.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<PinnedView<'_, T>> {
+        let r = super::resolve_range("PinnedBuffer::slice", range, self.len)?;
+        Ok(PinnedView {
+            buf: self,
+            start: r.start,
+            len: r.len(),
+        })
     }
 
     /// Waits for the GPU's last use, then gives write access.
@@ -287,3 +304,71 @@ pub(crate) fn time_alloc_free(
     crate::error::check(unsafe { sys::cudaFreeHost(ptr) }, "cudaFreeHost")?;
     Ok((alloc, t.elapsed()))
 }
+
+/// A read-only range of a [`PinnedBuffer`] ([`PinnedBuffer::slice`]): a source for copies, or
+/// host reads after the GPU's last write.
+pub struct PinnedView<'a, T: Pod> {
+    buf: &'a PinnedBuffer<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Pod> std::fmt::Debug for PinnedView<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedView")
+            .field("start", &self.start)
+            .field("len", &self.len)
+            .field("buffer", &self.buf)
+            .finish()
+    }
+}
+
+impl<T: Pod> PinnedView<'_, T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Waits for the GPU's last write to the buffer, then gives read access to the range.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        let all = self.buf.as_slice()?;
+        all.get(self.start..self.start + self.len).ok_or_else(|| {
+            crate::Error::invalid("PinnedView::as_slice", "range outside the buffer")
+        })
+    }
+}
+
+impl<T: Pod> HostMem<T> for PinnedView<'_, T> {
+    fn host_region(&self) -> HostRegion<'_> {
+        HostRegion {
+            // Inside the allocation (`slice` checked the range); `wrapping_add` keeps the
+            // dangling pointer of an empty buffer harmless.
+            ptr: self.buf.ptr.wrapping_add(self.start).cast(),
+            len: self.len,
+            kind: HostKind::Pinned,
+            tracker: Some(&self.buf.tracker),
+            read_only: false,
+        }
+    }
+    fn host_region_mut(&mut self) -> HostRegion<'_> {
+        // Not reachable: a view is never `HostSliceMut`. Read-only anyway.
+        let mut r = self.host_region();
+        r.read_only = true;
+        r
+    }
+    fn host_read(&self) -> Result<&[T]> {
+        self.as_slice()
+    }
+    fn host_write(&mut self) -> Result<&mut [T]> {
+        Err(crate::Error::invalid(
+            "PinnedView",
+            "a view of a pinned buffer is read-only",
+        ))
+    }
+}
+impl<T: Pod> HostSlice<T> for PinnedView<'_, T> {}

@@ -141,11 +141,13 @@ impl<'a, T: Pod> Registered<'a, T> {
         self.device
     }
 
-    /// Waits for the GPU's last use, then gives read access.
+    /// Waits for the GPU's last write to it (copies that only read it may go on), then gives
+    /// read access.
     pub fn as_slice(&self) -> Result<&[T]> {
-        self.tracker.synchronize()?;
+        self.tracker.synchronize_writes()?;
         // SAFETY: the memory is the caller's initialised slice, borrowed for 'a; the GPU has
-        // finished with it (wait above) and cannot start writing while `&self` is held.
+        // finished writing it (wait above) and cannot start writing while `&self` is held;
+        // copies that read it beside the host are harmless.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
     }
 

@@ -1,6 +1,12 @@
-//! Tracking the GPU's last use of a piece of memory with an event, so that host access, a use on
-//! another stream and freeing all wait for it. The heart of the "never undefined behaviour"
+//! Tracking the GPU's uses of a piece of memory with events, so that host access, a use on
+//! another stream and freeing all wait for them. The heart of the "never undefined behaviour"
 //! promise: even if a `Pending` is leaked with `mem::forget`, the buffer still waits.
+//!
+//! Reads and writes are told apart, as a reader-writer lock would: a use that only reads the
+//! memory waits for the last write, not for other reads, so one pinned source can feed copies
+//! to several streams and devices at once; a write (and freeing) waits for the last write and
+//! for every read queued since it. A read on a stream replaces that stream's earlier read: a
+//! stream's work finishes in order, so the later event stands for both.
 //!
 //! When the GPU's use of a piece of memory can no longer be known (work was queued, but neither
 //! an event could be recorded after it nor the stream be waited for), the tracker is *poisoned*:
@@ -14,23 +20,58 @@ use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::stream::Stream;
 
-/// The event recorded after the latest operation that touched the memory. Every operation first
-/// waits for it, so the latest event stands for all earlier uses on every stream.
+/// The events of the memory's last write and of the reads queued after it.
 #[derive(Debug, Default)]
 pub struct Tracker {
     state: Mutex<State>,
 }
 
+/// One queued use: the event recorded after it and the `Stream::id` of the stream it was queued
+/// on (ids are never reused).
+#[derive(Clone, Debug)]
+struct Use {
+    event: Arc<Event>,
+    stream: u64,
+}
+
 #[derive(Debug, Default)]
 struct State {
-    last: Option<Arc<Event>>,
-    /// `Stream::id` of the stream `last` was recorded on (ids are never reused).
-    last_stream: u64,
+    /// The latest operation that wrote the memory; every use waits for it.
+    write: Option<Use>,
+    /// Reads queued after `write` (each waited for it), at most one per stream: together with
+    /// `write` they stand for every use so far.
+    reads: Vec<Use>,
     /// Set when queued work on the memory could be neither tracked nor waited for.
     poisoned: Option<Error>,
 }
 
+/// Past this many streams with reads, finished ones are dropped before another is added.
+const PRUNE_READS: usize = 8;
+
+impl State {
+    /// Every event that stands for a use so far (the write's, then the reads').
+    fn all(&self) -> impl Iterator<Item = &Use> {
+        self.write.iter().chain(self.reads.iter())
+    }
+
+    fn check(&self) -> Result<()> {
+        match &self.poisoned {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+}
+
 type Guard<'a> = MutexGuard<'a, State>;
+
+/// How an operation uses a tracked piece of memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Access {
+    /// The GPU only reads it: waits for the last write, runs beside other reads.
+    Read,
+    /// The GPU writes it (or the operation is not known to only read): waits for everything.
+    Write,
+}
 
 impl Tracker {
     pub(crate) fn new() -> Tracker {
@@ -39,90 +80,129 @@ impl Tracker {
 
     fn lock(&self) -> Guard<'_> {
         // A poisoned lock only means another thread panicked while holding it; the state inside
-        // is only ever replaced whole, so it is still consistent.
+        // is only ever changed by whole fields, so it is still consistent.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The last event, or the error that poisoned the tracker.
-    fn last(&self) -> Result<Option<Arc<Event>>> {
+    /// The events of every use so far, or the error that poisoned the tracker.
+    fn uses(&self) -> Result<Vec<Arc<Event>>> {
         let st = self.lock();
-        match &st.poisoned {
-            Some(e) => Err(e.clone()),
-            None => Ok(st.last.clone()),
-        }
+        st.check()?;
+        Ok(st.all().map(|u| u.event.clone()).collect())
     }
 
-    /// Blocks until the GPU has finished with the memory. An error means that cannot be known:
-    /// the owner must not free or hand out the memory.
+    /// Blocks until the GPU has finished every use of the memory (before host writes and
+    /// freeing). An error means that cannot be known: the owner must not free or hand out the
+    /// memory.
     pub(crate) fn synchronize(&self) -> Result<()> {
-        match self.last()? {
+        for ev in self.uses()? {
+            ev.synchronize()?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until the GPU's last write to the memory has finished: enough for host reads,
+    /// which may run beside GPU reads.
+    pub(crate) fn synchronize_writes(&self) -> Result<()> {
+        let write = {
+            let st = self.lock();
+            st.check()?;
+            st.write.as_ref().map(|u| u.event.clone())
+        };
+        match write {
             Some(ev) => ev.synchronize(),
             None => Ok(()),
         }
     }
 
-    /// Whether the GPU has finished with the memory, without blocking (false on any error).
+    /// Whether the GPU has finished every use of the memory, without blocking (false on any
+    /// error).
     pub(crate) fn is_idle(&self) -> bool {
-        match self.last() {
-            Ok(Some(ev)) => ev.is_complete().unwrap_or(false),
-            Ok(None) => true,
+        match self.uses() {
+            Ok(evs) => evs.iter().all(|ev| ev.is_complete().unwrap_or(false)),
             Err(_) => false,
         }
     }
 
-    /// Makes later work on `stream` wait for the last use (used before a stream-ordered free).
+    /// Makes later work on `stream` wait for every use (used before a stream-ordered free).
     pub(crate) fn wait_on(&self, stream: &Stream) -> Result<()> {
-        match self.last()? {
-            Some(ev) => stream.wait(&*ev),
-            None => Ok(()),
+        for ev in self.uses()? {
+            stream.wait(&*ev)?;
         }
+        Ok(())
     }
 }
 
-/// Queues `op` on `stream` after every earlier use of the memory behind `trackers`, then records
-/// one event after it into all of them. Returns `op`'s result and that event.
-///
-/// The trackers are locked in address order for the whole call, so concurrent operations on the
-/// same memory from several threads are ordered too, and two locks never deadlock. A poisoned
-/// tracker refuses the operation before anything is queued.
+/// Queues `op` on `stream` after every earlier use of the memory behind `trackers` that it must
+/// follow, then records one event after it into all of them. Every tracker is written; see
+/// [`ordered_rw`] for operations that only read some.
 pub(crate) fn ordered<R>(
     stream: &Stream,
     trackers: &[&Tracker],
     op: impl FnOnce() -> Result<R>,
 ) -> Result<(R, Arc<Event>)> {
-    let mut sorted: Vec<&Tracker> = trackers.to_vec();
-    sorted.sort_by_key(|t| *t as *const Tracker as usize);
-    sorted.dedup_by_key(|t| *t as *const Tracker as usize);
-    let mut guards: Vec<Guard<'_>> = sorted.iter().map(|t| t.lock()).collect();
+    let uses: Vec<(&Tracker, Access)> = trackers.iter().map(|t| (*t, Access::Write)).collect();
+    ordered_rw(stream, &uses, op)
+}
 
-    for g in &guards {
-        if let Some(e) = &g.poisoned {
-            return Err(e.clone());
-        }
+/// Queues `op` on `stream` after the earlier uses it conflicts with — for a tracker it reads,
+/// the last write; for one it writes, the last write and every read since — then records one
+/// event after it into all of them. Returns `op`'s result and that event. A tracker named twice
+/// counts as written if either names a write.
+///
+/// The trackers are locked in address order for the whole call, so concurrent operations on the
+/// same memory from several threads are ordered too, and two locks never deadlock. A poisoned
+/// tracker refuses the operation before anything is queued.
+pub(crate) fn ordered_rw<R>(
+    stream: &Stream,
+    trackers: &[(&Tracker, Access)],
+    op: impl FnOnce() -> Result<R>,
+) -> Result<(R, Arc<Event>)> {
+    let mut sorted: Vec<(&Tracker, Access)> = trackers.to_vec();
+    sorted.sort_by_key(|(t, a)| (*t as *const Tracker as usize, *a == Access::Read));
+    // After the sort a write comes first among entries for one tracker: keep it.
+    sorted.dedup_by_key(|(t, _)| *t as *const Tracker as usize);
+    let mut guards: Vec<(Guard<'_>, Access)> = sorted.iter().map(|(t, a)| (t.lock(), *a)).collect();
+
+    for (g, _) in &guards {
+        g.check()?;
     }
+    let me = stream.id();
     // A use queued on this same stream is already ordered before `op`; each other event is
     // waited for once (the trackers of one earlier operation share its event).
     let mut waited: Vec<&Arc<Event>> = Vec::new();
-    for g in &guards {
-        if let Some(ev) = g.last.as_ref() {
-            if g.last_stream == stream.id() || waited.iter().any(|w| Arc::ptr_eq(w, ev)) {
+    for (g, access) in &guards {
+        let must: Vec<&Use> = match access {
+            Access::Read => g.write.iter().collect(),
+            Access::Write => g.all().collect(),
+        };
+        for u in must {
+            if u.stream == me || waited.iter().any(|w| Arc::ptr_eq(w, &u.event)) {
                 continue;
             }
-            stream.wait(&**ev)?;
-            waited.push(ev);
+            stream.wait(&*u.event)?;
+            waited.push(&u.event);
         }
     }
     drop(waited);
     let out = op()?;
 
-    // Reuse the first tracker's event when nobody else holds it and it is on this device.
-    let reusable = guards
-        .first_mut()
-        .and_then(|g| g.last.take())
-        .and_then(|ev| Arc::try_unwrap(ev).ok())
-        .filter(|ev| ev.device() == stream.device());
+    // Reuse an event this call replaces when nobody else holds it and it is on this device.
+    let device = stream.device();
+    let reusable = guards.first_mut().and_then(|(g, access)| {
+        let old = match access {
+            Access::Write => g.write.take(),
+            Access::Read => g
+                .reads
+                .iter()
+                .position(|u| u.stream == me)
+                .map(|i| g.reads.swap_remove(i)),
+        };
+        old.and_then(|u| Arc::try_unwrap(u.event).ok())
+            .filter(|ev| ev.device() == device)
+    });
     let event = reusable
-        .map_or_else(|| Event::new(&stream.device()), Ok)
+        .map_or_else(|| Event::new(&device), Ok)
         .and_then(|ev| stream.record(&ev).map(|()| ev));
     let event = match event {
         Ok(ev) => Arc::new(ev),
@@ -131,16 +211,36 @@ pub(crate) fn ordered<R>(
             // freed or read under it. If even that fails, nobody can know when the memory is
             // free again: poison the trackers (their owners then leak the memory).
             if let Err(wait) = stream.synchronize() {
-                for g in &mut guards {
+                for (g, _) in &mut guards {
                     g.poisoned = Some(wait.clone());
                 }
             }
             return Err(e);
         }
     };
-    for g in &mut guards {
-        g.last = Some(event.clone());
-        g.last_stream = stream.id();
+    let new = Use {
+        event: event.clone(),
+        stream: me,
+    };
+    for (g, access) in &mut guards {
+        match access {
+            Access::Write => {
+                // It waited for every earlier use: it alone stands for them now.
+                g.write = Some(new.clone());
+                g.reads.clear();
+            }
+            Access::Read => {
+                if let Some(u) = g.reads.iter_mut().find(|u| u.stream == me) {
+                    *u = new.clone();
+                    continue;
+                }
+                if g.reads.len() >= PRUNE_READS {
+                    // Finished reads need no waiting any more (a failed query keeps one).
+                    g.reads.retain(|u| !u.event.is_complete().unwrap_or(false));
+                }
+                g.reads.push(new.clone());
+            }
+        }
     }
     Ok((out, event))
 }

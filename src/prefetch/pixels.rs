@@ -1,21 +1,27 @@
-//! `Pixels`: where a host batch's u8 pixels are — ordinary memory, page-locked memory, or a
-//! range of a file — and so how the feeder moves them to the device.
+//! `Pixels`: where a host batch's u8 pixels are — ordinary memory, page-locked memory (a block
+//! of the batch's own, or a range of a buffer that stays), or a range of a file — and so how the
+//! feeder moves them to the device.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use crate::error::Result;
-use crate::memory::PoolBlock;
+use crate::error::{Error, Result};
+use crate::memory::{HostAlloc, PinnedBuffer, PoolBlock};
 use crate::staging::FileSource;
+use crate::Device;
 
 /// A host batch's pixels (`spec.input_len()` bytes of u8, laid out as the spec says), in one of
-/// three places. Each costs host memory bandwidth differently on the way to the device:
+/// four places. Each costs host memory bandwidth differently on the way to the device:
 ///
 /// - [`Pageable`](Pixels::Pageable): the loader writes the bytes, the staging engine reads them
 ///   and writes them into its pinned slots, the DMA reads the slots: three passes.
 /// - [`Pinned`](Pixels::Pinned): the loader writes page-locked memory and the feeder issues one
 ///   DMA from it: two passes, no staging copy. Fill it with
 ///   [`HostBatch::pinned`](super::HostBatch::pinned).
+/// - [`Resident`](Pixels::Resident): a range of a page-locked buffer that outlives the batch
+///   (a dataset, or decoded images, held in pinned memory for the run) and one DMA from it:
+///   one pass, nothing written per batch. Several prefetchers, on several devices, read one
+///   buffer at once. Set it with [`HostBatch::set_resident`](super::HostBatch::set_resident).
 /// - [`File`](Pixels::File): the staging engine reads the range with `pread` straight into its
 ///   pinned slots, then the DMA: no loader pass at all (the page cache, or the disk with
 ///   `O_DIRECT`, supplies the bytes).
@@ -30,6 +36,20 @@ pub enum Pixels {
     /// device is an [`Error::Loader`](crate::Error::Loader). The copy is recorded in the block's
     /// event: host access waits for it, and a pool hands the memory out again only after it.
     Pinned(PoolBlock<u8>),
+    /// `len` bytes of `buf` from `offset`, copied to the device with one asynchronous DMA on
+    /// the slot's stream. The buffer must be page-locked for the prefetcher's device: allocated
+    /// on it, or with [`HostAlloc::PORTABLE`] to serve every device; otherwise, or for a range
+    /// outside the buffer, the batch is an [`Error::Loader`](crate::Error::Loader). Copies only
+    /// read the buffer, so they run beside each other on every device; writing it
+    /// (`as_mut_slice`, which needs it unshared) and dropping it wait for them.
+    Resident {
+        /// The buffer; shared, so many batches (and prefetchers) can name ranges of it.
+        buf: Arc<PinnedBuffer<u8>>,
+        /// Where the batch's bytes start.
+        offset: usize,
+        /// How many bytes (`spec.input_len()`).
+        len: usize,
+    },
     /// `len` bytes of `file` from `offset`, read by the staging engine with `pread` straight
     /// into its pinned slots. A range outside the file (as it was when opened), an offset that
     /// `O_DIRECT` refuses, or a failed read is an [`Error::Loader`](crate::Error::Loader) naming
@@ -69,7 +89,7 @@ impl Pixels {
         match self {
             Pixels::Pageable(v) => v.len(),
             Pixels::Pinned(b) => b.len(),
-            Pixels::File { len, .. } => *len,
+            Pixels::Resident { len, .. } | Pixels::File { len, .. } => *len,
         }
     }
 
@@ -78,23 +98,35 @@ impl Pixels {
         self.len() == 0
     }
 
-    /// `"pageable"`, `"pinned"` or `"file"`.
+    /// `"pageable"`, `"pinned"`, `"resident"` or `"file"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Pixels::Pageable(_) => "pageable",
             Pixels::Pinned(_) => "pinned",
+            Pixels::Resident { .. } => "resident",
             Pixels::File { .. } => "file",
         }
     }
 
     /// The bytes, for checking and debugging: pageable pixels borrowed, pinned ones borrowed
-    /// after the GPU's last use of the block (this waits for it), a file range read into a new
-    /// vector (an [`Error::Io`](crate::Error::Io) if the range is outside the file or the read
-    /// fails).
+    /// after the GPU's last use of the block (this waits for it), a resident range borrowed
+    /// after the GPU's last write to the buffer (an
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if it lies outside), a file
+    /// range read into a new vector (an [`Error::Io`](crate::Error::Io) if the range is outside
+    /// the file or the read fails).
     pub fn read(&self) -> Result<Cow<'_, [u8]>> {
         match self {
             Pixels::Pageable(v) => Ok(Cow::Borrowed(v)),
             Pixels::Pinned(b) => b.as_slice().map(Cow::Borrowed),
+            Pixels::Resident { buf, offset, len } => {
+                let all = buf.as_slice()?;
+                resident_range(buf.len(), *offset, *len)
+                    .and_then(|r| all.get(r))
+                    .map(Cow::Borrowed)
+                    .ok_or_else(|| {
+                        Error::invalid("Pixels::read", resident_outside(buf, *offset, *len))
+                    })
+            }
             Pixels::File { file, offset, len } => file
                 .read_range("Pixels::read", *offset, *len)
                 .map(Cow::Owned),
@@ -102,10 +134,40 @@ impl Pixels {
     }
 }
 
+/// The byte range `offset..offset + len` if it lies inside a buffer of `size` bytes.
+pub(crate) fn resident_range(
+    size: usize,
+    offset: usize,
+    len: usize,
+) -> Option<std::ops::Range<usize>> {
+    let end = offset.checked_add(len)?;
+    (end <= size).then_some(offset..end)
+}
+
+/// Why a resident range is refused: it lies outside the buffer.
+pub(crate) fn resident_outside(buf: &PinnedBuffer<u8>, offset: usize, len: usize) -> String {
+    format!(
+        "the resident range of {len} bytes at offset {offset} lies outside the buffer of {} \
+         bytes",
+        buf.len()
+    )
+}
+
+/// Why a resident buffer cannot feed `device`, if it cannot: it is page-locked for another
+/// device and not portable.
+pub(crate) fn resident_foreign(buf: &PinnedBuffer<u8>, device: Device) -> Option<String> {
+    (buf.device() != device && !buf.flags().contains(HostAlloc::PORTABLE)).then(|| {
+        format!(
+            "the resident pixels are page-locked for {} (allocate them with \
+             HostAlloc::PORTABLE to share them), the prefetcher uploads to {device}",
+            buf.device()
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Error;
     use std::io::Write;
 
     #[test]
@@ -140,6 +202,17 @@ mod tests {
         let mut f = std::fs::File::create(&t.0).unwrap();
         f.write_all(bytes).unwrap();
         t
+    }
+
+    #[test]
+    fn resident_ranges() {
+        assert_eq!(resident_range(100, 0, 100), Some(0..100));
+        assert_eq!(resident_range(100, 100, 0), Some(100..100));
+        assert_eq!(resident_range(100, 40, 7), Some(40..47));
+        assert_eq!(resident_range(100, 94, 7), None);
+        assert_eq!(resident_range(100, 101, 0), None);
+        assert_eq!(resident_range(usize::MAX, usize::MAX, 1), None);
+        assert_eq!(resident_range(usize::MAX, 1, usize::MAX), None);
     }
 
     #[test]

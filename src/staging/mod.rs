@@ -41,7 +41,7 @@ use bytemuck::Pod;
 use crate::device::Device;
 use crate::error::{byte_len, Error, Result};
 use crate::memory::sealed::DeviceRegion;
-use crate::memory::tracker::{self, Tracker};
+use crate::memory::tracker::{self, Access, Tracker};
 use crate::memory::{DeviceSlice, DeviceSliceMut, PinnedPool, PoolConfig};
 use crate::stream::Stream;
 use engine::{Direction, Engine, Host, Job};
@@ -479,7 +479,13 @@ impl Stager {
             matches!(direction, Direction::Upload) && total <= self.config.streaming_max_bytes;
         job.helpers = self.threads_for(total) - 1;
         let mut outcome = Ok(());
-        tracker::ordered(stream, trackers, || {
+        // The device side: read by a download, written by an upload.
+        let access = match direction {
+            Direction::Upload => Access::Write,
+            Direction::Download => Access::Read,
+        };
+        let uses: Vec<(&Tracker, Access)> = trackers.iter().map(|t| (*t, access)).collect();
+        tracker::ordered_rw(stream, &uses, || {
             let job = self.engine.execute(job);
             if let Some(t) = &job.trace {
                 t.print(op, total);

@@ -46,8 +46,10 @@ pub struct PrefetchArgs {
     #[arg(long, value_delimiter = ',', default_value = "serial,apex,pinstream")]
     modes: Vec<String>,
     /// Where the prefetcher's loaders put the pixels: `pageable` (a Vec, staged upload),
-    /// `pinned` (page-locked memory, one DMA) or `file` (ranges of a temporary file, read with
-    /// pread into the stager's slots). `serial` and `apex` always use pageable memory.
+    /// `pinned` (page-locked memory, one DMA), `file` (ranges of a temporary file, read with
+    /// pread into the stager's slots) or `resident` (ranges of one portable pinned buffer
+    /// filled before the run and shared by every device, one DMA, nothing written per batch).
+    /// `serial` and `apex` always use pageable memory.
     #[arg(long, default_value_t = PixelSource::Pageable)]
     source: PixelSource,
     /// Leave the prefetcher's threads wherever the OS puts them, instead of on the CPUs next
@@ -147,6 +149,7 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
                             PixelSource::Pageable => "staged upload",
                             PixelSource::Pinned => "one DMA from page-locked memory",
                             PixelSource::File => "pread into the stager's slots (no synth)",
+                            PixelSource::Resident => "one DMA from a resident portable pinned buffer (no synth)",
                         }
                     ),
                     devices.len(),
