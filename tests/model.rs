@@ -15,20 +15,31 @@
 //! - A device-to-host copy's data, read through `Pending::wait()` (or after dropping the
 //!   `Pending`), is compared with the model: a missing cross-stream wait in the tracker makes a
 //!   D2H on stream B read a buffer before stream A's H2D / D2D / memset / kernel lands (the
-//!   destination is poisoned first, so "not arrived" is told apart from "stale").
+//!   destination is poisoned first, so "not arrived" is told apart from "stale")
+//!   (`NoCrossStreamWait`); a D2H into a plain slice (or `ReadDev`) that returns before its data
+//!   has arrived shows the poison (`PageableD2hAsync`).
+//! - Device reads (`ReadDev`, D2H) of a copy's destination catch a write that waits only for
+//!   the buffer's last write, not for the reads queued since: a memset / kernel / copy on
+//!   stream B overwrites a buffer that a D2D / peer / D2H on stream A, held back by a spin, has
+//!   not read yet, so the wrong data arrives (`WriteIgnoresReads`, GPU side).
 //! - Host reads through `as_slice()` (and `HostRead` after a `mem::forget`-ed `Pending`) catch
-//!   a host access that does not wait for the buffer's event; host writes through
-//!   `as_mut_slice()` followed by later device reads catch a write that overtakes a queued
-//!   H2D still reading the buffer, or that a queued D2H overwrites afterwards.
+//!   a host access that does not wait for the buffer's last write (`HostAccessNoWait`); host
+//!   writes through `as_mut_slice()` (`HostWrite`, `clobber` of a pinned source) followed by
+//!   later device reads catch a write that overtakes a queued H2D still reading the buffer
+//!   (`HostAccessNoWait`, and `WriteIgnoresReads` when only the reads are not waited for), or
+//!   that a queued D2H overwrites afterwards.
 //! - Overwriting a plain source right after `copy_h2d` returns (`clobber`) catches a pageable
-//!   copy that reads its source after the call returned (staging / bounce-block reuse bugs).
+//!   copy that reads its source after the call returned (staging / bounce-block reuse bugs)
+//!   (`PageableH2dLazy`).
 //! - Replacing a buffer with work in flight catches a drop that frees without waiting: the
-//!   queued work lands in the fresh allocation at the same address, or reads freed memory.
+//!   queued work lands in the fresh allocation at the same address, or reads freed memory
+//!   (`DropNoWait`).
 //! - Reading a plain vector after its `Registered` scope catches an unregister that did not
-//!   wait for a copy into it (one whose `Pending` was forgotten).
+//!   wait for a copy into it (one whose `Pending` was forgotten) (`ScopeEndNoWait`).
 //! - Deliberately invalid calls (length mismatch, range out of bounds, wrong device, D2H into
 //!   read-only registered memory) must return the typed error, and a read of the destination
-//!   afterwards must show it unchanged: catches missing checks and checks made after queuing.
+//!   afterwards must show it unchanged: catches missing checks and checks made after queuing
+//!   (`ReadOnlyAccepted`, `ErrorAfterQueue`).
 //! - At the end every buffer, the shared ones included, is read back and compared.
 //!
 //! Environment: `PINSTREAM_MODEL_SEED` (default: fresh; printed by every trial and in every

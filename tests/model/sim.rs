@@ -1,10 +1,14 @@
 //! A simulated GPU with pinstream's ordering rules, and switches that break one rule each.
 //!
 //! Streams are queues of commands that run later, in a random interleaving across streams
-//! (same-stream order is kept). Each buffer has a tracker holding the event of its last use,
-//! as in `memory::tracker`: an op first makes its stream wait for the trackers of everything it
-//! touches, then records its own event into them; host access, drops and the end of a
-//! registered scope wait for the tracker. With `Fault::None` the model test must pass on it;
+//! (same-stream order is kept). Each buffer has a tracker as in `memory::tracker`: the event of
+//! its last write and the events of the reads queued since (at most one per stream: a later
+//! read on the same stream replaces the earlier one). An op that only reads a buffer makes its
+//! stream wait for the last write; one that writes it waits for the last write and every read
+//! since (events of the op's own stream are skipped: stream order covers them). The op then
+//! records its event: a write replaces the whole tracker, a read its stream's entry. Host reads
+//! (`as_slice`) wait for the last write; host writes (`as_mut_slice`), drops and the end of a
+//! registered scope wait for everything. With `Fault::None` the model test must pass on it;
 //! with any other fault it must fail, which shows that the checks in `run` can fail, and which
 //! broken guarantee each kind of check catches, without a GPU.
 
@@ -23,14 +27,20 @@ use crate::state::{data, iota, memset_word, poison};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
     None,
-    /// An op does not wait for the events of other streams' earlier uses of its buffers: a
-    /// device-to-host copy on stream B reads before stream A's host-to-device copy lands.
+    /// An op does not wait for the events of other streams' earlier uses of its buffers (neither
+    /// the last write nor the reads since): a device-to-host copy on stream B reads before
+    /// stream A's host-to-device copy lands.
     NoCrossStreamWait,
+    /// A write waits only for the last write, not for the reads queued since: a kernel or copy
+    /// on stream B overwrites a buffer that a copy on stream A (held back by a spin) has not
+    /// read yet, or `as_mut_slice` overwrites a pinned source that a queued copy still reads.
+    WriteIgnoresReads,
     /// `as_slice` / `as_mut_slice` do not wait: the host reads before a (forgotten) copy into
     /// pinned memory lands, or writes a source that a queued copy has not read yet.
     HostAccessNoWait,
-    /// Dropping a buffer does not wait: its queued work lands in the memory of the buffer that
-    /// replaces it (the allocator hands out the same address).
+    /// Dropping a buffer does not wait (for its last write or the reads since): its queued work
+    /// lands in the memory of the buffer that replaces it (the allocator hands out the same
+    /// address).
     DropNoWait,
     /// A host-to-device copy from a plain slice reads the slice when it runs, not when it is
     /// called (e.g. a bounce block handed back too early): overwriting the slice after the
@@ -38,7 +48,8 @@ pub enum Fault {
     PageableH2dLazy,
     /// A device-to-host copy into a plain slice returns before the data has arrived.
     PageableD2hAsync,
-    /// The end of a `Registered` scope unregisters without waiting for the GPU.
+    /// The end of a `Registered` scope unregisters without waiting for the GPU (its last write
+    /// or the reads since).
     ScopeEndNoWait,
     /// A length mismatch is found only after part of the copy was queued.
     ErrorAfterQueue,
@@ -48,6 +59,7 @@ pub enum Fault {
 
 pub const FAULTS: &[Fault] = &[
     Fault::NoCrossStreamWait,
+    Fault::WriteIgnoresReads,
     Fault::HostAccessNoWait,
     Fault::DropNoWait,
     Fault::PageableH2dLazy,
@@ -69,6 +81,21 @@ enum Loc {
 
 /// An event: complete when stream `.0` has run `.1` commands.
 type Ev = (usize, u64);
+
+/// A buffer's tracker: the event of its last write and those of the reads queued since, at most
+/// one per stream.
+#[derive(Debug, Default)]
+struct Track {
+    write: Option<Ev>,
+    reads: Vec<Ev>,
+}
+
+impl Track {
+    /// Every event that stands for a use so far.
+    fn all(&self) -> Vec<Ev> {
+        self.write.iter().chain(&self.reads).copied().collect()
+    }
+}
 
 #[derive(Debug)]
 enum Cmd {
@@ -104,8 +131,8 @@ pub struct Sim {
     streams: usize,
     queues: Vec<Queue>,
     mem: HashMap<Loc, Vec<u32>>,
-    /// The trackers: event of each buffer's last use.
-    last: HashMap<Loc, Ev>,
+    /// The trackers: each buffer's last write and the reads since.
+    track: HashMap<Loc, Track>,
     dev_device: Vec<usize>,
     reg: Option<(usize, HostRegister)>,
     refuse_read_only: bool,
@@ -136,6 +163,18 @@ fn same_device(op: &'static str, expected: usize, found: usize) -> Result<(), Er
     Ok(())
 }
 
+/// Each buffer an op touches, once, and whether it writes it (a `Loc` both read and written
+/// counts as written).
+fn accesses(reads: &[Loc], writes: &[Loc]) -> Vec<(Loc, bool)> {
+    let mut out: Vec<(Loc, bool)> = writes.iter().map(|&l| (l, true)).collect();
+    for &l in reads {
+        if !out.iter().any(|&(o, _)| o == l) {
+            out.push((l, false));
+        }
+    }
+    out
+}
+
 impl Sim {
     pub fn new(
         devices: usize,
@@ -164,7 +203,7 @@ impl Sim {
             streams,
             queues,
             mem,
-            last: HashMap::new(),
+            track: HashMap::new(),
             dev_device: Vec::new(),
             reg: None,
             refuse_read_only,
@@ -194,20 +233,41 @@ impl Sim {
         (q, queue.pushed)
     }
 
-    /// `tracker::ordered`: wait for the last use of every buffer touched, queue, record.
-    fn ordered(&mut self, q: usize, locs: &[Loc], cmd: Cmd) -> Ev {
+    /// `tracker::ordered_rw`: wait for the uses `cmd` conflicts with (a buffer read: its last
+    /// write; a buffer written: its last write and every read since), queue, record. A `Loc` in
+    /// both `reads` and `writes` counts as written.
+    fn ordered(&mut self, q: usize, reads: &[Loc], writes: &[Loc], cmd: Cmd) -> Ev {
+        let mut waits: Vec<Ev> = Vec::new();
+        for (loc, written) in accesses(reads, writes) {
+            let Some(t) = self.track.get(&loc) else {
+                continue;
+            };
+            waits.extend(t.write);
+            if written && self.fault != Fault::WriteIgnoresReads {
+                waits.extend(&t.reads);
+            }
+        }
         if self.fault != Fault::NoCrossStreamWait {
-            for loc in locs {
-                if let Some(&ev) = self.last.get(loc) {
-                    if ev.0 != q {
-                        self.push(q, Cmd::Wait(ev));
-                    }
+            waits.sort_unstable();
+            waits.dedup();
+            for ev in waits {
+                if ev.0 != q {
+                    self.push(q, Cmd::Wait(ev));
                 }
             }
         }
         let ev = self.push(q, cmd);
-        for &loc in locs {
-            self.last.insert(loc, ev);
+        for (loc, written) in accesses(reads, writes) {
+            let t = self.track.entry(loc).or_default();
+            if written {
+                // It waited for every earlier use (or should have): it stands for them now.
+                t.write = Some(ev);
+                t.reads.clear();
+            } else if let Some(r) = t.reads.iter_mut().find(|r| r.0 == q) {
+                *r = ev;
+            } else {
+                t.reads.push(ev);
+            }
         }
         ev
     }
@@ -293,12 +353,24 @@ impl Sim {
         }
     }
 
-    /// A tracker's `synchronize`, as `as_slice` / `as_mut_slice` do it.
-    fn host_wait(&mut self, loc: Loc) {
+    /// Waits for every use of `loc` so far: a tracker's `synchronize`, as drops and the end of a
+    /// scope do it.
+    fn sync_all(&mut self, loc: Loc) {
+        let evs = self.track.get(&loc).map(Track::all).unwrap_or_default();
+        for ev in evs {
+            self.sync(ev);
+        }
+    }
+
+    /// Host access through the tracker: `as_slice` (`write` false) waits for the last write
+    /// (`synchronize_writes`), `as_mut_slice` for everything (`synchronize`).
+    fn host_wait(&mut self, loc: Loc, write: bool) {
         if self.fault == Fault::HostAccessNoWait {
             return;
         }
-        if let Some(&ev) = self.last.get(&loc) {
+        if write && self.fault != Fault::WriteIgnoresReads {
+            self.sync_all(loc);
+        } else if let Some(ev) = self.track.get(&loc).and_then(|t| t.write) {
             self.sync(ev);
         }
     }
@@ -321,21 +393,21 @@ impl Sim {
     }
 
     /// Host access: pinned and registered memory (whole or as slices) through the tracker.
-    fn host_access(&mut self, h: Host) -> Loc {
+    fn host_access(&mut self, h: Host, write: bool) -> Loc {
         let loc = self.host_loc(h).0;
         if !matches!(h, Host::Plain(_)) {
-            self.host_wait(loc);
+            self.host_wait(loc, write);
         }
         loc
     }
 
     fn host_write(&mut self, h: Host, range: Range<usize>, values: &[u32]) {
-        let loc = self.host_access(h);
+        let loc = self.host_access(h, true);
         self.write(loc, range.start, values);
     }
 
     fn host_read(&mut self, h: Host, range: Option<Range<usize>>) -> Vec<u32> {
-        let loc = self.host_access(h);
+        let loc = self.host_access(h, false);
         let m = &self.mem[&loc];
         m[range.unwrap_or(0..m.len())].to_vec()
     }
@@ -407,36 +479,30 @@ impl Backend for Sim {
                     self.dev_device[*dst],
                 )?;
                 if matches!(src, Host::PinnedSlice(_) | Host::RegSlice) {
-                    self.host_wait(hloc); // as_slice
+                    self.host_wait(hloc, false); // as_slice
                 }
                 if !src_range.is_empty() {
-                    let (locs, cmd) = if tracked || self.fault == Fault::PageableH2dLazy {
-                        let cmd = Cmd::Copy {
+                    // Reads the host source (tracked only when passed as itself), writes the
+                    // device destination.
+                    let reads = if tracked { vec![hloc] } else { vec![] };
+                    let cmd = if tracked || self.fault == Fault::PageableH2dLazy {
+                        Cmd::Copy {
                             src: hloc,
                             soff: src_range.start,
                             dst: dloc,
                             doff: dst_range.start,
                             len: src_range.len(),
-                        };
-                        (
-                            if tracked {
-                                vec![dloc, hloc]
-                            } else {
-                                vec![dloc]
-                            },
-                            cmd,
-                        )
+                        }
                     } else {
                         // Pageable: staged when the call returns.
                         let data = self.mem[&hloc][src_range.clone()].to_vec();
-                        let cmd = Cmd::Write {
+                        Cmd::Write {
                             dst: dloc,
                             off: dst_range.start,
                             data,
-                        };
-                        (vec![dloc], cmd)
+                        }
                     };
-                    let ev = self.ordered(q, &locs, cmd);
+                    let ev = self.ordered(q, &reads, &[dloc], cmd);
                     if *wait {
                         self.sync(ev);
                     }
@@ -465,7 +531,7 @@ impl Backend for Sim {
                 check_range(src_range, self.len(sloc))?;
                 let (hloc, tracked) = self.host_loc(*dst);
                 if matches!(dst, Host::PinnedSlice(_) | Host::RegSlice) {
-                    self.host_wait(hloc); // as_mut_slice
+                    self.host_wait(hloc, true); // as_mut_slice
                 }
                 self.same_len("Stream::copy_d2h", sloc, src_range, hloc, dst_range)?;
                 same_device("Stream::copy_d2h", self.queues[q].device, device)?;
@@ -491,12 +557,10 @@ impl Backend for Sim {
                         doff: dst_range.start,
                         len: src_range.len(),
                     };
-                    let locs = if tracked {
-                        vec![sloc, hloc]
-                    } else {
-                        vec![sloc]
-                    };
-                    let ev = self.ordered(q, &locs, cmd);
+                    // Reads the device source, writes the host destination (tracked only when
+                    // passed as itself).
+                    let writes = if tracked { vec![hloc] } else { vec![] };
+                    let ev = self.ordered(q, &[sloc], &writes, cmd);
                     if tracked {
                         pending = Some(ev);
                     } else if self.fault != Fault::PageableD2hAsync {
@@ -548,7 +612,7 @@ impl Backend for Sim {
                         doff: dst_range.start,
                         len: src_range.len(),
                     };
-                    self.ordered(q, &[sloc, dloc], cmd);
+                    self.ordered(q, &[sloc], &[dloc], cmd);
                 }
                 Ok(None)
             }
@@ -581,7 +645,7 @@ impl Backend for Sim {
                         doff: dst_range.start,
                         len: src_range.len(),
                     };
-                    self.ordered(q, &[sloc, dloc], cmd);
+                    self.ordered(q, &[sloc], &[dloc], cmd);
                 }
                 Ok(None)
             }
@@ -624,7 +688,7 @@ impl Backend for Sim {
                         off: range.start,
                         data: values,
                     };
-                    self.ordered(q, &[dloc], cmd);
+                    self.ordered(q, &[], &[dloc], cmd);
                 }
                 Ok(None)
             }
@@ -655,7 +719,8 @@ impl Backend for Sim {
                     doff: 0,
                     len,
                 };
-                let ev = self.ordered(q, &[sloc], cmd);
+                // The destination is a fresh plain vector: untracked.
+                let ev = self.ordered(q, &[sloc], &[], cmd);
                 if self.fault != Fault::PageableD2hAsync {
                     self.sync(ev);
                 }
@@ -671,12 +736,10 @@ impl Backend for Sim {
             } => {
                 let loc = Loc::Dev(*index);
                 if self.fault != Fault::DropNoWait {
-                    if let Some(&ev) = self.last.get(&loc) {
-                        self.sync(ev);
-                    }
+                    self.sync_all(loc);
                 }
                 // The new buffer: same address, fresh tracker, undefined contents.
-                self.last.remove(&loc);
+                self.track.remove(&loc);
                 self.mem.insert(loc, vec![0xBAD0_BAD0; *len]);
                 if *index == self.dev_device.len() {
                     self.dev_device.push(*device);
@@ -685,7 +748,8 @@ impl Backend for Sim {
                 }
                 if let Some(on) = alloc_on {
                     let q = self.queue(*on);
-                    self.ordered(q, &[loc], Cmd::Spin(0)); // stream-ordered allocation
+                    // A stream-ordered allocation counts as a write.
+                    self.ordered(q, &[], &[loc], Cmd::Spin(0));
                 }
                 let q = self.queue(*init_on);
                 let cmd = Cmd::Write {
@@ -693,7 +757,7 @@ impl Backend for Sim {
                     off: 0,
                     data: data(*seed, *len),
                 };
-                self.ordered(q, &[loc], cmd);
+                self.ordered(q, &[], &[loc], cmd);
                 Ok(None)
             }
             Op::NewPinned {
@@ -701,11 +765,9 @@ impl Backend for Sim {
             } => {
                 let loc = Loc::Pinned(*index);
                 if self.fault != Fault::DropNoWait {
-                    if let Some(&ev) = self.last.get(&loc) {
-                        self.sync(ev);
-                    }
+                    self.sync_all(loc);
                 }
-                self.last.remove(&loc);
+                self.track.remove(&loc);
                 self.mem.insert(loc, data(*seed, *len));
                 Ok(None)
             }
@@ -735,11 +797,9 @@ impl Backend for Sim {
         body(self);
         let loc = Loc::Plain(plain);
         if self.fault != Fault::ScopeEndNoWait {
-            if let Some(&ev) = self.last.get(&loc) {
-                self.sync(ev);
-            }
+            self.sync_all(loc);
         }
-        self.last.remove(&loc);
+        self.track.remove(&loc);
         self.reg = None;
         Ok(())
     }
