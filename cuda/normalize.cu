@@ -235,7 +235,12 @@ __global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32
   if (npix == TP) {
     const uint4* s16 = reinterpret_cast<const uint4*>(src);
     uint4* t16 = reinterpret_cast<uint4*>(tile);
-    for (int i = threadIdx.x; i < TP * C / 16; i += TT) t16[i] = __ldg(s16 + i);
+    // A trip count known at compile time (for C = 2 the runtime-bounded loop made ptxas spill).
+#pragma unroll
+    for (int j = 0; j < (TP * C / 16 + TT - 1) / TT; ++j) {
+      const int i = threadIdx.x + j * TT;
+      if (TP * C / 16 % TT == 0 || i < TP * C / 16) t16[i] = __ldg(s16 + i);
+    }
   } else {
     for (uint32_t i = threadIdx.x; i < npix * C; i += TT) tile[i] = __ldg(src + i);
   }
