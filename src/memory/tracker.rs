@@ -118,10 +118,9 @@ impl Tracker {
     /// Whether the GPU has finished every use of the memory, without blocking (false on any
     /// error).
     pub(crate) fn is_idle(&self) -> bool {
-        match self.uses() {
-            Ok(evs) => evs.iter().all(|ev| ev.is_complete().unwrap_or(false)),
-            Err(_) => false,
-        }
+        // Queries do not block: fine under the lock, and no list to build on the pool's path.
+        let st = self.lock();
+        st.poisoned.is_none() && st.all().all(|u| u.event.is_complete().unwrap_or(false))
     }
 
     /// Makes later work on `stream` wait for every use (used before a stream-ordered free).
