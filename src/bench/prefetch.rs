@@ -348,6 +348,11 @@ const FILE_BATCHES: u64 = 8;
 /// And at most this many bytes (but always at least one batch).
 const FILE_BYTES: u64 = 2 << 30;
 
+/// How many distinct batches of `n` bytes a `File` or `Resident` run holds.
+fn distinct_batches(n: usize) -> u64 {
+    (FILE_BYTES / (n.max(1) as u64)).clamp(1, FILE_BATCHES)
+}
+
 impl TempBatches {
     /// Writes `count` batches of `bytes` (`synth_into(k)` for batch `k`) into a new file.
     pub fn write(count: u64, bytes: usize) -> Result<TempBatches> {
@@ -404,7 +409,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let total = per * devices.len() as u64;
     let file = match s.source {
         PixelSource::File => {
-            let count = (FILE_BYTES / (n.max(1) as u64)).clamp(1, FILE_BATCHES);
+            let count = distinct_batches(n);
             let batches = TempBatches::write(count, n)?;
             let source = Arc::new(FileSource::open(batches.path())?);
             Some((batches, source))
@@ -414,7 +419,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let ranges = file.as_ref().map(|(b, f)| (b.count, f.clone()));
     let resident = match (s.source, devices.first()) {
         (PixelSource::Resident, Some(d)) => {
-            let count = (FILE_BYTES / (n.max(1) as u64)).clamp(1, FILE_BATCHES);
+            let count = distinct_batches(n);
             let len = usize::try_from(count)
                 .ok()
                 .and_then(|c| c.checked_mul(n))
