@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 use common::{ensure, R};
 use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{cpu, Crop, Layout, Normalize, Sample, Spec};
-use pinstream::prefetch::{HostBatch, LoadError, Pixels, PrefetchConfig, Prefetcher, Source};
+use pinstream::prefetch::{
+    HostBatch, LoadError, LoaderStats, Pixels, PrefetchConfig, Prefetcher, Source,
+};
 use pinstream::{
     Device, DeviceBuffer, Error, FileSource, HostAlloc, PinnedBuffer, PinnedPool, PoolConfig,
     Stream,
@@ -45,6 +47,7 @@ fn main() {
     gpu("guard/leaked_batch", leaked_guard);
     gpu("drop/mid_epoch", drop_mid_epoch);
     gpu("source/iterator", iterator_source);
+    gpu("loaders/window_adapts", window_adapts);
     gpu("shards/two_on_one_device", shards_one_device);
     gpu("soak/memory_flat_10000", soak);
     gpu("pinned/threads_and_depths", pinned_threads_and_depths);
@@ -438,6 +441,70 @@ fn drop_mid_epoch() -> R {
     })?;
     stream.synchronize()?;
     Ok(())
+}
+
+/// Runs `end` small batches through a prefetcher with `config`, the loaders sleeping `load` per
+/// batch and the consumer `consume` per batch on the host; checks every batch and returns the
+/// loaders' statistics at the end.
+fn run_paced(
+    config: PrefetchConfig,
+    end: u64,
+    load: Duration,
+    consume: Duration,
+) -> Result<LoaderStats, Failed> {
+    let stream = Device::get(0)?.stream()?;
+    let src = Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        std::thread::sleep(load);
+        fill_uniform(i, b, 4, 32);
+        Ok(true)
+    });
+    let mut p = Prefetcher::<f32, i64>::new(&stream, src, config)?;
+    let mut i = 0;
+    while let Some(b) = p.next() {
+        let b = b?;
+        check(
+            &stream,
+            &b.pixels()?,
+            &b.extras()?,
+            &uniform_want(i, 4, 32),
+            &format!("batch {i}"),
+        )?;
+        std::thread::sleep(consume);
+        i += 1;
+    }
+    ensure(i == end, || format!("{i} batches of {end}"))?;
+    Ok(p.loader_stats())
+}
+
+/// The adaptive window (`PrefetchConfig::ahead` 0): slow loaders keep it at its maximum, with
+/// the upload waiting for nearly every batch; a slow consumer shrinks it to 2 with (almost) no
+/// waits; a fixed window stays.
+fn window_adapts() -> R {
+    let (ms, end) = (Duration::from_millis, 60);
+    let slow_loaders = run_paced(config(2, 2), end, ms(4), ms(0))?;
+    ensure(slow_loaders.ahead == 4 && slow_loaders.waits >= 40, || {
+        format!("slow loaders: {slow_loaders:?}, want ahead 4 (depth + loaders) and most uploads waiting")
+    })?;
+    ensure(slow_loaders.uploads == end, || {
+        format!("{slow_loaders:?}: {end} batches")
+    })?;
+    let slow_consumer = run_paced(config(4, 2), end, ms(0), ms(2))?;
+    ensure(slow_consumer.ahead == 2 && slow_consumer.waits <= 3, || {
+        format!("slow consumer: {slow_consumer:?}, want the window down to 2 and no waits")
+    })?;
+    let fixed = run_paced(
+        PrefetchConfig {
+            ahead: 3,
+            ..config(4, 2)
+        },
+        end,
+        ms(0),
+        ms(2),
+    )?;
+    ensure(fixed.ahead == 3, || format!("fixed at 3: {fixed:?}"))
 }
 
 fn iterator_source() -> R {

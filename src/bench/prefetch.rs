@@ -25,7 +25,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::kernels::{self, Layout, Normalize, Spec};
 use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
-use crate::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
+use crate::prefetch::{HostBatch, LoaderStats, PrefetchConfig, Prefetcher, Source};
 use crate::staging::{FileSource, Stager, StagerConfig};
 use crate::stream::Stream;
 
@@ -101,6 +101,8 @@ pub struct Setup {
     pub depth: usize,
     /// Loader threads of the prefetcher, and the loader workers of `apex`.
     pub threads: usize,
+    /// `PrefetchConfig::ahead` (0: the default, depth + loader threads).
+    pub ahead: usize,
     /// Where the prefetcher's loaders put the pixels (`serial` and `apex` always use pageable
     /// memory).
     pub source: PixelSource,
@@ -160,11 +162,30 @@ impl Parts {
     /// upload otherwise (a file range read from the page cache costs about what the staging
     /// copy from memory does).
     pub fn ideal_ms(&self, source: PixelSource) -> f64 {
-        let upload = match source {
+        self.compute_ms
+            .max(self.upload_ms(source) + self.normalize_ms)
+    }
+
+    /// The issue's formula, `max(host + transfer + normalize, compute)`, with `host` the
+    /// loaders' time per batch (writing one batch alone, divided among `loaders` threads; 0 for
+    /// file ranges and resident pixels, which no loader writes) and `transfer` the upload of
+    /// [`ideal_ms`](Self::ideal_ms). At least `ideal_ms`: it charges the loaders, which that
+    /// one assumes free.
+    pub fn issue_ideal_ms(&self, source: PixelSource, loaders: usize) -> f64 {
+        let host = match source {
+            PixelSource::Pageable | PixelSource::Pinned => self.synth_ms / loaders.max(1) as f64,
+            PixelSource::File | PixelSource::Resident => 0.0,
+        };
+        self.compute_ms
+            .max(host + self.upload_ms(source) + self.normalize_ms)
+    }
+
+    /// One batch's upload from `source`.
+    fn upload_ms(&self, source: PixelSource) -> f64 {
+        match source {
             PixelSource::Pinned | PixelSource::Resident => self.pinned_ms,
             PixelSource::Pageable | PixelSource::File => self.staged_ms,
-        };
-        self.compute_ms.max(upload + self.normalize_ms)
+        }
     }
 }
 
@@ -402,7 +423,7 @@ impl Drop for TempBatches {
 /// at most 8 distinct batches (2 GiB at most) written to the temporary directory first and
 /// removed afterwards; with `PixelSource::Resident` ranges of one portable pinned buffer of as
 /// many batches, filled first.
-pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
+pub fn pinstream(devices: &[Device], s: &Setup) -> Result<(f64, Vec<LoaderStats>)> {
     let spec = s.spec();
     let n = s.bytes();
     let per = (s.warmup + s.batches) as u64;
@@ -459,9 +480,9 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let config = PrefetchConfig {
         depth: s.depth,
         loader_threads: s.threads,
+        ahead: s.ahead,
         stager: StagerConfig::from_env()?,
         numa_local: s.numa_local,
-        ..PrefetchConfig::default()
     };
     let prefetchers = Prefetcher::<f32, i64>::sharded(&streams, source, config)?;
     let barrier = std::sync::Barrier::new(devices.len());
@@ -471,7 +492,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
             .into_iter()
             .map(|mut p| {
                 let barrier = &barrier;
-                scope.spawn(move || -> Result<(Instant, Instant, u64)> {
+                scope.spawn(move || -> Result<(Instant, Instant, u64, LoaderStats)> {
                     let stream = p.stream().clone();
                     let mut done = 0u64;
                     let mut start = Instant::now();
@@ -488,7 +509,13 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
                         done += 1;
                     }
                     stream.synchronize()?;
-                    Ok((start, Instant::now(), done.saturating_sub(warmup as u64)))
+                    let end = Instant::now();
+                    Ok((
+                        start,
+                        end,
+                        done.saturating_sub(warmup as u64),
+                        p.loader_stats(),
+                    ))
                 })
             })
             .collect();
@@ -509,9 +536,10 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<f64> {
     let start = times.iter().map(|t| t.0).min();
     let end = times.iter().map(|t| t.1).max();
     let batches: u64 = times.iter().map(|t| t.2).sum();
+    let stats = times.iter().map(|t| t.3).collect();
     match (start, end) {
-        (Some(a), Some(b)) if batches > 0 => Ok(secs(b - a) * 1e3 / batches as f64),
-        _ => Ok(f64::NAN),
+        (Some(a), Some(b)) if batches > 0 => Ok((secs(b - a) * 1e3 / batches as f64, stats)),
+        _ => Ok((f64::NAN, stats)),
     }
 }
 

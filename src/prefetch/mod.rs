@@ -297,7 +297,13 @@ pub struct PrefetchConfig {
     pub depth: usize,
     /// Threads that run the source. At least 1.
     pub loader_threads: usize,
-    /// Host batches loaded ahead of the feeder; 0 picks `depth + loader_threads`.
+    /// Host batches the loaders may hold (finished or being loaded) ahead of the upload. 0,
+    /// the default, adapts it between 2 and `depth + loader_threads`: one more whenever the
+    /// upload has to wait for a batch, one less after a run of batches with two or more
+    /// finished ones waiting behind them. Loaders that keep up then hold only a few batches
+    /// (host memory, and batches uploaded soon after they are written, some of them still in
+    /// the CPU's cache); slow ones get the full window. A value above 0 fixes it.
+    /// [`Prefetcher::loader_stats`] shows the window and the waits.
     pub ahead: usize,
     /// The staging engine that uploads the pixels.
     pub stager: StagerConfig,
@@ -338,16 +344,77 @@ impl PrefetchConfig {
         self.stager.validate()
     }
 
-    fn ahead(&self) -> u64 {
+    fn window(&self) -> Window {
         match self.ahead {
-            0 => (self.depth + self.loader_threads) as u64,
-            n => n as u64,
+            0 => Window::adaptive((self.depth + self.loader_threads) as u64),
+            n => Window::fixed(n as u64),
+        }
+    }
+}
+
+/// How many batches the loaders may hold ahead of the feeder ([`PrefetchConfig::ahead`]).
+///
+/// Adaptive: one more after every wait of the upload for a batch, one less after a run of
+/// [`Window::SURPLUS`] batches each taken with two or more finished ones behind it, but not
+/// within [`Window::HOLD`] batches of the last wait. Waits then come at most about once per
+/// `HOLD` batches, while the window stays near the smallest that keeps the upload fed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Window {
+    now: u64,
+    min: u64,
+    max: u64,
+    /// Batches taken in a row with two or more finished ones behind them.
+    surplus: u32,
+    /// Batches left before the window may shrink again.
+    hold: u32,
+}
+
+impl Window {
+    /// The smallest adaptive window: one batch being loaded and one finished, ready for jitter.
+    const MIN: u64 = 2;
+    /// Batches in a row with a surplus before the window shrinks.
+    const SURPLUS: u32 = 8;
+    /// Batches after a wait before the window shrinks again.
+    const HOLD: u32 = 64;
+
+    fn fixed(n: u64) -> Self {
+        Window {
+            now: n,
+            min: n,
+            max: n,
+            surplus: 0,
+            hold: 0,
+        }
+    }
+
+    /// Starts at `max` (nothing is known yet) and adapts within `2..=max`.
+    fn adaptive(max: u64) -> Self {
+        Window {
+            min: Self::MIN.min(max),
+            ..Self::fixed(max)
+        }
+    }
+
+    /// The feeder took a batch: `waited` if it was not finished yet when asked for, `ready`
+    /// finished batches (or ends) still waiting behind it.
+    fn took(&mut self, waited: bool, ready: usize) {
+        if waited {
+            self.now = (self.now + 1).min(self.max);
+            self.surplus = 0;
+            self.hold = Self::HOLD;
+            return;
+        }
+        self.hold = self.hold.saturating_sub(1);
+        self.surplus = if ready >= 2 { self.surplus + 1 } else { 0 };
+        if self.surplus >= Self::SURPLUS && self.hold == 0 {
+            self.now = self.now.saturating_sub(1).max(self.min);
+            self.surplus = 0;
         }
     }
 }
 
 /// A loaded batch, or why there is none.
-// Only a few exist at a time (at most `ahead`); boxing the batch would allocate per batch.
+// Only a few exist at a time (at most the window); boxing the batch would allocate per batch.
 #[allow(clippy::large_enum_variant)]
 enum Loaded<E> {
     Batch(u64, HostBatch<E>),
@@ -358,6 +425,12 @@ enum Loaded<E> {
 struct Loads<E> {
     /// Next local index a loader takes.
     claim: u64,
+    /// Loaders claim only indices below `fed + window.now`.
+    window: Window,
+    /// Batches the feeder has taken for upload, and of those how many it had to wait for
+    /// (after the first).
+    uploads: u64,
+    waits: u64,
     /// Local indices the feeder has taken.
     fed: u64,
     results: BTreeMap<u64, Loaded<E>>,
@@ -588,6 +661,9 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         let loads = Arc::new(LoadShared {
             state: Mutex::new(Loads {
                 claim: 0,
+                window: config.window(),
+                uploads: 0,
+                waits: 0,
                 fed: 0,
                 results: BTreeMap::new(),
                 end: None,
@@ -610,12 +686,11 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             finished: false,
             _types: PhantomData,
         };
-        let ahead = config.ahead();
         for t in 0..config.loader_threads {
             let (loads, source, pool) = (loads.clone(), source.clone(), me.pool.clone());
             let h = std::thread::Builder::new()
                 .name(format!("pinstream-loader-{shard}.{t}"))
-                .spawn(move || loader(&loads, &source, &pool, ahead, shard, shards))
+                .spawn(move || loader(&loads, &source, &pool, shard, shards))
                 .map_err(|e| Error::invalid("Prefetcher::new", format!("spawn: {e}")))?;
             me.loaders.push(h);
         }
@@ -710,6 +785,31 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
     pub fn device_bytes(&self) -> usize {
         self.device_bytes.load(Ordering::Relaxed)
     }
+
+    /// How the loaders keep up: the window they load ahead in now, and how often the upload
+    /// had to wait for them.
+    pub fn loader_stats(&self) -> LoaderStats {
+        let s = lock(&self.loads.state);
+        LoaderStats {
+            ahead: s.window.now as usize,
+            uploads: s.uploads,
+            waits: s.waits,
+        }
+    }
+}
+
+/// [`Prefetcher::loader_stats`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoaderStats {
+    /// Batches the loaders may hold (finished or being loaded) ahead of the upload now
+    /// ([`PrefetchConfig::ahead`]).
+    pub ahead: usize,
+    /// Batches the feeder has taken for upload.
+    pub uploads: u64,
+    /// Of those, how many it had to wait for with a device slot free (the first batch is not
+    /// counted): many waits mean the loaders are the bottleneck (add loader threads), few
+    /// mean the GPU side is.
+    pub waits: u64,
 }
 
 impl<O: OutputElement, E: Pod + Send + 'static> Drop for Prefetcher<O, E> {
@@ -807,7 +907,6 @@ fn loader<E: Pod + Send>(
     loads: &LoadShared<E>,
     source: &Source<E>,
     pool: &PinnedPool,
-    ahead: u64,
     shard: u64,
     n: u64,
 ) {
@@ -818,7 +917,7 @@ fn loader<E: Pod + Send>(
                 if s.stop || s.end.is_some_and(|e| s.claim >= e) {
                     return;
                 }
-                if s.claim < s.fed + ahead {
+                if s.claim < s.fed + s.window.now {
                     break;
                 }
                 s = loads.cv.wait(s).unwrap_or_else(|e| e.into_inner());
@@ -870,16 +969,32 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
     fn run(self) {
         let mut i = 0u64;
         loop {
+            // A free slot first (the consumer has recorded its release), or the prefetcher is
+            // gone; then the batch, so it is taken when it can be uploaded, and the window
+            // learns how early the loaders finish.
+            let Ok(mut slot) = self.free.recv() else {
+                return;
+            };
             let loaded = {
                 let mut s = lock(&self.loads.state);
+                let mut waited = false;
                 loop {
                     if s.stop {
                         return;
                     }
                     if let Some(l) = s.results.remove(&i) {
                         s.fed = i + 1;
+                        // Not counted at the start, when every loader begins at once, nor
+                        // at the end.
+                        if i > 0 && matches!(l, Loaded::Batch(..)) {
+                            let ready = s.results.len();
+                            s.window.took(waited, ready);
+                            s.waits += u64::from(waited);
+                        }
+                        s.uploads += u64::from(matches!(l, Loaded::Batch(..)));
                         break l;
                     }
+                    waited = true;
                     s = self.loads.cv.wait(s).unwrap_or_else(|e| e.into_inner());
                 }
             };
@@ -894,10 +1009,6 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
                     let _ = self.ready.send(Msg::Failed(e));
                     return;
                 }
-            };
-            // A free slot (the consumer has recorded its release), or the prefetcher is gone.
-            let Ok(mut slot) = self.free.recv() else {
-                return;
             };
             let filled = self.fill(&mut slot, global, &batch);
             // The host no longer reads the batch (every staged upload finished its host side);
@@ -1020,5 +1131,63 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
         slot.out_len = out_len;
         slot.extras_len = extras_len;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fixed_window_stays() {
+        let mut w = PrefetchConfig {
+            ahead: 5,
+            ..PrefetchConfig::default()
+        }
+        .window();
+        for (waited, ready) in [(true, 0), (false, 4), (false, 9), (true, 1)] {
+            w.took(waited, ready);
+            assert_eq!(w.now, 5);
+        }
+    }
+
+    #[test]
+    fn adaptive_window_follows_the_upload() {
+        let mut w = PrefetchConfig::default().window();
+        assert_eq!((w.now, w.min, w.max), (6, 2, 6));
+        let run = |w: &mut Window, n: u32, waited: bool, ready: usize| {
+            for _ in 0..n {
+                w.took(waited, ready);
+            }
+        };
+        // Loaders far ahead: one less per run of surplus batches, down to 2, never below.
+        for want in [5, 4, 3, 2, 2] {
+            run(&mut w, Window::SURPLUS - 1, false, 3);
+            assert_eq!(w.now, want + 1);
+            w.took(false, 2);
+            assert_eq!(w.now, want.max(2));
+            if want == 2 {
+                break;
+            }
+        }
+        // A batch without a surplus breaks the run.
+        run(&mut w, Window::SURPLUS - 1, false, 2);
+        w.took(false, 1);
+        run(&mut w, Window::SURPLUS - 1, false, 2);
+        assert_eq!(w.now, 2);
+        // The upload waits: one more per wait, up to the maximum.
+        for want in [3, 4, 5, 6, 6] {
+            w.took(true, 0);
+            assert_eq!(w.now, want);
+        }
+        // No shrinking within HOLD batches of a wait, surplus or not.
+        run(&mut w, Window::HOLD - 1, false, 5);
+        assert_eq!(w.now, 6);
+        run(&mut w, Window::SURPLUS, false, 5);
+        assert_eq!(w.now, 5);
+        // A window of at most 1 cannot go below it.
+        let mut one = Window::adaptive(1);
+        run(&mut one, 100, false, 5);
+        assert_eq!((one.now, one.min), (1, 1));
     }
 }

@@ -39,6 +39,10 @@ pub struct PrefetchArgs {
     /// Loader threads (also the APEX-style loader's workers).
     #[arg(long, default_value_t = 4)]
     threads: usize,
+    /// Host batches the loaders may finish ahead of the upload (`PrefetchConfig::ahead`);
+    /// 0 picks depth + loader threads.
+    #[arg(long, default_value_t = 0)]
+    ahead: usize,
     /// Device ordinal, or `all` (the prefetcher on every device, one shard each).
     #[arg(long, default_value = "0")]
     device: String,
@@ -83,6 +87,9 @@ struct Row {
     batches_per_s: f64,
     ideal_ms: f64,
     vs_ideal: f64,
+    /// The issue's `max(host + transfer + normalize, compute)`, loaders charged.
+    issue_ideal_ms: f64,
+    vs_issue_ideal: f64,
     note: String,
 }
 
@@ -128,6 +135,7 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             warmup: args.warmup,
             depth: args.depth,
             threads: args.threads,
+            ahead: args.ahead,
             source: args.source,
             numa_local: !args.no_numa_local,
         };
@@ -138,10 +146,18 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             let (ms, note, per_device, source) = match m.as_str() {
                 "serial" => (prefetch::serial(&first, &setup)?, "load, pageable copy, fused normalize, step; one at a time".to_string(), 1, PixelSource::Pageable),
                 "apex" => (prefetch::apex(&first, &setup)?, format!("1 deep, pageable copy on a side stream, 3-pass normalize, {} loader threads", args.threads), 1, PixelSource::Pageable),
-                _ => (
-                    prefetch::pinstream(&devices, &setup)?,
+                _ => {
+                    let (ms, stats) = prefetch::pinstream(&devices, &setup)?;
+                    // The loaders' window at the end and the uploads that waited for them.
+                    let windows = stats
+                        .iter()
+                        .map(|l| format!("{} ({}/{} waits)", l.ahead, l.waits, l.uploads))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    (
+                    ms,
                     format!(
-                        "depth {}, {} loader threads, {} device(s), {}",
+                        "depth {}, {} loader threads, ahead {windows}, {} device(s), {}",
                         args.depth,
                         args.threads,
                         devices.len(),
@@ -154,11 +170,13 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
                     ),
                     devices.len(),
                     args.source,
-                ),
+                    )
+                }
             };
             // For several devices, the aggregate: time per batch of all devices together, against
             // the ideal divided among them.
             let ideal_ms = parts.ideal_ms(source) / per_device as f64;
+            let issue_ideal_ms = parts.issue_ideal_ms(source, args.threads) / per_device as f64;
             rows.push(Row {
                 mode: if per_device > 1 {
                     format!("pinstream x{per_device}")
@@ -171,6 +189,8 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
                 batches_per_s: 1e3 / ms,
                 ideal_ms,
                 vs_ideal: ms / ideal_ms,
+                issue_ideal_ms,
+                vs_issue_ideal: ms / issue_ideal_ms,
                 note,
             });
             bar.inc(1);
@@ -195,18 +215,26 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
             );
             for (c, p) in &parts_seen {
                 println!(
-                    "parts at compute {c} ms: step {:.3} ms, staged upload {:.3} ms ({:.1} GB/s), pinned {:.3}, pageable {:.3}, fused normalize {:.3}, synth on one thread {:.3}; ideal {:.3} ms (staged), {:.3} ms (pinned)",
+                    "parts at compute {c} ms: step {:.3} ms, staged upload {:.3} ms ({:.1} GB/s), pinned {:.3}, pageable {:.3}, fused normalize {:.3}, synth on one thread {:.3}; ideal {:.3} ms (staged), {:.3} ms (pinned); ideal = max(step, upload + normalize) with the loaders assumed free, issue ideal = max(step, loaders' time per batch + upload + normalize)",
                     p.compute_ms, p.staged_ms, mb / p.staged_ms, p.pinned_ms, p.pageable_ms, p.normalize_ms, p.synth_ms,
                     p.ideal_ms(PixelSource::Pageable), p.ideal_ms(PixelSource::Pinned)
                 );
             }
             println!(
-                "{:<14} {:<9} {:>10} {:>12} {:>10} {:>10} {:>9}  note",
-                "mode", "source", "step ms", "ms/batch", "batch/s", "ideal ms", "vs ideal"
+                "{:<14} {:<9} {:>10} {:>12} {:>10} {:>10} {:>9} {:>10} {:>9}  note",
+                "mode",
+                "source",
+                "step ms",
+                "ms/batch",
+                "batch/s",
+                "ideal ms",
+                "vs ideal",
+                "issue ms",
+                "vs issue"
             );
             for r in &rows {
                 println!(
-                    "{:<14} {:<9} {:>10.3} {:>12.3} {:>10.1} {:>10.3} {:>8.3}x  {}",
+                    "{:<14} {:<9} {:>10.3} {:>12.3} {:>10.1} {:>10.3} {:>8.3}x {:>10.3} {:>8.3}x  {}",
                     r.mode,
                     r.source,
                     r.compute_ms,
@@ -214,6 +242,8 @@ pub fn run(args: PrefetchArgs) -> Result<()> {
                     r.batches_per_s,
                     r.ideal_ms,
                     r.vs_ideal,
+                    r.issue_ideal_ms,
+                    r.vs_issue_ideal,
                     r.note
                 );
             }
