@@ -969,12 +969,6 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
     fn run(self) {
         let mut i = 0u64;
         loop {
-            // A free slot first (the consumer has recorded its release), or the prefetcher is
-            // gone; then the batch, so it is taken when it can be uploaded, and the window
-            // learns how early the loaders finish.
-            let Ok(mut slot) = self.free.recv() else {
-                return;
-            };
             let loaded = {
                 let mut s = lock(&self.loads.state);
                 let mut waited = false;
@@ -1009,6 +1003,10 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
                     let _ = self.ready.send(Msg::Failed(e));
                     return;
                 }
+            };
+            // A free slot (the consumer has recorded its release), or the prefetcher is gone.
+            let Ok(mut slot) = self.free.recv() else {
+                return;
             };
             let filled = self.fill(&mut slot, global, &batch);
             // The host no longer reads the batch (every staged upload finished its host side);
