@@ -120,5 +120,11 @@ fn train(batches: u64) -> Result<(), Box<dyn std::error::Error>> {
         "{seen} batches in {el:.3} s: {:.2} ms per batch (the step alone is 2 ms)",
         el * 1e3 / seen.max(1) as f64
     );
+    // Many waits would mean the loaders are the bottleneck: add loader threads.
+    let l = loader.loader_stats();
+    println!(
+        "loaders: {} of {} uploads waited for a batch; window {} batches ahead",
+        l.waits, l.uploads, l.ahead
+    );
     Ok(())
 }
