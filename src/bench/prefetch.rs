@@ -101,7 +101,7 @@ pub struct Setup {
     pub depth: usize,
     /// Loader threads of the prefetcher, and the loader workers of `apex`.
     pub threads: usize,
-    /// `PrefetchConfig::ahead` (0: the default, depth + loader threads).
+    /// `PrefetchConfig::ahead` (0: the default, adaptive).
     pub ahead: usize,
     /// Where the prefetcher's loaders put the pixels (`serial` and `apex` always use pageable
     /// memory).

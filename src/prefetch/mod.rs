@@ -806,9 +806,9 @@ pub struct LoaderStats {
     pub ahead: usize,
     /// Batches the feeder has taken for upload.
     pub uploads: u64,
-    /// Of those, how many it had to wait for with a device slot free (the first batch is not
-    /// counted): many waits mean the loaders are the bottleneck (add loader threads), few
-    /// mean the GPU side is.
+    /// Of those, how many were not finished yet when the feeder asked for them (the first
+    /// batch is not counted): many waits mean the loaders are the bottleneck (add loader
+    /// threads), few mean the GPU side is.
     pub waits: u64,
 }
 
@@ -978,14 +978,15 @@ impl<O: OutputElement, E: Pod + Send> Feeder<O, E> {
                     }
                     if let Some(l) = s.results.remove(&i) {
                         s.fed = i + 1;
-                        // Not counted at the start, when every loader begins at once, nor
-                        // at the end.
-                        if i > 0 && matches!(l, Loaded::Batch(..)) {
-                            let ready = s.results.len();
-                            s.window.took(waited, ready);
-                            s.waits += u64::from(waited);
+                        if matches!(l, Loaded::Batch(..)) {
+                            s.uploads += 1;
+                            // Not counted at the start, when every loader begins at once.
+                            if i > 0 {
+                                let ready = s.results.len();
+                                s.window.took(waited, ready);
+                                s.waits += u64::from(waited);
+                            }
                         }
-                        s.uploads += u64::from(matches!(l, Loaded::Batch(..)));
                         break l;
                     }
                     waited = true;

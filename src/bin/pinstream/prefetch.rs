@@ -39,8 +39,8 @@ pub struct PrefetchArgs {
     /// Loader threads (also the APEX-style loader's workers).
     #[arg(long, default_value_t = 4)]
     threads: usize,
-    /// Host batches the loaders may finish ahead of the upload (`PrefetchConfig::ahead`);
-    /// 0 picks depth + loader threads.
+    /// Host batches the loaders may hold ahead of the upload (`PrefetchConfig::ahead`);
+    /// 0 adapts it between 2 and depth + loader threads.
     #[arg(long, default_value_t = 0)]
     ahead: usize,
     /// Device ordinal, or `all` (the prefetcher on every device, one shard each).
