@@ -483,6 +483,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<(f64, Vec<LoaderStats>
         ahead: s.ahead,
         stager: StagerConfig::from_env()?,
         numa_local: s.numa_local,
+        ..PrefetchConfig::default()
     };
     let prefetchers = Prefetcher::<f32, i64>::sharded(&streams, source, config)?;
     let barrier = std::sync::Barrier::new(devices.len());

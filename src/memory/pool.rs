@@ -412,6 +412,13 @@ impl Inner {
         }
     }
 
+    /// A block in use changed its requested length from `old` to `new` bytes.
+    fn rerequest(&self, old: usize, new: usize) {
+        let mut st = self.lock();
+        let s = &mut st.stats;
+        s.requested_bytes = s.requested_bytes.saturating_sub(old).saturating_add(new);
+    }
+
     fn trim(&self) -> Result<usize> {
         let idle: Vec<Block> = {
             let mut guard = self.lock();
@@ -796,6 +803,32 @@ impl<T: Pod> PoolBlock<T> {
         self.ptr
     }
 
+    /// How many elements the block's memory holds (its class size over the element size): the
+    /// most [`set_len`](Self::set_len) accepts.
+    pub(crate) fn capacity(&self) -> usize {
+        self.block
+            .as_ref()
+            .map_or(0, |b| b.size / std::mem::size_of::<T>().max(1))
+    }
+
+    /// Makes the block `len` elements long, within its [`capacity`](Self::capacity), so that
+    /// one block serves batches of varying lengths. `Error::InvalidArgument` past the capacity.
+    pub(crate) fn set_len(&mut self, len: usize) -> Result<()> {
+        let cap = self.capacity();
+        if len > cap || (len > 0 && self.block.is_none()) {
+            return Err(Error::invalid(
+                "PoolBlock::set_len",
+                format!("{len} elements, the block holds {cap}"),
+            ));
+        }
+        // Within the block: `len * size_of::<T>() <= size`, so no overflow.
+        let requested = len * std::mem::size_of::<T>();
+        self.pool.rerequest(self.requested, requested);
+        self.requested = requested;
+        self.len = len;
+        Ok(())
+    }
+
     /// Whether the GPU has finished every use of it so far, without blocking.
     pub(crate) fn is_idle(&self) -> bool {
         self.block.as_ref().is_none_or(|b| b.tracker.is_idle())
@@ -812,7 +845,7 @@ impl<T: Pod> PoolBlock<T> {
     pub fn as_slice(&self) -> Result<&[T]> {
         self.wait()?;
         // SAFETY: `ptr` holds `len` initialised elements inside a block of at least
-        // `len * size_of::<T>()` bytes, aligned for `T` (page-aligned, and `T` is refused above
+        // `len * size_of::<T>()` bytes (`alloc` and `set_len` keep `len` within the capacity), aligned for `T` (page-aligned, and `T` is refused above
         // a page) or dangling for an empty block. The bytes were zeroed at allocation and later
         // written only through `&mut` or by copies, which the wait above has seen finish; any
         // bit pattern is a valid `T`. No copy can write while this borrow lives (that needs

@@ -1,0 +1,223 @@
+//! `HostBatch`: one batch on the host as a source fills it, and the page-locked memory a
+//! prefetcher lends it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::Pixels;
+use crate::error::{Error, Result};
+use crate::kernels::{Normalize, Spec};
+use crate::memory::{PinnedBuffer, PinnedPool, PoolBlock};
+use crate::staging::FileSource;
+
+/// The page-locked memory a prefetcher lends its batches: its pool, and the longest pixel block
+/// asked of it so far (grown by an eighth at a time). Every block [`HostBatch::pinned`] takes
+/// from the pool is that long, so blocks of batches whose lengths vary serve one another and the
+/// pool holds one size of them, not one per length.
+#[derive(Clone)]
+pub(crate) struct PinnedSupply {
+    pool: PinnedPool,
+    high: Arc<AtomicUsize>,
+}
+
+impl PinnedSupply {
+    pub(crate) fn new(pool: PinnedPool) -> Self {
+        PinnedSupply {
+            pool,
+            high: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// A block for `len` bytes, as long as the high-water mark (raised to `len` plus an eighth
+    /// when `len` is above it). The mark rises only once the allocation has succeeded (a refused
+    /// length leaves it alone); when it rises, the idle cached blocks (now too short to serve)
+    /// are freed, so the pool does not keep every size it ever held.
+    fn alloc(&self, len: usize) -> Result<PoolBlock<u8>> {
+        let high = self.high.load(Ordering::Relaxed);
+        let want = if len <= high {
+            high
+        } else {
+            len.saturating_add(len / 8)
+        };
+        let block = self.pool.alloc::<u8>(want)?;
+        if self.high.fetch_max(want, Ordering::Relaxed) < want {
+            self.pool.trim()?;
+        }
+        Ok(block)
+    }
+}
+
+/// One batch on the host, as a source fills it: the pixels (u8, laid out as `spec` says; in
+/// pageable memory, page-locked memory or a file, see [`Pixels`]), the normalize `spec`
+/// (layouts, crops, mirrors, mean/std), and per-sample extras such as labels.
+///
+/// A batch handed to a source by a [`Prefetcher`] also carries the prefetcher's pinned pool, so
+/// that [`pinned`](Self::pinned) can give page-locked memory on the right device; one made with
+/// [`new`](Self::new) or `default()` has none.
+pub struct HostBatch<E = i64> {
+    /// `spec.input_len()` bytes; see [`pageable`](Self::pageable), [`pinned`](Self::pinned) and
+    /// [`set_file`](Self::set_file).
+    pub pixels: Pixels,
+    /// How to normalize `pixels`; also the batch's shape.
+    pub spec: Spec,
+    /// Anything per batch that goes to the device as is (labels, boxes); may be empty.
+    pub extras: Vec<E>,
+    /// The prefetcher's pool (set by the loader thread before each call of the source).
+    pub(crate) pool: Option<PinnedSupply>,
+    /// A pageable vector kept aside (empty, with its capacity) while the pixels are pinned or
+    /// a file range, for `pageable()` to put back.
+    stash: Vec<u8>,
+}
+
+impl<E> Default for HostBatch<E> {
+    fn default() -> Self {
+        HostBatch::new(
+            Pixels::default(),
+            Spec::variable(3, &[], Normalize::new(&[0.0; 3], &[1.0; 3])),
+            Vec::new(),
+        )
+    }
+}
+
+impl<E: std::fmt::Debug> std::fmt::Debug for HostBatch<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBatch")
+            .field("pixels", &self.pixels)
+            .field("spec", &self.spec)
+            .field("extras", &self.extras)
+            .field("pool", &self.pool.as_ref().map(|p| p.pool.device()))
+            .finish()
+    }
+}
+
+impl<E> HostBatch<E> {
+    /// A batch of these parts, without a pinned pool (so [`pinned`](Self::pinned) refuses):
+    /// for [`Source::iter`] and for tests.
+    pub fn new(pixels: Pixels, spec: Spec, extras: Vec<E>) -> Self {
+        HostBatch {
+            pixels,
+            spec,
+            extras,
+            pool: None,
+            stash: Vec::new(),
+        }
+    }
+
+    /// The pixels as a vector of ordinary memory to fill (resize it to `spec.input_len()`):
+    /// the one already there, or in place of page-locked pixels or a file range, the vector
+    /// that [`pinned`](Self::pinned) or [`set_file`](Self::set_file) put aside (empty, with its
+    /// capacity), so a source that switches kinds does not reallocate. A page-locked block goes
+    /// back to its pool.
+    pub fn pageable(&mut self) -> &mut Vec<u8> {
+        if !matches!(self.pixels, Pixels::Pageable(_)) {
+            self.pixels = Pixels::Pageable(std::mem::take(&mut self.stash));
+        }
+        match &mut self.pixels {
+            Pixels::Pageable(v) => v,
+            // Not reached (made pageable just above); the stash is empty then anyway.
+            _ => &mut self.stash,
+        }
+    }
+
+    /// Takes the pixels out, leaving empty pageable ones; a pageable vector is put aside
+    /// (emptied) for `pageable()`, anything else is returned to be dropped.
+    pub(crate) fn take_pixels(&mut self) -> Pixels {
+        match std::mem::take(&mut self.pixels) {
+            Pixels::Pageable(mut v) => {
+                v.clear();
+                self.stash = v;
+                Pixels::default()
+            }
+            other => other,
+        }
+    }
+
+    /// The pixels as `len` bytes of page-locked memory from the prefetcher's pool, to fill:
+    /// the feeder then uploads them with one DMA, without the staging copy. The block already
+    /// there is kept if it can hold `len` bytes, belongs to the pool's device and its last copy
+    /// has finished; otherwise it goes back to its pool (which hands it out again only after
+    /// that copy) and the pool gives another. Blocks are all as long as the longest batch so
+    /// far (plus an eighth), so batches whose lengths vary reuse one another's blocks and the
+    /// pool stays flat; a pageable vector is put aside for [`pageable`](Self::pageable). So
+    /// this does not wait for the GPU (unless the pool's cache is full and a block has to be
+    /// freed), and a steady run allocates nothing.
+    ///
+    /// The memory holds whatever an earlier batch left there (or zeros): **write every byte**.
+    ///
+    /// Errors: `Error::InvalidArgument` for a batch without a pool (one made with
+    /// [`new`](Self::new) or `default()` rather than handed to a source by a prefetcher) and for
+    /// a length no block can have; the pool's errors (`Error::OutOfMemory`, ...) when it must
+    /// allocate.
+    pub fn pinned(&mut self, len: usize) -> Result<&mut [u8]> {
+        let supply = self.pool.clone().ok_or_else(|| {
+            Error::invalid(
+                "HostBatch::pinned",
+                "this batch has no pinned pool: only batches a Prefetcher hands to its source \
+                 have one (use `pageable()`, or put a block of your own in `pixels`)",
+            )
+        })?;
+        let pool = &supply.pool;
+        let reuse = matches!(
+            &self.pixels,
+            Pixels::Pinned(b) if b.capacity() >= len && b.device() == pool.device() && b.is_idle()
+        );
+        if !reuse {
+            // The old block goes back first, so that the pool may hand it out again.
+            drop(self.take_pixels());
+            self.pixels = Pixels::Pinned(supply.alloc(len)?);
+        }
+        match &mut self.pixels {
+            Pixels::Pinned(b) => {
+                b.set_len(len)?;
+                b.as_mut_slice()
+            }
+            _ => Err(Error::invalid("HostBatch::pinned", "lost the block")),
+        }
+    }
+
+    /// Checks the batch as a feeder does before it moves anything: a valid spec, and pixels of
+    /// the length it describes. Returns the input and output lengths; a bad batch is an
+    /// `Error::Loader` naming `global`.
+    pub(crate) fn checked_lens(&self, global: u64) -> Result<(usize, usize)> {
+        let bad = |message: String| Error::Loader {
+            batch: global,
+            message,
+        };
+        self.spec
+            .validate("Prefetcher")
+            .and_then(|()| Ok((self.spec.input_len()?, self.spec.output_len()?)))
+            .map_err(|e| bad(e.to_string()))
+            .and_then(|(in_len, out_len)| {
+                if self.pixels.len() != in_len {
+                    return Err(bad(format!(
+                        "{} pixel bytes ({}), the spec describes {in_len}",
+                        self.pixels.len(),
+                        self.pixels.kind()
+                    )));
+                }
+                Ok((in_len, out_len))
+            })
+    }
+
+    /// The pixels as `len` bytes of `buf` from `offset`: a range of page-locked memory that
+    /// outlives the batch (a dataset held in pinned memory), which the feeder copies to the
+    /// device with one DMA; nothing is written per batch (a page-locked block already there
+    /// goes back to its pool). Checked when the batch is uploaded: a range outside the buffer,
+    /// or a buffer page-locked for another device and not [`HostAlloc::PORTABLE`], is an
+    /// [`Error::Loader`] naming the batch.
+    ///
+    /// [`HostAlloc::PORTABLE`]: crate::HostAlloc::PORTABLE
+    pub fn set_resident(&mut self, buf: Arc<PinnedBuffer<u8>>, offset: usize, len: usize) {
+        drop(self.take_pixels());
+        self.pixels = Pixels::Resident { buf, offset, len };
+    }
+
+    /// The pixels as `len` bytes of `file` from `offset`, which the staging engine reads with
+    /// `pread` straight into its pinned slots (a page-locked block already there goes back to
+    /// its pool). The range is checked when the batch is uploaded: one outside the file is an
+    /// [`Error::Loader`] naming the batch.
+    pub fn set_file(&mut self, file: Arc<FileSource>, offset: u64, len: usize) {
+        drop(self.take_pixels());
+        self.pixels = Pixels::File { file, offset, len };
+    }
+}
