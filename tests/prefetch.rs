@@ -620,6 +620,7 @@ fn soak() -> R {
             at10 = Some((
                 p.device_bytes(),
                 s.cached_bytes + s.in_use_bytes,
+                pinstream::memory::live(),
                 dev.memory_info()?.free,
             ));
         }
@@ -631,16 +632,33 @@ fn soak() -> R {
     let now = (
         p.device_bytes(),
         s.cached_bytes + s.in_use_bytes,
+        pinstream::memory::live(),
         dev.memory_info()?.free,
     );
     let then = at10.ok_or("no batch 10")?;
-    ensure(now.0 == then.0 && now.1 == then.1, || {
-        format!("slot / pinned bytes grew: after 10 {then:?}, after 10000 {now:?}")
-    })?;
-    // Free device memory may move a little with other processes; allow 2 MiB.
-    ensure(now.2.abs_diff(then.2) <= 2 << 20, || {
+    // pinstream's own memory, counted by itself: exact, whoever else uses the device.
+    ensure(
+        now.0 == then.0 && now.1 == then.1 && now.2 == then.2,
+        || {
+            format!(
+                "slot / pinned / pinstream's bytes grew: after 10 {then:?}, after 10000 {now:?}"
+            )
+        },
+    )?;
+    if under_sanitizer() {
+        return Ok(());
+    }
+    // The device's free memory also moves with other users; allow 2 MiB.
+    ensure(now.3.abs_diff(then.3) <= 2 << 20, || {
         format!("free device memory moved: after 10 {then:?}, after 10000 {now:?}")
     })
+}
+
+/// Set `PINSTREAM_SANITIZER=1` when running under compute-sanitizer, which allocates device
+/// memory of its own: the checks of the device's free memory are then left out (pinstream's
+/// own counts, `pinstream::memory::live`, are still checked).
+fn under_sanitizer() -> bool {
+    std::env::var_os("PINSTREAM_SANITIZER").is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 /// Runs `source` to its end (`end` batches) and checks every batch, in order, against
@@ -758,8 +776,14 @@ fn pinned_bound(c: &PrefetchConfig, len: usize) -> usize {
     } else {
         c.ahead
     };
-    let class = len.next_multiple_of(4096); // the pool's class of a block below 32 KiB
-    c.stager.slots * c.stager.slot_bytes + (ahead + 1 + c.depth) * class
+    // `HostBatch::pinned` asks for the longest length plus an eighth; the pool rounds that up
+    // to its class (a multiple of 4096 below 32 KiB).
+    let block = len + len / 8;
+    assert!(
+        block < 32 << 10,
+        "pinned_bound knows only the classes below 32 KiB"
+    );
+    c.stager.slots * c.stager.slot_bytes + (ahead + 1 + c.depth) * block.next_multiple_of(4096)
 }
 
 /// 2000 small batches in page-locked memory: device bytes, the pool's bytes and the device's
@@ -820,6 +844,9 @@ fn pinned_soak() -> R {
     ensure(now.1 <= bound, || {
         format!("{} pinned bytes, more than {bound}", now.1)
     })?;
+    if under_sanitizer() {
+        return Ok(());
+    }
     // Free device memory may move a little with other processes; allow 2 MiB.
     ensure(now.2.abs_diff(then.2) <= 2 << 20, || {
         format!("free device memory moved: after 20 {then:?}, after {end} {now:?}")

@@ -81,6 +81,7 @@ impl<T: Pod> DeviceBuffer<T> {
                 return Err(e);
             }
         }
+        super::live::device_allocated(bytes);
         Ok(DeviceBuffer {
             ptr: ptr.cast(),
             len,
@@ -120,6 +121,7 @@ impl<T: Pod> DeviceBuffer<T> {
                 return Err(e);
             }
         }
+        super::live::device_allocated(bytes);
         Ok(DeviceBuffer {
             ptr: ptr.cast(),
             len,
@@ -253,6 +255,7 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
                 // for every use of it first.
                 let err = unsafe { sys::cudaFreeAsync(self.ptr.cast(), stream.as_raw()) };
                 if err == sys::cudaError::cudaSuccess {
+                    super::live::device_freed(self.byte_len());
                     return;
                 }
             }
@@ -269,6 +272,7 @@ impl<T: Pod> Drop for DeviceBuffer<T> {
         unsafe {
             let _ = sys::cudaFree(self.ptr.cast());
         }
+        super::live::device_freed(self.byte_len());
     }
 }
 

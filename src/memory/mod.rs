@@ -4,6 +4,7 @@
 //! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+pub use live::{live, Live};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
 pub(crate) use pool::HugePageBuf;
@@ -53,6 +54,7 @@ pub(crate) use flag_set;
 
 pub(crate) mod bounce;
 mod device;
+mod live;
 pub(crate) mod nt;
 mod pinned;
 mod pool;

@@ -131,6 +131,7 @@ impl<T: Pod> PinnedBuffer<T> {
         // SAFETY: `ptr..ptr + bytes` lies in the allocation, which is not yet shared with anyone;
         // zeroing makes every element initialised (all-zero is a valid `Pod` value).
         unsafe { std::ptr::write_bytes(ptr, 0, bytes) };
+        super::live::pinned_allocated(total);
         Ok(PinnedBuffer {
             base,
             ptr: ptr.cast(),
@@ -206,6 +207,15 @@ impl<T: Pod> PinnedBuffer<T> {
     }
 }
 
+impl<T: Pod> PinnedBuffer<T> {
+    /// What `new` asked `cudaHostAlloc` for (checked not to overflow there).
+    fn allocated_bytes(&self) -> usize {
+        let align = std::mem::align_of::<T>();
+        let slack = if align > MIN_HOST_ALIGN { align - 1 } else { 0 };
+        (self.len * std::mem::size_of::<T>()).saturating_add(slack)
+    }
+}
+
 impl<T: Pod> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
         if self.base.is_null() {
@@ -224,6 +234,7 @@ impl<T: Pod> Drop for PinnedBuffer<T> {
         unsafe {
             let _ = sys::cudaFreeHost(self.base);
         }
+        super::live::pinned_freed(self.allocated_bytes());
     }
 }
 

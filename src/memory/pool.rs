@@ -365,6 +365,7 @@ impl Inner {
             result = self.timed_allocate(class);
         }
         let block = result?;
+        super::live::pinned_allocated(block.mapped);
         let mut st = self.lock();
         let s = &mut st.stats;
         s.allocations = s.allocations.saturating_add(1);
@@ -721,6 +722,7 @@ fn free_block(device: &Device, backing: PoolBacking, block: Block) -> Result<()>
                 unsafe { sys::cudaFreeHost(block.ptr.cast()) },
                 "cudaFreeHost",
             )
+            .inspect(|()| super::live::pinned_freed(block.mapped))
         }
         PoolBacking::Register { flags, .. } => {
             // The registration belongs to the device's context.
@@ -740,6 +742,7 @@ fn free_block(device: &Device, backing: PoolBacking, block: Block) -> Result<()>
             }
             // SAFETY: the whole mapping, unregistered above; no `PoolBlock` holds it.
             unsafe { unmap(block.ptr, block.mapped) };
+            super::live::pinned_freed(block.mapped);
             Ok(())
         }
     }
