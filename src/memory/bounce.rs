@@ -63,7 +63,9 @@ pub(crate) fn take(device: Device, bytes: usize) -> Result<PinnedBuffer<u8>> {
             }
         }
     }
-    PinnedBuffer::new(&device, class, HostAlloc::DEFAULT)
+    let mut block = PinnedBuffer::new(&device, class, HostAlloc::DEFAULT)?;
+    block.count_as_cache();
+    Ok(block)
 }
 
 /// Returns a block to its device's pool, to be reused once its event has passed.

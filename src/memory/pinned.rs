@@ -61,6 +61,8 @@ pub struct PinnedBuffer<T: Pod> {
     flags: HostAlloc,
     device: Device,
     tracker: Tracker,
+    /// Counted in `memory::live()` as a process-wide cache rather than as pinned memory.
+    cache: bool,
 }
 
 // SAFETY: the buffer owns its memory; host access goes through `&`/`&mut` after the tracker's
@@ -98,6 +100,7 @@ impl<T: Pod> PinnedBuffer<T> {
                 flags,
                 device: *device,
                 tracker: Tracker::new(),
+                cache: false,
             });
         }
         // Room to move the start up to the next multiple of `align`, if the runtime's address
@@ -139,6 +142,7 @@ impl<T: Pod> PinnedBuffer<T> {
             flags,
             device: *device,
             tracker: Tracker::new(),
+            cache: false,
         })
     }
 
@@ -208,6 +212,15 @@ impl<T: Pod> PinnedBuffer<T> {
 }
 
 impl<T: Pod> PinnedBuffer<T> {
+    /// Counts the buffer in `memory::live()` as part of a process-wide cache (the bounce
+    /// blocks), not as pinned memory in use.
+    pub(crate) fn count_as_cache(&mut self) {
+        if !self.cache && !self.base.is_null() {
+            super::live::pinned_to_cache(self.allocated_bytes());
+            self.cache = true;
+        }
+    }
+
     /// What `new` asked `cudaHostAlloc` for (checked not to overflow there).
     fn allocated_bytes(&self) -> usize {
         let align = std::mem::align_of::<T>();
@@ -234,7 +247,7 @@ impl<T: Pod> Drop for PinnedBuffer<T> {
         unsafe {
             let _ = sys::cudaFreeHost(self.base);
         }
-        super::live::pinned_freed(self.allocated_bytes());
+        super::live::pinned_freed(self.allocated_bytes(), self.cache);
     }
 }
 

@@ -722,7 +722,7 @@ fn free_block(device: &Device, backing: PoolBacking, block: Block) -> Result<()>
                 unsafe { sys::cudaFreeHost(block.ptr.cast()) },
                 "cudaFreeHost",
             )
-            .inspect(|()| super::live::pinned_freed(block.mapped))
+            .inspect(|()| super::live::pinned_freed(block.mapped, false))
         }
         PoolBacking::Register { flags, .. } => {
             // The registration belongs to the device's context.
@@ -742,7 +742,7 @@ fn free_block(device: &Device, backing: PoolBacking, block: Block) -> Result<()>
             }
             // SAFETY: the whole mapping, unregistered above; no `PoolBlock` holds it.
             unsafe { unmap(block.ptr, block.mapped) };
-            super::live::pinned_freed(block.mapped);
+            super::live::pinned_freed(block.mapped, false);
             Ok(())
         }
     }
