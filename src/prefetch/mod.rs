@@ -85,7 +85,7 @@ impl<E> Default for HostBatch<E> {
     fn default() -> Self {
         HostBatch::new(
             Pixels::default(),
-            Spec::uniform(0, 3, 1, 1, Normalize::new(&[0.0; 3], &[1.0; 3])),
+            Spec::variable(3, &[], Normalize::new(&[0.0; 3], &[1.0; 3])),
             Vec::new(),
         )
     }
@@ -566,7 +566,7 @@ enum Msg<O: Pod, E: Pod> {
 ///     if i == 100 {
 ///         return Ok(false); // end of the epoch
 ///     }
-///     b.spec = Spec::uniform(32, 3, 224, 224, Normalize::imagenet());
+///     b.spec = Spec::uniform(32, 3, 224, 224, Normalize::imagenet())?;
 ///     // Page-locked memory: uploaded with one DMA, no staging copy. Write every byte.
 ///     let pixels = b.pinned(32 * 3 * 224 * 224)?;
 ///     pixels.fill((i % 251) as u8); // decode into it here
