@@ -55,7 +55,7 @@ pub(crate) mod bounce;
 mod device;
 pub(crate) mod nt;
 mod pinned;
-mod pool;
+pub(crate) mod pool;
 mod registered;
 pub(crate) mod tracker;
 
