@@ -96,6 +96,11 @@ fn main() {
             info_exits_with_status_2,
         )
         .with_ignored_flag(has_gpu),
+        cli(
+            "no_device/bandwidth_says_it_once",
+            bandwidth_says_no_device_once,
+        )
+        .with_ignored_flag(has_gpu),
         t("toolkit/empty_variable_is_unset", empty_variable_is_unset),
     ];
     libtest_mimic::run(&args, trials).exit();
@@ -1181,6 +1186,24 @@ fn normalize_report_formats(bin: &Path) -> R {
     ensure(
         table.starts_with("verify: max abs error") && table.contains("\nwrote "),
         || table.to_string(),
+    )
+}
+
+/// Without a device, `pinstream bandwidth` fails with status 2 and says "no usable CUDA device"
+/// once, not twice (the error's message already starts with it).
+fn bandwidth_says_no_device_once(bin: &Path) -> R {
+    let out = std::process::Command::new(bin)
+        .arg("bandwidth")
+        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure(out.status.code() == Some(2), || {
+        format!("status {:?}, stderr {stderr}", out.status)
+    })?;
+    ensure(
+        stderr.starts_with("pinstream: no usable CUDA device")
+            && stderr.matches("no usable CUDA device").count() == 1,
+        || stderr.to_string(),
     )
 }
 
