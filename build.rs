@@ -10,7 +10,7 @@ use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use toolkit::{Source, Toolkit};
+use toolkit::{env_nonempty, Source, Toolkit};
 
 const ENV_VARS: &[&str] = &[
     "CUDA_HOME",
@@ -36,7 +36,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(pinstream_docs)");
     println!("cargo::rustc-check-cfg=cfg(pinstream_cuda_batch)");
 
-    if env::var_os("DOCS_RS").is_some() {
+    if env_nonempty("DOCS_RS").is_some() {
         // docs.rs has no CUDA: document against the committed snapshot of the bindings (13.0).
         println!("cargo::rustc-cfg=pinstream_docs");
         emit_runtime_version(13000);
@@ -49,10 +49,10 @@ fn main() {
 }
 
 fn build() -> Result<(), String> {
-    let out_dir = PathBuf::from(env::var_os("OUT_DIR").ok_or("OUT_DIR is not set")?);
-    let no_provision = toolkit::provisioning_disabled(env::var_os("PINSTREAM_NO_PROVISION"));
+    let out_dir = PathBuf::from(env_nonempty("OUT_DIR").ok_or("OUT_DIR is not set")?);
+    let no_provision = toolkit::provisioning_disabled(env_nonempty("PINSTREAM_NO_PROVISION"));
 
-    let cache = toolkit::cache_dir(&|k: &str| env::var_os(k));
+    let cache = toolkit::cache_dir(&env_nonempty);
     let tk = find_or_provision_toolkit(&out_dir, cache.as_deref(), no_provision)?;
     println!(
         "cargo::rustc-env=PINSTREAM_TOOLKIT={} ({})",
@@ -120,7 +120,7 @@ fn find_or_provision_toolkit(
     cache: Option<&Path>,
     no_provision: bool,
 ) -> Result<Toolkit, String> {
-    let get = |k: &str| env::var_os(k);
+    let get = env_nonempty;
     let provisioned = toolkit::provisioned_locations(
         cache,
         toolkit::CACHE_CUDA_NAME,
@@ -191,7 +191,8 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
     remove_stale_tmp(dest);
     let tmp = toolkit::provision_tmp(dest, std::process::id());
     let _ = std::fs::remove_dir_all(&tmp);
-    let python = env::var("PINSTREAM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let python = env_nonempty("PINSTREAM_PYTHON").unwrap_or_else(|| "python3".into());
+    let shown = python.to_string_lossy();
     let output = Command::new(&python)
         .args([
             "-m",
@@ -206,7 +207,7 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
         .output()
         .map_err(|e| {
             format!(
-                "could not run `{python} -m pip`: {e} (set PINSTREAM_PYTHON to a python with pip)"
+                "could not run `{shown} -m pip`: {e} (set PINSTREAM_PYTHON to a python with pip)"
             )
         })?;
     if !output.status.success() {
@@ -218,7 +219,7 @@ fn pip_install(dest: &Path, pins: &[&str]) -> Result<(), String> {
             .find(|l| !l.trim().is_empty())
             .unwrap_or("");
         return Err(format!(
-            "`{python} -m pip install {}` failed ({}): {last}",
+            "`{shown} -m pip install {}` failed ({}): {last}",
             pins.join(" "),
             output.status
         ));
@@ -273,11 +274,17 @@ fn load_libclang(
     cache: Option<&Path>,
     no_provision: bool,
 ) -> Result<Vec<String>, String> {
+    // clang-sys searches only LIBCLANG_PATH when it is set, even to nothing: an empty one is
+    // unset, as for every variable here.
+    if env_nonempty("LIBCLANG_PATH").is_none() {
+        // The build script is single-threaded, so changing the environment here is sound.
+        env::remove_var("LIBCLANG_PATH");
+    }
     let first_error = match clang_sys::load() {
         Ok(()) => return Ok(builtin_header_args()),
         Err(e) => e,
     };
-    if env::var_os("LIBCLANG_PATH").is_some() {
+    if env_nonempty("LIBCLANG_PATH").is_some() {
         // An explicit LIBCLANG_PATH that does not work is the user's to fix: say so.
         return Err(toolkit::no_libclang_message(
             &format!("LIBCLANG_PATH is set but unusable: {first_error}"),
@@ -408,7 +415,7 @@ fn nvcc_gpu_codes(nvcc: &Path) -> Option<Vec<String>> {
 /// brings a wrapper for gcc 11), that default is used. `NVCC_CCBIN` (nvcc's variable) always
 /// wins: then no `-ccbin` is passed.
 fn pass_ccbin(tk: &Toolkit, out_dir: &Path) -> bool {
-    if env::var_os("NVCC_CCBIN").is_some_and(|v| !v.is_empty()) {
+    if env_nonempty("NVCC_CCBIN").is_some() {
         return false;
     }
     let probe = out_dir.join("pinstream_ccbin_probe.cu");
@@ -439,9 +446,14 @@ fn pass_ccbin(tk: &Toolkit, out_dir: &Path) -> bool {
 }
 
 fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String> {
-    let requested = match env::var("PINSTREAM_CUDA_ARCH") {
-        Ok(spec) => Some(toolkit::parse_archs(&spec)?),
-        Err(_) => None,
+    let requested = match env_nonempty("PINSTREAM_CUDA_ARCH") {
+        Some(spec) => {
+            let spec = spec
+                .to_str()
+                .ok_or("pinstream: PINSTREAM_CUDA_ARCH is not UTF-8")?;
+            Some(toolkit::parse_archs(spec)?)
+        }
+        None => None,
     };
     let supported = nvcc_gpu_codes(&tk.nvcc);
     let archs = toolkit::select_archs(requested, supported.as_deref(), cudart)
@@ -470,11 +482,13 @@ fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), Stri
         .debug(false)
         .opt_level(3)
         .flag("-std=c++17")
-        .flag("-lineinfo")
-        // The resource report stays clean: any spill or local-memory use is a warning.
-        .flag("-Xptxas=-warn-spills,-warn-lmem-usage");
-    if env::var_os("PINSTREAM_PTXAS_VERBOSE").is_some() {
+        .flag("-lineinfo");
+    // ptxas's resource report (registers, spills, local memory per kernel), and a warning for
+    // any spill or local-memory use, only when asked: the few known spills would otherwise be
+    // printed as cargo warnings by every build of every dependent crate.
+    if env_nonempty("PINSTREAM_PTXAS_VERBOSE").is_some() {
         build.flag("-Xptxas=-v");
+        build.flag("-Xptxas=-warn-spills,-warn-lmem-usage");
     }
     for flag in toolkit::gencode_flags(&archs) {
         build.flag(&flag);

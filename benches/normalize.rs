@@ -74,7 +74,9 @@ fn case<O: OutputElement>(
     d_in: &'static DeviceBuffer<u8>,
     il: Layout,
 ) -> Case {
-    let spec = Spec::uniform(N, C, H, W, Normalize::imagenet()).layouts(il, Layout::Nchw);
+    let spec = Spec::uniform(N, C, H, W, Normalize::imagenet())
+        .expect("a batch of N samples")
+        .layouts(il, Layout::Nchw);
     case_spec::<O>(name, stream, d_in, spec)
 }
 

@@ -285,6 +285,18 @@ pub fn provisioned_dirs(out_dir: &Path, name: &str) -> Vec<PathBuf> {
     found
 }
 
+/// An environment variable's value with an empty one treated as unset (`CUDA_HOME=` or
+/// `LIBCLANG_PATH=` on a command line means "not given", not "given as nothing"). The build
+/// script reads every variable through [`env_nonempty`].
+pub fn nonempty(value: Option<OsString>) -> Option<OsString> {
+    value.filter(|v| !v.is_empty())
+}
+
+/// `std::env::var_os(key)`, with an empty value treated as unset (see [`nonempty`]).
+pub fn env_nonempty(key: &str) -> Option<OsString> {
+    nonempty(std::env::var_os(key))
+}
+
 /// Whether `PINSTREAM_NO_PROVISION` turns provisioning off (any value but empty, `0`, `false`).
 pub fn provisioning_disabled(value: Option<OsString>) -> bool {
     match value {

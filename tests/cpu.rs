@@ -96,6 +96,12 @@ fn main() {
             info_exits_with_status_2,
         )
         .with_ignored_flag(has_gpu),
+        cli(
+            "no_device/bandwidth_says_it_once",
+            bandwidth_says_no_device_once,
+        )
+        .with_ignored_flag(has_gpu),
+        t("toolkit/empty_variable_is_unset", empty_variable_is_unset),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -1181,4 +1187,45 @@ fn normalize_report_formats(bin: &Path) -> R {
         table.starts_with("verify: max abs error") && table.contains("\nwrote "),
         || table.to_string(),
     )
+}
+
+/// Without a device, `pinstream bandwidth` fails with status 2 and says "no usable CUDA device"
+/// once, not twice (the error's message already starts with it).
+fn bandwidth_says_no_device_once(bin: &Path) -> R {
+    let out = std::process::Command::new(bin)
+        .arg("bandwidth")
+        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure(out.status.code() == Some(2), || {
+        format!("status {:?}, stderr {stderr}", out.status)
+    })?;
+    ensure(
+        stderr.starts_with("pinstream: no usable CUDA device")
+            && stderr.matches("no usable CUDA device").count() == 1,
+        || stderr.to_string(),
+    )
+}
+
+/// The build script reads every variable through `env_nonempty`: an empty value is unset.
+fn empty_variable_is_unset() -> R {
+    ensure(toolkit::nonempty(None).is_none(), || "None".into())?;
+    ensure(toolkit::nonempty(Some(OsString::new())).is_none(), || {
+        "an empty value counts as set".into()
+    })?;
+    ensure(
+        toolkit::nonempty(Some("/opt/llvm".into())) == Some("/opt/llvm".into()),
+        || "a value is lost".into(),
+    )?;
+    // Through the environment: a variable of this test's own, set to nothing and to a value.
+    let key = "PINSTREAM_TEST_ENV_NONEMPTY";
+    std::env::set_var(key, "");
+    let empty = toolkit::env_nonempty(key);
+    std::env::set_var(key, "x");
+    let set = toolkit::env_nonempty(key);
+    std::env::remove_var(key);
+    ensure(empty.is_none() && set == Some("x".into()), || {
+        format!("empty: {empty:?}, set: {set:?}")
+    })?;
+    ensure(toolkit::env_nonempty(key).is_none(), || "unset".into())
 }

@@ -404,7 +404,7 @@ fn fast_paths_uniform() -> R {
             for il in LAYOUTS {
                 for ol in LAYOUTS {
                     let spec =
-                        Spec::uniform(n, c, h, w, random_norm(&mut rng, c, false)).layouts(il, ol);
+                        Spec::uniform(n, c, h, w, random_norm(&mut rng, c, false))?.layouts(il, ol);
                     let input = random_u8(&mut rng, spec.input_len()?);
                     let what = format!("uniform {n}x{c}x{h}x{w} {il:?}->{ol:?}");
                     run_and_compare::<f32>(&stream, &input, &spec, None, &what, seed)?;
@@ -417,7 +417,7 @@ fn fast_paths_uniform() -> R {
         }
     }
     // Per-sample statistics through the fast kernels.
-    let spec = Spec::uniform(3, 3, 32, 32, Normalize::imagenet());
+    let spec = Spec::uniform(3, 3, 32, 32, Normalize::imagenet())?;
     let m: Vec<f32> = (0..9).map(|_| rng.random_range(0.0..255.0)).collect();
     let s: Vec<f32> = (0..9).map(|_| rng.random_range(1.0..90.0)).collect();
     for (il, ol) in [
@@ -445,7 +445,7 @@ fn misaligned_views_fall_back() -> R {
     let stream = dev.stream()?;
     let (mut rng, seed) = rng();
     let spec =
-        Spec::uniform(2, 3, 16, 16, Normalize::imagenet()).layouts(Layout::Nhwc, Layout::Nchw);
+        Spec::uniform(2, 3, 16, 16, Normalize::imagenet())?.layouts(Layout::Nhwc, Layout::Nchw);
     let input = random_u8(&mut rng, spec.input_len()?);
     let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len() + 1)?;
     stream.copy_h2d(&input[..], &mut d_in.slice_mut(1..)?)?;
@@ -556,7 +556,7 @@ fn denormalize_round_trip() -> R {
     let stream = dev.stream()?;
     let (mut rng, seed) = rng();
     for layout in LAYOUTS {
-        let spec = Spec::uniform(2, 3, 9, 11, Normalize::imagenet()).layouts(layout, layout);
+        let spec = Spec::uniform(2, 3, 9, 11, Normalize::imagenet())?.layouts(layout, layout);
         let input = random_u8(&mut rng, spec.input_len()?);
         let mut d_in = DeviceBuffer::<u8>::new(&dev, input.len())?;
         stream.copy_h2d(&input[..], &mut d_in)?;
@@ -598,7 +598,7 @@ fn denormalize_round_trip() -> R {
 fn wrong_device_is_refused() -> R {
     let (d0, d1) = (Device::get(0)?, Device::get(1)?);
     let s0 = d0.stream()?;
-    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
+    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet())?;
     let in0 = DeviceBuffer::<u8>::new(&d0, spec.input_len()?)?;
     let in1 = DeviceBuffer::<u8>::new(&d1, spec.input_len()?)?;
     let mut out0 = DeviceBuffer::<f32>::new(&d0, spec.output_len()?)?;
@@ -629,7 +629,7 @@ fn wrong_device_is_refused() -> R {
 fn bad_input_is_refused_before_launch() -> R {
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
-    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet());
+    let spec = Spec::uniform(2, 3, 4, 4, Normalize::imagenet())?;
     let d_in = DeviceBuffer::<u8>::new(&dev, spec.input_len()?)?;
     let mut d_out = DeviceBuffer::<f32>::new(&dev, spec.output_len()?)?;
     kernels::fill(&stream, &mut d_out, 7.0f32)?;
@@ -718,7 +718,7 @@ fn bad_input_is_refused_before_launch() -> R {
 }
 
 fn cpu_reference_checks() -> R {
-    let spec = Spec::uniform(1, 3, 2, 2, Normalize::imagenet());
+    let spec = Spec::uniform(1, 3, 2, 2, Normalize::imagenet())?;
     let input = vec![1u8; 12];
     let mut out = vec![0f32; 12];
     cpu::normalize(&input, &spec, None, &mut out)?;
@@ -756,7 +756,7 @@ fn cpu_reference_checks() -> R {
         2,
         2,
         Normalize::new(&[0.0, 0.0, 0.0], &[1.0, 0.0, 1.0]),
-    )
+    )?
     .validate("x")
     .err()
     .map(|e| e.to_string())
@@ -822,11 +822,16 @@ fn path_specs(path: &str, rng: &mut SmallRng) -> Vec<Spec> {
         match path {
             "same_layout" => {
                 for l in LAYOUTS {
-                    specs.push(Spec::uniform(3, c, 8, 12, random_norm(rng, c, true)).layouts(l, l));
+                    specs.push(
+                        Spec::uniform(3, c, 8, 12, random_norm(rng, c, true))
+                            .unwrap()
+                            .layouts(l, l),
+                    );
                 }
             }
             "nhwc_to_nchw" => specs.push(
                 Spec::uniform(2, c, 16, 40, random_norm(rng, c, true))
+                    .unwrap()
                     .layouts(Layout::Nhwc, Layout::Nchw),
             ),
             _ => {
@@ -899,7 +904,7 @@ fn guard_bytes_denormalize<I: DenormInput + OutputElement + std::fmt::Debug>() -
     for c in 1..=4 {
         for layout in LAYOUTS {
             let spec =
-                Spec::uniform(2, c, 9, 12, random_norm(&mut rng, c, true)).layouts(layout, layout);
+                Spec::uniform(2, c, 9, 12, random_norm(&mut rng, c, true))?.layouts(layout, layout);
             // Values beyond the normalized range too, so that some saturate.
             let input: Vec<I> = (0..spec.input_len()?)
                 .map(|_| <I as OutputElement>::from_f64(rng.random_range(-6.0..6.0)))
@@ -1074,7 +1079,7 @@ fn huge_sample_general_kernel_finishes() -> R {
 /// called them errors of hundreds of units).
 fn cpu_saturation_is_not_error() -> R {
     let (mut rng, seed) = rng();
-    let spec = Spec::uniform(2, 3, 17, 19, Normalize::new(&[128.0; 3], &[0.25; 3]))
+    let spec = Spec::uniform(2, 3, 17, 19, Normalize::new(&[128.0; 3], &[0.25; 3]))?
         .layouts(Layout::Nhwc, Layout::Nchw);
     let input = random_u8(&mut rng, spec.input_len()?);
     let exact = cpu::normalize_exact(&input, &spec, None)?;

@@ -95,7 +95,7 @@ fn uniform_bytes(i: u64, out: &mut [u8]) {
 
 /// Batch `i`'s spec and extras.
 fn uniform_meta(i: u64, b: &mut HostBatch<i64>, n: usize, hw: usize) {
-    b.spec = Spec::uniform(n, 3, hw, hw, Normalize::imagenet());
+    b.spec = Spec::uniform(n, 3, hw, hw, Normalize::imagenet()).expect("a small batch");
     b.extras.clear();
     b.extras.extend((0..n as i64).map(|k| i as i64 * 1000 + k));
 }
@@ -1059,7 +1059,7 @@ fn iterator_pinned_and_file() -> R {
     let it = (0..end).map(move |i| -> Result<HostBatch<i64>, LoadError> {
         let mut b = HostBatch::new(
             Pixels::default(),
-            Spec::uniform(0, 3, 1, 1, Normalize::imagenet()),
+            Spec::uniform(0, 3, 1, 1, Normalize::imagenet()).expect("an empty batch"),
             Vec::new(),
         );
         uniform_meta(i, &mut b, n, hw);
@@ -1173,7 +1173,7 @@ fn pinned_other_device() -> R {
 fn pinned_without_pool() -> R {
     let mut b = HostBatch::<i64>::new(
         Pixels::Pageable(vec![1, 2, 3]),
-        Spec::uniform(1, 3, 1, 1, Normalize::imagenet()),
+        Spec::uniform(1, 3, 1, 1, Normalize::imagenet())?,
         vec![5],
     );
     match b.pinned(3) {

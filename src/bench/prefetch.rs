@@ -112,9 +112,10 @@ pub struct Setup {
 
 impl Setup {
     /// The batch's spec.
-    pub fn spec(&self) -> Spec {
+    pub fn spec(&self) -> Result<Spec> {
         let (c, h, w) = self.chw;
-        Spec::uniform(self.batch, c, h, w, Normalize::imagenet()).layouts(self.layout, Layout::Nchw)
+        Ok(Spec::uniform(self.batch, c, h, w, Normalize::imagenet())?
+            .layouts(self.layout, Layout::Nchw))
     }
 
     /// Bytes of one batch's pixels.
@@ -192,7 +193,7 @@ impl Parts {
 /// Measures the parts on `device`.
 pub fn parts(device: &Device, s: &Setup) -> Result<Parts> {
     let stream = device.stream()?;
-    let spec = s.spec();
+    let spec = s.spec()?;
     let n = s.bytes();
     let mut host = Vec::new();
     synth(1, &mut host, n);
@@ -252,7 +253,7 @@ fn timed(s: &Setup, stream: &Stream, mut step: impl FnMut(u64) -> Result<()>) ->
 /// No prefetch: load, pageable copy, fused normalize, compute, in turn.
 pub fn serial(device: &Device, s: &Setup) -> Result<f64> {
     let stream = device.stream()?;
-    let spec = s.spec();
+    let spec = s.spec()?;
     let n = s.bytes();
     let mut host = Vec::new();
     let mut d_in = DeviceBuffer::<u8>::new(device, n)?;
@@ -269,7 +270,7 @@ pub fn serial(device: &Device, s: &Setup) -> Result<f64> {
 pub fn apex(device: &Device, s: &Setup) -> Result<f64> {
     let stream = device.stream()?;
     let side = device.stream()?;
-    let spec = s.spec();
+    let spec = s.spec()?;
     let cast = Spec {
         norm: Normalize::new(&[0.0; 4][..s.chw.0], &[1.0; 4][..s.chw.0]),
         ..spec.clone()
@@ -424,7 +425,7 @@ impl Drop for TempBatches {
 /// removed afterwards; with `PixelSource::Resident` ranges of one portable pinned buffer of as
 /// many batches, filled first.
 pub fn pinstream(devices: &[Device], s: &Setup) -> Result<(f64, Vec<LoaderStats>)> {
-    let spec = s.spec();
+    let spec = s.spec()?;
     let n = s.bytes();
     let per = (s.warmup + s.batches) as u64;
     let total = per * devices.len() as u64;

@@ -136,7 +136,7 @@ fn sample_table(spec: &Spec) -> Result<Vec<sys::pinstream_norm_sample>> {
 /// let dev = Device::get(0)?;
 /// let stream = dev.stream()?;
 /// // 8 RGB images of 224 x 224, channels-last u8 in, NCHW f16 out.
-/// let spec = Spec::uniform(8, 3, 224, 224, Normalize::imagenet())
+/// let spec = Spec::uniform(8, 3, 224, 224, Normalize::imagenet())?
 ///     .layouts(Layout::Nhwc, Layout::Nchw);
 /// let pixels = vec![128u8; spec.input_len()?];
 /// let mut d_in = DeviceBuffer::<u8>::new(&dev, pixels.len())?;

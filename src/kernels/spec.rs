@@ -150,16 +150,20 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// `n` samples of `c x h x w`, NCHW in and out.
-    pub fn uniform(n: usize, c: usize, h: usize, w: usize, norm: Normalize) -> Spec {
-        Spec {
+    /// `n` samples of `c x h x w`, NCHW in and out. Nothing is checked but that the host can
+    /// hold `n` samples: `Error::InvalidArgument` where it cannot (`n` near `usize::MAX`), not a
+    /// panic or an abort. [`validate`](Spec::validate) checks the rest.
+    pub fn uniform(n: usize, c: usize, h: usize, w: usize, norm: Normalize) -> Result<Spec> {
+        let mut samples = crate::error::try_vec("Spec::uniform", n)?;
+        samples.resize(n, Sample::new(h, w));
+        Ok(Spec {
             channels: c,
-            samples: vec![Sample::new(h, w); n],
+            samples,
             in_layout: Layout::Nchw,
             out_layout: Layout::Nchw,
             pad_to_4: None,
             norm,
-        }
+        })
     }
 
     /// One sample per `(h, w)`, NCHW in and out.
@@ -388,7 +392,7 @@ mod tests {
 
     fn spec(c: usize, h: usize, w: usize) -> Spec {
         let k = c.min(4);
-        Spec::uniform(2, c, h, w, Normalize::new(&vec![0.0; k], &vec![1.0; k]))
+        Spec::uniform(2, c, h, w, Normalize::new(&vec![0.0; k], &vec![1.0; k])).unwrap()
     }
 
     #[test]

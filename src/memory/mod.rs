@@ -57,7 +57,7 @@ mod device;
 mod live;
 pub(crate) mod nt;
 mod pinned;
-mod pool;
+pub(crate) mod pool;
 mod registered;
 pub(crate) mod tracker;
 

@@ -295,6 +295,12 @@ impl PinnedPool {
     pub fn config(&self) -> PoolConfig {
         self.inner.config
     }
+
+    /// Whether its blocks are registered [`HostRegister::READ_ONLY`]: never a copy's
+    /// destination.
+    pub(crate) fn is_read_only(&self) -> bool {
+        self.inner.read_only()
+    }
 }
 
 impl Inner {
@@ -699,7 +705,7 @@ fn page_size() -> usize {
 }
 
 /// Total physical memory in bytes, where the system says.
-fn physical_memory() -> Option<usize> {
+pub(crate) fn physical_memory() -> Option<usize> {
     // SAFETY: plain call with a valid name.
     let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
     usize::try_from(pages)

@@ -90,7 +90,7 @@ use slot::Slot;
 ///     if i == 100 {
 ///         return Ok(false); // end of the epoch
 ///     }
-///     b.spec = Spec::uniform(32, 3, 224, 224, Normalize::imagenet());
+///     b.spec = Spec::uniform(32, 3, 224, 224, Normalize::imagenet())?;
 ///     // Page-locked memory: uploaded with one DMA, no staging copy. Write every byte.
 ///     let pixels = b.pinned(32 * 3 * 224 * 224)?;
 ///     pixels.fill((i % 251) as u8); // decode into it here

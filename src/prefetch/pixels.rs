@@ -113,7 +113,8 @@ impl Pixels {
     /// after the GPU's last write to the buffer (an
     /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) if it lies outside), a file
     /// range read into a new vector (an [`Error::Io`](crate::Error::Io) if the range is outside
-    /// the file or the read fails).
+    /// the file or the read fails, an [`Error::InvalidArgument`](crate::Error::InvalidArgument)
+    /// if the host cannot allocate that many bytes).
     pub fn read(&self) -> Result<Cow<'_, [u8]>> {
         match self {
             Pixels::Pageable(v) => Ok(Cow::Borrowed(v)),

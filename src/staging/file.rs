@@ -112,7 +112,8 @@ impl FileSource {
     /// Reads `len` bytes from `offset` into a new vector, through the page cache or (for an
     /// `O_DIRECT` file) whole blocks into a block-aligned buffer. For checking and debugging:
     /// uploads read ranges straight into the stager's slots instead. Refuses what
-    /// [`check_range`](Self::check_range) refuses; a failed or short read is an [`Error::Io`].
+    /// [`check_range`](Self::check_range) refuses; a failed or short read is an [`Error::Io`];
+    /// a length the host cannot allocate is an [`Error::InvalidArgument`].
     pub(crate) fn read_range(&self, op: &'static str, offset: u64, len: usize) -> Result<Vec<u8>> {
         self.check_range(op, offset, len)?;
         let io = |at: u64, message: String| Error::Io {
@@ -122,8 +123,25 @@ impl FileSource {
             len,
             message,
         };
+        // The range is inside the file, but the file may be huge (a sparse file of a TiB): a
+        // length beyond the machine's memory is refused, and the buffer comes from a fallible
+        // allocation, so a size the host cannot give is an error (`Error::InvalidArgument`, as
+        // for every host allocation), not an abort.
+        if let Some(total) = crate::memory::pool::physical_memory() {
+            if len > total {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "{}: {len} bytes at offset {offset} are more than the machine's {total} \
+                         bytes of memory",
+                        self.path
+                    ),
+                ));
+            }
+        }
         if !self.direct {
-            let mut out = vec![0u8; len];
+            let mut out = crate::error::try_vec::<u8>(op, len)?;
+            out.resize(len, 0);
             self.file
                 .read_exact_at(&mut out, offset)
                 .map_err(|e| io(offset, e.to_string()))?;
@@ -134,7 +152,11 @@ impl FileSource {
         let span = len
             .checked_next_multiple_of(align)
             .ok_or_else(|| io(offset, "the length overflows".into()))?;
-        let mut buf = vec![0u8; span + align];
+        let total = span
+            .checked_add(align)
+            .ok_or_else(|| io(offset, "the length overflows".into()))?;
+        let mut buf = crate::error::try_vec::<u8>(op, total)?;
+        buf.resize(total, 0);
         let skip = buf.as_ptr().align_offset(align);
         if skip >= align {
             return Err(io(offset, "no block-aligned buffer".into()));

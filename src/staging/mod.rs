@@ -252,8 +252,20 @@ impl Stager {
 
     /// As `new`, with the slots taken from `pool` (they go back to it, after their last DMA,
     /// when the stager is dropped).
+    ///
+    /// A pool registered [`HostRegister::READ_ONLY`](crate::HostRegister::READ_ONLY) is refused
+    /// with `Error::InvalidArgument`, as `Stream::copy_d2h` refuses a read-only destination:
+    /// downloads land in the slots.
     pub fn with_pool(pool: &PinnedPool, config: StagerConfig) -> Result<Stager> {
+        const OP: &str = "Stager::with_pool";
         config.validate()?;
+        if pool.is_read_only() {
+            return Err(Error::invalid(
+                OP,
+                "the pool is registered read-only, and downloads write the stager's slots: the \
+                 destination is registered read-only",
+            ));
+        }
         let engine = Engine::new(pool, config.threads - 1, config.slots, config.slot_bytes)?;
         Ok(Stager { engine, config })
     }

@@ -42,7 +42,7 @@ pub struct BandwidthArgs {
     min_sample_ms: u64,
     /// Output format. csv: the sweep's rows, then (with --scenarios, after an empty line) the
     /// scenarios; json: everything, samples included.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
     format: Format,
     /// Draw GB/s against size to this SVG file.
     #[arg(long)]
@@ -95,14 +95,14 @@ pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
 }
 
 fn parse_kind(s: &str) -> std::result::Result<MemKind, String> {
-    MemKind::parse(s).ok_or_else(|| {
+    MemKind::parse(&s.to_ascii_lowercase()).ok_or_else(|| {
         let names: Vec<&str> = MemKind::ALL.iter().map(|k| k.name()).collect();
         format!("`{s}` is not a memory kind ({})", names.join(", "))
     })
 }
 
 fn parse_direction(s: &str) -> std::result::Result<Direction, String> {
-    Direction::parse(s).ok_or_else(|| {
+    Direction::parse(&s.to_ascii_lowercase()).ok_or_else(|| {
         let names: Vec<&str> = Direction::ALL.iter().map(|d| d.name()).collect();
         format!("`{s}` is not a direction ({})", names.join(", "))
     })
@@ -125,7 +125,7 @@ struct Report {
 }
 
 pub fn run(args: BandwidthArgs) -> Result<()> {
-    let devices = if args.device == "all" {
+    let devices = if args.device.eq_ignore_ascii_case("all") {
         Device::all()?
     } else {
         let i: usize = args.device.parse().map_err(|_| {
@@ -812,6 +812,39 @@ mod tests {
         let e = parse_direction("peer").unwrap_err();
         assert!(e.contains("bidir, p2p"), "{e}");
         assert!(Cli::try_parse_from(["bandwidth", "--kinds", "staged,nope"]).is_err());
+    }
+
+    /// Enum-valued options take any letter case: `--directions D2H`, `--kinds PINNED,WC`,
+    /// `--format JSON`, `--device ALL`.
+    #[test]
+    fn values_in_upper_case_parse() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: BandwidthArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "bandwidth",
+            "--directions",
+            "D2H,H2d,P2P",
+            "--kinds",
+            "PINNED,WC,Staged",
+            "--format",
+            "JSON",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.args.directions,
+            vec![Direction::D2H, Direction::H2D, Direction::P2P]
+        );
+        assert_eq!(
+            cli.args.kinds,
+            vec![MemKind::Pinned, MemKind::WriteCombined, MemKind::Staged]
+        );
+        assert_eq!(cli.args.format, Format::Json);
+        let e = parse_direction("D2X").unwrap_err();
+        assert!(e.contains("`D2X` is not a direction"), "{e}");
     }
 
     #[test]

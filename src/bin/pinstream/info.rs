@@ -11,7 +11,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 #[derive(Args, Debug)]
 pub struct InfoArgs {
     /// Output format (csv: one line per device).
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
     format: Format,
 }
 

@@ -103,7 +103,8 @@ fn main() -> ExitCode {
                     e.cuda().map_or_else(|| e.to_string(), |c| c.to_string())
                 );
             } else {
-                eprintln!("pinstream: no usable CUDA device: {e}");
+                // The error's own message starts with "no usable CUDA device or driver".
+                eprintln!("pinstream: {e}");
             }
             ExitCode::from(EXIT_NO_DEVICE)
         }

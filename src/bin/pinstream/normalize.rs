@@ -30,13 +30,18 @@ pub struct NormalizeArgs {
     #[arg(long, value_delimiter = ',', requires = "mean")]
     std: Vec<f32>,
     /// Named statistics.
-    #[arg(long, value_parser = ["imagenet"])]
+    #[arg(long, value_parser = output::one_of(&["imagenet"]), ignore_case = true)]
     preset: Option<String>,
     /// Output layout (the decoded images are channels-last, NHWC).
-    #[arg(long, value_parser = ["nchw", "nhwc"], default_value = "nchw")]
+    #[arg(long, value_parser = output::one_of(&["nchw", "nhwc"]), ignore_case = true, default_value = "nchw")]
     layout: String,
     /// Output element type.
-    #[arg(long, value_parser = ["f32", "f16", "bf16", "u8", "i8"], default_value = "f32")]
+    #[arg(
+        long,
+        value_parser = output::one_of(&["f32", "f16", "bf16", "u8", "i8"]),
+        ignore_case = true,
+        default_value = "f32"
+    )]
     dtype: String,
     /// Pad the channels to 4 with this value (also allows images with different channel counts,
     /// which are then all converted to the largest count first).
@@ -60,7 +65,7 @@ pub struct NormalizeArgs {
     device: usize,
     /// Output format of the report (what was written, --verify, --bench): csv is a header and
     /// one line, json one object.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
     format: Format,
 }
 

@@ -22,6 +22,20 @@ pub enum Format {
     Json,
 }
 
+/// A value parser for one of `names` in any letter case (with `ignore_case = true` on the
+/// argument), giving the name in lower case: `--layout NHWC` is `--layout nhwc`.
+pub fn one_of(
+    names: &'static [&'static str],
+) -> impl clap::builder::TypedValueParser<Value = String> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(names).map(|s| s.to_ascii_lowercase())
+}
+
+/// A value parser that takes any string and gives it in lower case (for lists checked later).
+pub fn lower(s: &str) -> Result<String, String> {
+    Ok(s.to_ascii_lowercase())
+}
+
 fn failed(format: &str, e: impl std::fmt::Display) -> Error {
     Error::InvalidArgument {
         op: "pinstream output",
@@ -69,6 +83,37 @@ impl Serialize for Ordered {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `one_of`, `lower` and `Format` with `ignore_case`, as the subcommands declare them.
+    #[test]
+    fn values_in_any_case() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[arg(long, value_parser = one_of(&["nchw", "nhwc"]), ignore_case = true, default_value = "nchw")]
+            layout: String,
+            #[arg(long, value_delimiter = ',', value_parser = lower)]
+            modes: Vec<String>,
+            #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
+            format: Format,
+        }
+        let cli = Cli::try_parse_from([
+            "x",
+            "--layout",
+            "NHWC",
+            "--modes",
+            "Serial,APEX",
+            "--format",
+            "Csv",
+        ])
+        .unwrap();
+        assert_eq!(cli.layout, "nhwc");
+        assert_eq!(cli.modes, ["serial", "apex"]);
+        assert_eq!(cli.format, Format::Csv);
+        let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!((cli.layout.as_str(), cli.format), ("nchw", Format::Table));
+        assert!(Cli::try_parse_from(["x", "--layout", "nchw4"]).is_err());
+    }
 
     #[derive(Serialize)]
     struct Row {

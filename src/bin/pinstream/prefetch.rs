@@ -22,7 +22,7 @@ pub struct PrefetchArgs {
     #[arg(long, default_value = "3x224x224", value_parser = parse_shape)]
     shape: (usize, usize, usize),
     /// Input layout of the synthetic u8 batches (the output is NCHW f32).
-    #[arg(long, value_parser = ["nchw", "nhwc"], default_value = "nchw")]
+    #[arg(long, value_parser = output::one_of(&["nchw", "nhwc"]), ignore_case = true, default_value = "nchw")]
     layout: String,
     /// GPU time of the training step in ms (a list sweeps it).
     #[arg(long, value_delimiter = ',', default_value = "4")]
@@ -47,7 +47,7 @@ pub struct PrefetchArgs {
     #[arg(long, default_value = "0")]
     device: String,
     /// Which ways to run.
-    #[arg(long, value_delimiter = ',', default_value = "serial,apex,pinstream")]
+    #[arg(long, value_delimiter = ',', value_parser = output::lower, default_value = "serial,apex,pinstream")]
     modes: Vec<String>,
     /// Where the prefetcher's loaders put the pixels: `pageable` (a Vec, staged upload),
     /// `pinned` (page-locked memory, one DMA), `file` (ranges of a temporary file, read with
@@ -61,7 +61,7 @@ pub struct PrefetchArgs {
     #[arg(long)]
     no_numa_local: bool,
     /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
     format: Format,
 }
 
@@ -94,7 +94,7 @@ struct Row {
 }
 
 pub fn run(args: PrefetchArgs) -> Result<()> {
-    let devices = if args.device == "all" {
+    let devices = if args.device.eq_ignore_ascii_case("all") {
         Device::all()?
     } else {
         let ordinal = args

@@ -58,7 +58,7 @@ pub struct StagingArgs {
     pool_threads: usize,
     /// Output format. table: printed as measured; csv: the measurements, then (after an empty
     /// line) the pool's cost; json: one object with both, printed at the end.
-    #[arg(long, value_enum, default_value_t = Format::Table)]
+    #[arg(long, value_enum, ignore_case = true, default_value_t = Format::Table)]
     format: Format,
 }
 
