@@ -57,6 +57,7 @@ pub(crate) mod nt;
 mod pinned;
 mod pool;
 mod registered;
+pub(crate) mod ring;
 pub(crate) mod tracker;
 
 /// What kind of host memory a copy reads or writes.
