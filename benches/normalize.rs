@@ -226,8 +226,12 @@ fn normalize(c: &mut Criterion) {
     let mut copy_src = DeviceBuffer::<u8>::new(&dev, copy_bytes(5)).unwrap();
     let mut copy_dst = DeviceBuffer::<u8>::new(&dev, copy_bytes(5)).unwrap();
     kernels::fill(&stream, &mut copy_src, 0x5Au8).unwrap();
+    // The non-uniform cases (crops, mirrors) upload a per-sample table each launch, from the
+    // stream's pinned ring: by a kernel, or with PINSTREAM_TABLE_UPLOAD=dma by a copy engine.
+    let upload = std::env::var("PINSTREAM_TABLE_UPLOAD").unwrap_or_else(|_| "kernel".into());
     println!(
-        "\nsummary: {N}x{C}x{H}x{W} u8, median of 20 samples x {LAUNCHES} launches, CUDA events"
+        "\nsummary: {N}x{C}x{H}x{W} u8, median of 20 samples x {LAUNCHES} launches, CUDA events; \
+         table upload: {upload}"
     );
     for cs in cases.iter_mut() {
         let bytes = elems * cs.bytes_per_elem;
@@ -260,6 +264,28 @@ fn normalize(c: &mut Criterion) {
             100.0 * tc / t,
             th * 1e6
         );
+    }
+    // Host time per call of the table launches while the stream is held by a spin (the GPU
+    // work of the launches runs after it): a call that waited for the stream would take about
+    // the spin's 20 ms.
+    println!(
+        "host time per call behind a busy stream (20 ms spin, {LAUNCHES} calls, median of 5):"
+    );
+    for cs in cases.iter_mut().filter(|c| c.name.starts_with("crop")) {
+        let host: Vec<f64> = (0..5)
+            .map(|_| {
+                stream.synchronize().unwrap();
+                stream.spin(Duration::from_millis(20)).unwrap();
+                let t = Instant::now();
+                for _ in 0..LAUNCHES {
+                    (cs.run)();
+                }
+                let h = t.elapsed().as_secs_f64() / f64::from(LAUNCHES);
+                stream.synchronize().unwrap();
+                h
+            })
+            .collect();
+        println!("  {:<20} host {:>7.1} us/call", cs.name, median(host) * 1e6);
     }
 }
 

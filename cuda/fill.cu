@@ -64,6 +64,37 @@ PINSTREAM_API cudaError_t pinstream_iota_u32(uint32_t* dst, size_t n, uint32_t s
   return pinstream::launched();
 }
 
+namespace {
+// Grid-stride copy in 16-byte words (both ends aligned, the caller checks) or bytes.
+__global__ void copy_words_kernel(uint4* __restrict__ dst, const uint4* __restrict__ src, size_t n) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}
+__global__ void copy_bytes_kernel(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src, size_t n) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) dst[i] = src[i];
+}
+}  // namespace
+
+// Copies `bytes` from `src` to `dst`, both device addresses (`src` may be mapped pinned host
+// memory, which the threads read across the bus): the kernels' per-launch tables, uploaded in
+// stream order without handing the stream to a copy engine and back.
+PINSTREAM_API cudaError_t pinstream_copy_bytes(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return cudaSuccess;
+  if (!dst || !src) return cudaErrorInvalidValue;
+  const unsigned threads = 256;
+  pinstream::before_launch();
+  if ((uintptr_t)dst % 16 == 0 && (uintptr_t)src % 16 == 0 && bytes % 16 == 0) {
+    const size_t words = bytes / 16;
+    copy_words_kernel<<<pinstream::grid_for(words, threads), threads, 0, stream>>>((uint4*)dst, (const uint4*)src,
+                                                                                  words);
+  } else {
+    copy_bytes_kernel<<<pinstream::grid_for(bytes, threads), threads, 0, stream>>>((uint8_t*)dst,
+                                                                                  (const uint8_t*)src, bytes);
+  }
+  return pinstream::launched();
+}
+
 // One thread that keeps the stream busy for `ns` nanoseconds of GPU time.
 PINSTREAM_API cudaError_t pinstream_spin(uint64_t ns, cudaStream_t stream) {
   pinstream::before_launch();

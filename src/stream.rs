@@ -7,6 +7,7 @@ use std::time::Duration;
 use crate::device::Device;
 use crate::error::{check, check_with, Error, Result};
 use crate::event::AnyEvent;
+use crate::memory::ring::TableRing;
 use crate::memory::DeviceBuffer;
 use crate::sys;
 
@@ -44,10 +45,20 @@ struct Inner {
     priority: i32,
     /// Unique in the process, never reused (unlike the raw handle): trackers compare it.
     id: u64,
-    /// Device memory for the small per-launch tables of kernels (the normalize sample table),
-    /// reused launch after launch: every use is queued on this stream, so each launch's upload
-    /// is ordered after the previous launch's reads. Held locked from upload to launch.
-    scratch: Mutex<Option<DeviceBuffer<u8>>>,
+    /// The small per-launch tables of kernels (the normalize sample table). Held locked from
+    /// upload to launch, which serialises table launches on the stream.
+    tables: Mutex<Tables>,
+}
+
+/// Memory for the small per-launch tables of kernels, reused launch after launch.
+#[derive(Debug, Default)]
+pub(crate) struct Tables {
+    /// Device memory the launch reads. Every upload into it and every launch that reads it is
+    /// queued on this stream, so each upload runs after the previous launch's reads.
+    pub(crate) scratch: Option<DeviceBuffer<u8>>,
+    /// Pinned host memory the uploads read, each region guarded by the event after its upload
+    /// (`memory::ring`): no host wait, and nothing left for the driver to stage.
+    pub(crate) ring: Option<TableRing>,
 }
 
 /// Ids start at 1: 0 stands for "no stream" in the trackers.
@@ -60,13 +71,17 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // The scratch buffer is freed after this: let its last upload finish first.
-        let scratch = crate::sync::lock(&self.scratch).is_some();
+        // The table scratch and ring are freed after this: let their last uses finish first
+        // (the ring's drop also waits for its own events, and leaks on failure).
+        let tables = {
+            let t = crate::sync::lock(&self.tables);
+            t.scratch.is_some() || t.ring.is_some()
+        };
         // SAFETY: the stream is live and destroyed once. Queued work still completes; the buffers
         // it touches keep their own events, so nothing is freed under it.
         unsafe {
             let _ = sys::cudaSetDevice(self.device.raw());
-            if scratch {
+            if tables {
                 let _ = sys::cudaStreamSynchronize(self.raw);
             }
             let _ = sys::cudaStreamDestroy(self.raw);
@@ -110,7 +125,7 @@ impl Stream {
                 device: *device,
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                scratch: Mutex::new(None),
+                tables: Mutex::new(Tables::default()),
             }),
         })
     }
@@ -135,20 +150,24 @@ impl Stream {
         self.inner.raw
     }
 
-    /// The stream's scratch buffer, at least `bytes` long, locked: upload into it and queue the
-    /// launch that reads it before the guard drops. A buffer too small is replaced (its drop
-    /// waits for the launches that still read it: only while the tables grow).
-    pub(crate) fn scratch(&self, bytes: usize) -> Result<MutexGuard<'_, Option<DeviceBuffer<u8>>>> {
-        let mut g = crate::sync::lock(&self.inner.scratch);
-        if g.as_ref().is_none_or(|b| b.len() < bytes) {
+    /// The stream's table memory, locked, with a device scratch buffer at least `bytes` long
+    /// and a pinned ring: upload into the scratch through the ring and queue the launch that
+    /// reads it before the guard drops. A scratch buffer too small is replaced (after a wait
+    /// for the launches that still read it: only while the tables grow).
+    pub(crate) fn tables(&self, bytes: usize) -> Result<MutexGuard<'_, Tables>> {
+        let mut g = crate::sync::lock(&self.inner.tables);
+        if g.scratch.as_ref().is_none_or(|b| b.len() < bytes) {
             // Room to grow by half again before the next replacement.
             let len = bytes.saturating_add(bytes / 2).max(4096);
-            if g.is_some() {
+            if g.scratch.is_some() {
                 // An upload whose launch failed to queue is not tracked: wait for it too.
                 self.synchronize()?;
             }
-            *g = None;
-            *g = Some(DeviceBuffer::new(&self.inner.device, len)?);
+            g.scratch = None;
+            g.scratch = Some(DeviceBuffer::new(&self.inner.device, len)?);
+        }
+        if g.ring.is_none() {
+            g.ring = Some(TableRing::new(self.inner.device, self.inner.id));
         }
         Ok(g)
     }

@@ -131,9 +131,19 @@ fn main() {
         }
     }
     type Case = (&'static str, fn() -> R);
-    let gpu: [Case; 7] = [
+    let gpu: [Case; 10] = [
         ("fast_paths_uniform", fast_paths_uniform),
         ("tables_queued_back_to_back", tables_queued_back_to_back),
+        (
+            "table_launch_does_not_wait_for_the_stream",
+            table_launch_does_not_wait_for_the_stream,
+        ),
+        ("tables_wrap_the_ring/one_thread", || {
+            tables_wrap_the_ring(1)
+        }),
+        ("tables_wrap_the_ring/two_threads", || {
+            tables_wrap_the_ring(2)
+        }),
         ("misaligned_views_fall_back", misaligned_views_fall_back),
         ("many_samples", many_samples),
         ("real_images", real_images),
@@ -386,6 +396,162 @@ fn tables_queued_back_to_back() -> R {
             .collect::<Vec<R>>()
     });
     results.into_iter().collect()
+}
+
+/// A batch of `n` RGB samples with sides in `sides`, each cropped at random and mirrored every
+/// other time on average: a different per-sample table on every call.
+fn random_table_spec(rng: &mut SmallRng, n: usize, sides: std::ops::Range<usize>) -> Spec {
+    let sizes: Vec<(usize, usize)> = (0..n)
+        .map(|_| {
+            (
+                rng.random_range(sides.clone()),
+                rng.random_range(sides.clone()),
+            )
+        })
+        .collect();
+    let mut spec =
+        Spec::variable(3, &sizes, random_norm(rng, 3, false)).layouts(Layout::Nhwc, Layout::Nchw);
+    for s in spec.samples.iter_mut() {
+        let (w, h) = (rng.random_range(1..=s.w), rng.random_range(1..=s.h));
+        s.crop = Some(Crop {
+            x: rng.random_range(0..=s.w - w),
+            y: rng.random_range(0..=s.h - h),
+            w,
+            h,
+        });
+        s.mirror = rng.random_bool(0.5);
+    }
+    spec
+}
+
+/// One non-uniform normalize: random input already on the device, the output poisoned (NaN
+/// until written), both uploaded on `stream` before the launch is queued.
+struct TableLaunch {
+    spec: Spec,
+    input: Vec<u8>,
+    d_in: DeviceBuffer<u8>,
+    d_out: DeviceBuffer<f32>,
+}
+
+impl TableLaunch {
+    fn new(dev: &Device, stream: &Stream, rng: &mut SmallRng, spec: Spec) -> Result<Self, Error> {
+        let input = random_u8(rng, spec.input_len()?);
+        let mut d_in = DeviceBuffer::<u8>::new(dev, input.len())?;
+        stream.copy_h2d(&input[..], &mut d_in)?;
+        let mut d_out = DeviceBuffer::<f32>::new(dev, spec.output_len()?)?;
+        stream.memset(&mut d_out, 0xFF)?;
+        Ok(TableLaunch {
+            spec,
+            input,
+            d_in,
+            d_out,
+        })
+    }
+
+    fn launch(&mut self, stream: &Stream) -> Result<(), Error> {
+        kernels::normalize::<f32, _, _>(stream, &self.d_in, &self.spec, &mut self.d_out, None)
+    }
+
+    /// Against the CPU reference (reads back on `stream`, after every earlier use).
+    fn check(&self, stream: &Stream, what: &str, seed: u64) -> R {
+        let mut got = vec![0f32; self.spec.output_len()?];
+        stream.copy_d2h(&self.d_out, &mut got[..])?.wait()?;
+        let exact = cpu::normalize_exact(&self.input, &self.spec, None)?;
+        let what = format!("{what}, {} samples", self.spec.samples.len());
+        compare::<f32>(&what, &got, &exact, self.spec.norm.shift, seed)
+    }
+}
+
+/// A launch with a per-sample table returns without waiting for the stream's earlier work:
+/// behind a 300 ms spin it must return within 30 ms, with the stream still busy (the table used
+/// to be a pageable `cudaMemcpyAsync`, which the driver staged only once the stream had drained:
+/// the call returned after 304 ms on the H100). The output is checked afterwards.
+fn table_launch_does_not_wait_for_the_stream() -> R {
+    const SPIN: Duration = Duration::from_millis(300);
+    const LIMIT: Duration = Duration::from_millis(30);
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    // The first table allocates the stream's scratch and ring: warm them with one of the size
+    // the timed launch uploads (64 samples).
+    let spec = random_table_spec(&mut rng, 64, 4..20);
+    let mut warm = TableLaunch::new(&dev, &stream, &mut rng, spec)?;
+    warm.launch(&stream)?;
+    stream.synchronize()?;
+    warm.check(&stream, "warm-up launch", seed)?;
+    let spec = random_table_spec(&mut rng, 64, 4..20);
+    let mut timed = TableLaunch::new(&dev, &stream, &mut rng, spec)?;
+    stream.synchronize()?;
+    stream.spin(SPIN)?;
+    let t = Instant::now();
+    timed.launch(&stream)?;
+    let took = t.elapsed();
+    let busy = !stream.is_idle()?;
+    stream.synchronize()?;
+    timed.check(&stream, "launch behind the spin", seed)?;
+    ensure(busy, || {
+        format!("the stream had finished its {SPIN:?} spin when the call returned after {took:?}")
+    })?;
+    ensure(took < LIMIT, || {
+        format!("the launch took {took:?} on the host behind a {SPIN:?} spin (limit {LIMIT:?}): it waited for the stream")
+    })
+}
+
+/// Per-sample tables that overflow the stream's pinned table ring at its largest size (1 MiB,
+/// `memory::ring::GROW_BYTES`: over 2 MiB of tables per thread here, each different), queued
+/// behind a 200 ms spin from `threads` threads on clones of one stream: the ring grows, then
+/// wraps onto regions whose uploads have not run yet, and must wait for them rather than
+/// overwrite them (a table overwritten before its upload gives another batch's offsets and
+/// crops, and the output check fails). Every output is checked after all were queued.
+fn tables_wrap_the_ring(threads: usize) -> R {
+    const LAUNCHES: usize = 24;
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (mut rng, seed) = rng();
+    let mut work: Vec<Vec<TableLaunch>> = Vec::new();
+    for t in 0..threads {
+        let mut mine = Vec::new();
+        let mut table_bytes = 0;
+        for _ in 0..LAUNCHES {
+            // 1500..2600 samples: tables of 72..125 KB.
+            let n = rng.random_range(1500..2600);
+            table_bytes += n * 48;
+            let spec = random_table_spec(&mut rng, n, 2..7);
+            mine.push(TableLaunch::new(&dev, &stream, &mut rng, spec)?);
+        }
+        ensure(table_bytes > 2 << 20, || {
+            format!("thread {t}: only {table_bytes} bytes of tables, the ring would not wrap")
+        })?;
+        work.push(mine);
+    }
+    // Inputs and poisoned outputs are in place; now hold the stream and queue every launch.
+    stream.synchronize()?;
+    stream.spin(Duration::from_millis(200))?;
+    let done: Vec<Result<Vec<TableLaunch>, libtest_mimic::Failed>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .into_iter()
+            .map(|mut mine| {
+                let stream = stream.clone();
+                scope.spawn(move || -> Result<Vec<TableLaunch>, libtest_mimic::Failed> {
+                    for q in mine.iter_mut() {
+                        q.launch(&stream)?;
+                    }
+                    Ok(mine)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a thread panicked".into())))
+            .collect()
+    });
+    stream.synchronize()?;
+    for (t, mine) in done.into_iter().enumerate() {
+        for (k, q) in mine?.iter().enumerate() {
+            q.check(&stream, &format!("thread {t}, launch {k}"), seed)?;
+        }
+    }
+    Ok(())
 }
 
 /// Uniform batches that take the vectorised kernels (h*w a multiple of 4, aligned buffers),

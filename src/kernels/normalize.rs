@@ -127,7 +127,9 @@ fn sample_table(spec: &Spec) -> Result<Vec<sys::pinstream_norm_sample>> {
 /// nearest even (integers saturate). `per_sample` replaces the per-channel mean/std of `spec`.
 ///
 /// Every argument is checked before anything is queued; a batch with crops, mirrors or samples
-/// of different sizes uploads a small per-sample table first (ordered on the same stream).
+/// of different sizes uploads a small per-sample table first (ordered on the same stream,
+/// staged in pinned memory that belongs to the stream: the call does not wait for the stream's
+/// earlier work).
 ///
 /// ```no_run
 /// use pinstream::kernels::{self, Layout, Normalize, Spec};
@@ -203,41 +205,33 @@ where
         trackers.push((m.tracker, Access::Read));
         trackers.push((s.tracker, Access::Read));
     }
-    // The per-sample table, when the batch needs one: into the stream's scratch buffer with a
-    // plain `cudaMemcpyAsync` from pageable memory (which the driver queues inline for a few
-    // KiB, measured 1 µs on the H100; a stream-ordered allocation per launch cost 6 µs and a
-    // DMA from pinned memory 10 µs). The scratch stays locked until the launch is queued, so
-    // no other launch on this stream can overwrite the table in between.
+    // The per-sample table, when the batch needs one: written into a free region of the
+    // stream's pinned table ring and uploaded from there into the stream's device scratch, on
+    // the stream (`memory::ring`): the call does not wait for the stream, and no upload reads
+    // memory that is freed when this call returns. The tables stay locked until the launch is
+    // queued, so no other launch on this stream can overwrite the scratch in between.
     let rows = if spec.is_uniform() {
         Vec::new()
     } else {
         sample_table(spec)?
     };
     let table: &[u8] = bytemuck::cast_slice(&rows);
-    let mut scratch = None;
+    let mut tables = None;
     if !table.is_empty() {
-        let guard = stream.scratch(table.len())?;
-        let buf = guard
-            .as_ref()
-            .ok_or_else(|| Error::invalid(OP, "the stream's scratch buffer is missing"))?;
-        let r = buf.device_region();
-        stream.enter()?;
-        // Not tracked on its own: only this stream uses the scratch, so the copy follows the
-        // last launch that read it, and the launch below (which is tracked) follows the copy.
-        crate::copy::memcpy(
-            stream,
-            r.ptr,
-            table.as_ptr().cast(),
-            table.len(),
-            sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-            "normalize sample table",
-        )?;
-        args.samples = r.ptr.cast();
-        scratch = Some(guard);
+        let mut guard = stream.tables(table.len())?;
+        let t = &mut *guard;
+        let (Some(buf), Some(ring)) = (t.scratch.as_ref(), t.ring.as_mut()) else {
+            return Err(Error::invalid(OP, "the stream's table memory is missing"));
+        };
+        // Not tracked on its own: only this stream uses the scratch, so the upload follows the
+        // last launch that read it, and the launch below (which is tracked) follows the upload.
+        ring.upload(stream, table, buf)?;
+        args.samples = buf.device_region().ptr.cast();
+        tables = Some(guard);
     }
-    let table_region = scratch
+    let table_region = tables
         .as_ref()
-        .and_then(|g| g.as_ref())
+        .and_then(|g| g.scratch.as_ref())
         .map(|b| b.device_region());
     if let Some(r) = &table_region {
         // Written just before by the table's copy on this stream.

@@ -59,6 +59,7 @@ pub(crate) mod nt;
 mod pinned;
 pub(crate) mod pool;
 mod registered;
+pub(crate) mod ring;
 pub(crate) mod tracker;
 
 /// What kind of host memory a copy reads or writes.

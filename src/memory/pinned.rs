@@ -275,6 +275,13 @@ impl<T: Pod> HostSlice<T> for PinnedBuffer<T> {}
 impl<T: Pod> HostSliceMut<T> for PinnedBuffer<T> {}
 
 impl<T: Pod> PinnedBuffer<T> {
+    /// The host address of the first element, for the memory types that guard regions of a
+    /// buffer with their own events (`ring::TableRing`). Writing through it is only sound
+    /// where no GPU use of those bytes can be queued or running.
+    pub(super) fn host_ptr(&self) -> *mut T {
+        self.ptr
+    }
+
     /// The device address of a `MAPPED` buffer (`cudaHostGetDevicePointer`).
     pub(crate) fn mapped_device_ptr(&self) -> Result<*mut T> {
         if !self.flags.contains(HostAlloc::MAPPED) || self.len == 0 {

@@ -40,6 +40,14 @@ extern "C" {
         step: u32,
         stream: cudaStream_t,
     ) -> cudaError_t;
+    /// `cuda/fill.cu`: copies `bytes` from `src` to `dst`, both device addresses (`src` may be
+    /// mapped pinned host memory), with a kernel.
+    pub fn pinstream_copy_bytes(
+        dst: *mut ::std::os::raw::c_void,
+        src: *const ::std::os::raw::c_void,
+        bytes: usize,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
     /// `cuda/fill.cu`: one thread that holds the stream for `ns` nanoseconds.
     pub fn pinstream_spin(ns: u64, stream: cudaStream_t) -> cudaError_t;
     /// `cuda/fill.cu`: holds the stream until `flag[0] != 0` (mapped host memory) or the
