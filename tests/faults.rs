@@ -602,7 +602,7 @@ fn iter_reused(kind: Kind) -> R {
     })
 }
 
-/// Issue 19, 7: page-locked pixels whose length varies by batch (between half and all of the
+/// Issue 19, 7: page-locked pixels whose length varies by batch (between 60 % and all of the
 /// largest): the pool's bytes stop growing once the largest length has been seen, and stay
 /// within one block per host batch that can exist, each as long as the longest batch plus an
 /// eighth (rounded up to the pool's class), plus the staging slots.
@@ -619,7 +619,7 @@ fn pinned_varying_lengths() -> R {
                 if i == 5 {
                     max_len
                 } else {
-                    3 * r.random_range(max_len / 6..=max_len / 3)
+                    3 * r.random_range(max_len / 5..=max_len / 3)
                 }
             })
             .collect()
@@ -677,7 +677,8 @@ fn pinned_varying_lengths() -> R {
     ensure(i == end, || format!("{i} batches"))?;
     let s = p.pinned_stats();
     let now = s.cached_bytes + s.in_use_bytes;
-    ensure(Some(now) == at50, || {
+    // Blocks of the sizes before the largest batch may still be freed after batch 50.
+    ensure(at50.is_some_and(|then| now <= then), || {
         format!("the pool grew after batch 50: {at50:?} -> {now} ({s:?})")
     })?;
     ensure(worst <= bound, || {

@@ -398,6 +398,11 @@ impl Inner {
     /// Takes a block back from a dropped `PoolBlock`: into the cache, or freed (after the GPU's
     /// last use, outside the lock) when the cache would grow past `max_cached_bytes`.
     fn release(&self, block: Block, requested: usize) {
+        self.release_or_free(block, requested, false)
+    }
+
+    /// As `release`, or (`free`) freed at once rather than cached.
+    fn release_or_free(&self, block: Block, requested: usize, free: bool) {
         let overflow = {
             let mut guard = self.lock();
             let st = &mut *guard;
@@ -405,7 +410,7 @@ impl Inner {
             s.in_use_bytes = s.in_use_bytes.saturating_sub(block.size);
             s.requested_bytes = s.requested_bytes.saturating_sub(requested);
             match s.cached_bytes.checked_add(block.size) {
-                Some(cached) if cached <= self.config.max_cached_bytes => {
+                Some(cached) if cached <= self.config.max_cached_bytes && !free => {
                     s.cached_bytes = cached;
                     st.cached.entry(block.size).or_default().push(block);
                     None
@@ -836,6 +841,15 @@ impl<T: Pod> PoolBlock<T> {
         self.requested = requested;
         self.len = len;
         Ok(())
+    }
+
+    /// Gives the memory back to the pool to be freed rather than cached (for a block of a size
+    /// nobody will ask for again); like a drop whose cache is full, this waits for the GPU's
+    /// last use of it first.
+    pub(crate) fn discard(mut self) {
+        if let Some(block) = self.block.take() {
+            self.pool.release_or_free(block, self.requested, true);
+        }
     }
 
     /// Whether the GPU has finished every use of it so far, without blocking.

@@ -10,37 +10,64 @@ use crate::kernels::{Normalize, Spec};
 use crate::memory::{PinnedBuffer, PinnedPool, PoolBlock};
 use crate::staging::FileSource;
 
-/// The page-locked memory a prefetcher lends its batches: its pool, and the longest pixel block
-/// asked of it so far (grown by an eighth at a time). Every block [`HostBatch::pinned`] takes
-/// from the pool is that long, so blocks of batches whose lengths vary serve one another and the
-/// pool holds one size of them, not one per length.
+/// The page-locked memory a prefetcher lends its batches: its pool, and a mark, the longest
+/// pixel block asked of it so far plus an eighth. Blocks come in sizes `mark / 2^k`, each request
+/// getting the smallest that holds it, so batches whose lengths vary serve one another (the pool
+/// holds a few sizes, not one per length) and a small batch never gets a block more than twice
+/// its size, whatever came before it. When the mark rises, the idle cached blocks are trimmed and
+/// blocks of the old sizes are freed as they come back ([`is_stale`](Self::is_stale)).
 #[derive(Clone)]
 pub(crate) struct PinnedSupply {
     pool: PinnedPool,
-    high: Arc<AtomicUsize>,
+    mark: Arc<AtomicUsize>,
 }
 
 impl PinnedSupply {
     pub(crate) fn new(pool: PinnedPool) -> Self {
         PinnedSupply {
             pool,
-            high: Arc::new(AtomicUsize::new(0)),
+            mark: Arc::new(AtomicUsize::new(0)),
         }
     }
 
-    /// A block for `len` bytes, as long as the high-water mark (raised to `len` plus an eighth
-    /// when `len` is above it). The mark rises only once the allocation has succeeded (a refused
-    /// length leaves it alone); when it rises, the idle cached blocks (now too short to serve)
-    /// are freed, so the pool does not keep every size it ever held.
+    /// The block length for a request of `len` bytes under `mark`: `mark / 2^k`, the smallest
+    /// not below `len`.
+    fn size_for(mark: usize, len: usize) -> usize {
+        let mut size = mark.max(len);
+        while size / 2 >= len.max(1) {
+            size /= 2;
+        }
+        size
+    }
+
+    /// Whether a block of `capacity` bytes is of a size the current mark no longer hands out.
+    fn is_stale(&self, capacity: usize) -> bool {
+        let mark = self.mark.load(Ordering::Relaxed);
+        let mut size = mark;
+        while size > 0 {
+            if crate::memory::pool_class_of(size) == Some(capacity) {
+                return false;
+            }
+            size /= 2;
+        }
+        true
+    }
+
+    /// A block for `len` bytes. The mark rises (to `len` plus an eighth) only once the
+    /// allocation has succeeded, so a refused length leaves it alone; when it rises, the idle
+    /// cached blocks (of sizes no longer handed out) are freed.
     fn alloc(&self, len: usize) -> Result<PoolBlock<u8>> {
-        let high = self.high.load(Ordering::Relaxed);
-        let want = if len <= high {
-            high
+        if len == 0 {
+            return self.pool.alloc::<u8>(0);
+        }
+        let mark = self.mark.load(Ordering::Relaxed);
+        let new_mark = if len <= mark {
+            mark
         } else {
             len.saturating_add(len / 8)
         };
-        let block = self.pool.alloc::<u8>(want)?;
-        if self.high.fetch_max(want, Ordering::Relaxed) < want {
+        let block = self.pool.alloc::<u8>(Self::size_for(new_mark, len))?;
+        if self.mark.fetch_max(new_mark, Ordering::Relaxed) < new_mark {
             self.pool.trim()?;
         }
         Ok(block)
@@ -134,11 +161,12 @@ impl<E> HostBatch<E> {
 
     /// The pixels as `len` bytes of page-locked memory from the prefetcher's pool, to fill:
     /// the feeder then uploads them with one DMA, without the staging copy. The block already
-    /// there is kept if it can hold `len` bytes, belongs to the pool's device and its last copy
-    /// has finished; otherwise it goes back to its pool (which hands it out again only after
-    /// that copy) and the pool gives another. Blocks are all as long as the longest batch so
-    /// far (plus an eighth), so batches whose lengths vary reuse one another's blocks and the
-    /// pool stays flat; a pageable vector is put aside for [`pageable`](Self::pageable). So
+    /// there is kept if it can hold `len` bytes (and is at most four times as long), belongs to
+    /// the pool's device and its last copy has finished; otherwise it goes back to its pool
+    /// (which hands it out again only after that copy) and the pool gives another. Blocks come
+    /// in a few sizes — the longest batch so far plus an eighth, and its halves — so batches
+    /// whose lengths vary reuse one another's blocks and the pool stays flat; a pageable vector
+    /// is put aside for [`pageable`](Self::pageable). So
     /// this does not wait for the GPU (unless the pool's cache is full and a block has to be
     /// freed), and a steady run allocates nothing.
     ///
@@ -157,13 +185,26 @@ impl<E> HostBatch<E> {
             )
         })?;
         let pool = &supply.pool;
+        // Kept: an idle block of this device that holds `len` bytes and is at most four times
+        // as long (a block from a batch much larger than this one goes back).
         let reuse = matches!(
             &self.pixels,
-            Pixels::Pinned(b) if b.capacity() >= len && b.device() == pool.device() && b.is_idle()
+            Pixels::Pinned(b) if b.capacity() >= len
+                && b.capacity() / 4 <= len
+                && b.device() == pool.device()
+                && b.is_idle()
         );
         if !reuse {
-            // The old block goes back first, so that the pool may hand it out again.
-            drop(self.take_pixels());
+            // The old block goes back first, so that the pool may hand it out again; one of a
+            // size the mark has left behind is freed instead (it would sit in the cache).
+            match self.take_pixels() {
+                Pixels::Pinned(b)
+                    if b.device() == pool.device() && supply.is_stale(b.capacity()) =>
+                {
+                    b.discard()
+                }
+                old => drop(old),
+            }
             self.pixels = Pixels::Pinned(supply.alloc(len)?);
         }
         match &mut self.pixels {

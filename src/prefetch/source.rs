@@ -86,6 +86,12 @@ impl<E: Pod + Send + 'static> Source<E> {
     /// `next`, is the error of its batch, and every later batch (of every shard) is an
     /// `Error::Loader` naming that item. The iterator is dropped as soon as it is over.
     ///
+    /// The shards of [`Prefetcher::sharded`] take the items in turn, so drive them all at
+    /// once (a thread each, or round-robin): draining one shard before starting another stops
+    /// once the idle shard's loaders have filled their window, since the next item is theirs.
+    /// The iterator's `next` runs with no lock of the prefetcher held; it must not wait for a
+    /// prefetcher of its own source.
+    ///
     /// [`Prefetcher::sharded`]: super::Prefetcher::sharded
     pub fn iter<I>(iter: I) -> Source<E>
     where

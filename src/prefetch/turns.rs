@@ -53,7 +53,9 @@ enum Over {
 }
 
 struct State<I> {
+    /// `None` once over, and while a caller runs its `next` (`busy`).
     iter: Option<I>,
+    busy: bool,
     /// The next index to take.
     next: u64,
     over: Option<Over>,
@@ -73,6 +75,7 @@ where
         Turns {
             state: Mutex::new(State {
                 iter: Some(iter),
+                busy: false,
                 next: 0,
                 over: None,
             }),
@@ -83,9 +86,14 @@ where
     /// Waits for turn `i` and takes its item. Returns at once for an index already taken, or
     /// once the iterator is over; otherwise when the turns before `i` have been taken, or when
     /// [`abandon`](Self::abandon) is called.
+    ///
+    /// The iterator's own code (`next`, `Drop`) runs with the lock released: it may stop a
+    /// prefetcher of this very source (which abandons the turns) without deadlocking, and a
+    /// slow `next` holds up only the turns after it. While it runs, the iterator is out of the
+    /// state (`busy`), so nobody else can take it.
     pub(crate) fn take(&self, i: u64) -> Turn<T, X> {
         let mut s = lock(&self.state);
-        loop {
+        let mut iter = loop {
             if i < s.next {
                 return Turn::Gone(format!(
                     "Source::iter: item {i} was already taken (the iterator is at item {}): an \
@@ -109,49 +117,60 @@ where
                 }
                 None => {}
             }
-            if s.next == i {
-                break;
+            if s.next == i && !s.busy {
+                if let Some(it) = s.iter.take() {
+                    s.busy = true;
+                    break it;
+                }
             }
             s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner());
-        }
-        let taken = match s.iter.as_mut() {
-            Some(it) => quietly(|| it.next()),
-            None => Ok(None),
         };
+        drop(s);
+        let taken = quietly(|| iter.next());
+        let mut s = lock(&self.state);
+        s.busy = false;
         s.next = i + 1;
         let turn = match taken {
             Ok(Some(Ok(item))) => Turn::Item(item),
             Ok(Some(Err(e))) => {
-                s.over = Some(Over::Failed(i));
+                s.over.get_or_insert(Over::Failed(i));
                 Turn::Failed(FailedItem::Error(e))
             }
             Ok(None) => {
-                s.over = Some(Over::Ended(i));
+                s.over.get_or_insert(Over::Ended(i));
                 Turn::End
             }
             Err(message) => {
-                s.over = Some(Over::Failed(i));
+                s.over.get_or_insert(Over::Failed(i));
                 Turn::Failed(FailedItem::Panic(message))
             }
         };
-        if s.over.is_some() {
-            drop_quietly(s.iter.take());
-        }
+        // Over (here, or abandoned while `next` ran): the iterator is dropped, outside the lock.
+        let done = if s.over.is_some() {
+            Some(iter)
+        } else {
+            s.iter = Some(iter);
+            None
+        };
         drop(s);
         self.cv.notify_all();
+        drop_quietly(done);
         turn
     }
 
     /// A user stopped before the end: nobody will take its turns, so every waiting and later
-    /// caller gets [`Turn::Gone`]. Nothing changes once the iterator is over.
+    /// caller gets [`Turn::Gone`]. Nothing changes once the iterator is over. The iterator is
+    /// dropped here, outside the lock (or, if a `next` is running, by its caller after it).
     pub(crate) fn abandon(&self) {
         let mut s = lock(&self.state);
+        let mut done = None;
         if s.over.is_none() {
             s.over = Some(Over::Abandoned(s.next));
-            drop_quietly(s.iter.take());
+            done = s.iter.take();
         }
         drop(s);
         self.cv.notify_all();
+        drop_quietly(done);
     }
 }
 
