@@ -78,7 +78,7 @@ impl PinnedSupply {
 /// pageable memory, page-locked memory or a file, see [`Pixels`]), the normalize `spec`
 /// (layouts, crops, mirrors, mean/std), and per-sample extras such as labels.
 ///
-/// A batch handed to a source by a [`Prefetcher`] also carries the prefetcher's pinned pool, so
+/// A batch handed to a source by a [`Prefetcher`](super::Prefetcher) also carries the prefetcher's pinned pool, so
 /// that [`pinned`](Self::pinned) can give page-locked memory on the right device; one made with
 /// [`new`](Self::new) or `default()` has none.
 pub struct HostBatch<E = i64> {
@@ -119,7 +119,7 @@ impl<E: std::fmt::Debug> std::fmt::Debug for HostBatch<E> {
 
 impl<E> HostBatch<E> {
     /// A batch of these parts, without a pinned pool (so [`pinned`](Self::pinned) refuses):
-    /// for [`Source::iter`] and for tests.
+    /// for [`Source::iter`](super::Source::iter) and for tests.
     pub fn new(pixels: Pixels, spec: Spec, extras: Vec<E>) -> Self {
         HostBatch {
             pixels,
