@@ -49,6 +49,10 @@ pub(crate) enum Upload {
     /// `cudaMemcpyAsync` host to device, on a copy engine (`PINSTREAM_TABLE_UPLOAD=dma`, or a
     /// ring that could not be mapped).
     Dma,
+    /// No upload: the kernel reads its table from the mapped ring itself
+    /// (`PINSTREAM_TABLE_UPLOAD=direct`); the region is guarded by an event recorded after the
+    /// launch ([`TableRing::place`], [`TableRing::seal`]).
+    Direct,
 }
 
 /// The upload path, read once from `PINSTREAM_TABLE_UPLOAD` (`kernel`, the default, or `dma`).
@@ -57,6 +61,7 @@ pub(crate) fn upload_mode() -> Upload {
     *MODE.get_or_init(
         || match std::env::var("PINSTREAM_TABLE_UPLOAD").as_deref() {
             Ok("dma") => Upload::Dma,
+            Ok("direct") => Upload::Direct,
             _ => Upload::Kernel,
         },
     )
@@ -135,6 +140,8 @@ pub(crate) struct TableRing {
     retired: Vec<(PinnedBuffer<u8>, Option<Event>)>,
     /// Set when an upload was queued but could be neither tracked nor waited for.
     poisoned: Option<Error>,
+    /// A region [`place`](TableRing::place)d for a kernel and not yet sealed.
+    sealing: Option<(usize, usize, Event)>,
 }
 
 impl TableRing {
@@ -151,6 +158,7 @@ impl TableRing {
             spare: Vec::new(),
             retired: Vec::new(),
             poisoned: None,
+            sealing: None,
         }
     }
 
@@ -171,6 +179,9 @@ impl TableRing {
         if let Some(e) = &self.poisoned {
             return Err(e.clone());
         }
+        if self.sealing.is_some() {
+            return Err(Error::invalid(OP, "a placed table was not sealed"));
+        }
         if table.is_empty() {
             return Ok(());
         }
@@ -186,6 +197,55 @@ impl TableRing {
                 dst: d.len,
             });
         }
+        let (start, len, event, host) = self.write(stream, table)?;
+        let queued = match (self.mapped, upload_mode()) {
+            (Some(base), Upload::Kernel) => {
+                let src = base.wrapping_add(start) as *const std::ffi::c_void;
+                check_with(
+                    // SAFETY: `src` is the mapped device address of the region just written
+                    // (`table.len()` bytes inside the ring, which stays allocated until the
+                    // event recorded below has passed); `dst` is at least as long (checked),
+                    // on this device, and freed only after the stream's work on it. The
+                    // device is current (`enter`); the launcher only reads its arguments.
+                    unsafe { sys::pinstream_copy_bytes(d.ptr, src, table.len(), stream.as_raw()) },
+                    "pinstream_copy_bytes",
+                    || format!("{} bytes, kernel table", table.len()),
+                )
+            }
+            _ => crate::copy::memcpy(
+                stream,
+                d.ptr,
+                host.cast_const().cast(),
+                table.len(),
+                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
+                "kernel table",
+            ),
+        };
+        if let Err(e) = queued {
+            // Nothing was queued: the region stays free.
+            self.spare.push(event);
+            return Err(e);
+        }
+        if let Err(e) = stream.record(&event) {
+            // Queued but not tracked: wait for it here, which frees the region again. If even
+            // that fails, nobody can know when the GPU is done with the ring: refuse every
+            // later upload, and leak the memory at drop.
+            if let Err(wait) = stream.synchronize() {
+                self.poisoned = Some(wait);
+            }
+            return Err(e);
+        }
+        self.space.push(start, len);
+        self.events.push_back(event);
+        Ok(())
+    }
+
+    /// Writes `table` into a free region (waiting for the oldest uploads only when the ring
+    /// is full at its largest size) and takes an event for it: `(start, len, event, host
+    /// address)`. Nothing is queued; the caller queues the region's reader and then records the
+    /// event and pushes the region, or gives the event back.
+    fn write(&mut self, stream: &Stream, table: &[u8]) -> Result<(usize, usize, Event, *mut u8)> {
+        const OP: &str = "kernel table upload";
         let len = table
             .len()
             .checked_next_multiple_of(ALIGN)
@@ -226,40 +286,62 @@ impl TableRing {
         // returns only a region disjoint from every live one; uploads from outgrown rings read
         // other allocations. `&mut self` (the stream's table lock) excludes other host access.
         unsafe { std::ptr::copy_nonoverlapping(table.as_ptr(), host, table.len()) };
-        let queued = match (self.mapped, upload_mode()) {
-            (Some(base), Upload::Kernel) => {
-                let src = base.wrapping_add(start) as *const std::ffi::c_void;
-                check_with(
-                    // SAFETY: `src` is the mapped device address of the region just written
-                    // (`table.len()` bytes inside the ring, which stays allocated until the
-                    // event recorded below has passed); `dst` is at least as long (checked),
-                    // on this device, and freed only after the stream's work on it. The
-                    // device is current (`enter`); the launcher only reads its arguments.
-                    unsafe { sys::pinstream_copy_bytes(d.ptr, src, table.len(), stream.as_raw()) },
-                    "pinstream_copy_bytes",
-                    || format!("{} bytes, kernel table", table.len()),
-                )
-            }
-            _ => crate::copy::memcpy(
-                stream,
-                d.ptr,
-                host.cast_const().cast(),
-                table.len(),
-                sys::cudaMemcpyKind::cudaMemcpyHostToDevice,
-                "kernel table",
-            ),
-        };
-        if let Err(e) = queued {
-            // Nothing was queued: the region stays free.
-            self.spare.push(event);
-            return Err(e);
+        Ok((start, len, event, host))
+    }
+
+    /// For [`Upload::Direct`]: writes `table` into a free region and returns the region's
+    /// device address for the kernel to read, or `None` where the ring has no device address
+    /// (use [`upload`](Self::upload) then). The region stays reserved until [`seal`](Self::seal),
+    /// which the caller must call after queuing the kernel (whether or not that succeeded).
+    pub(crate) fn place(&mut self, stream: &Stream, table: &[u8]) -> Result<Option<usize>> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
         }
+        if stream.id() != self.stream {
+            return Err(Error::invalid(
+                "kernel table",
+                "the ring belongs to another stream",
+            ));
+        }
+        if self.sealing.is_some() {
+            return Err(Error::invalid(
+                "kernel table",
+                "a placed table was not sealed",
+            ));
+        }
+        stream.enter()?;
+        // A ring must exist (and be mapped) before the table is placed in it.
+        if self.mem.is_none() {
+            self.grow(table.len().max(1))?;
+        }
+        if self.mapped.is_none() {
+            return Ok(None);
+        }
+        let (start, len, event, _) = self.write(stream, table)?;
+        // `write` may have grown the ring; the address is the current ring's.
+        let Some(base) = self.mapped else {
+            self.spare.push(event);
+            return Ok(None);
+        };
+        self.sealing = Some((start, len, event));
+        Ok(Some(base.wrapping_add(start)))
+    }
+
+    /// Records the event of the table [`place`](Self::place)d last, after the kernel that
+    /// reads it was queued on `stream`: the region is written again only once it has passed.
+    pub(crate) fn seal(&mut self, stream: &Stream) -> Result<()> {
+        let Some((start, len, event)) = self.sealing.take() else {
+            return Ok(());
+        };
         if let Err(e) = stream.record(&event) {
-            // Queued but not tracked: wait for it here, which frees the region again. If even
-            // that fails, nobody can know when the GPU is done with the ring: refuse every
-            // later upload, and leak the memory at drop.
+            // The kernel may be queued but is not tracked: wait for it, or give up the ring.
             if let Err(wait) = stream.synchronize() {
                 self.poisoned = Some(wait);
+                // Keep the region out of use for good.
+                self.space.push(start, len);
+                self.events.push_back(event);
+            } else {
+                self.spare.push(event);
             }
             return Err(e);
         }
@@ -309,6 +391,14 @@ impl TableRing {
 
 impl Drop for TableRing {
     fn drop(&mut self) {
+        if self.sealing.is_some() && self.poisoned.is_none() {
+            // A kernel may read a region whose event was never recorded: nobody can say when
+            // it is done, so the memory is leaked.
+            self.poisoned = Some(Error::invalid(
+                "kernel table",
+                "a placed table was not sealed",
+            ));
+        }
         let current = self.mem.take().map(|m| (m, self.events.pop_back()));
         for (mem, last) in self.retired.drain(..).chain(current) {
             let waited = match (&self.poisoned, &last) {
