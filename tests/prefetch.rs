@@ -486,21 +486,7 @@ fn window_adapts() -> R {
     let (ms, end) = (Duration::from_millis, 60);
     // One loader, slower than everything else: the upload waits for (nearly) every batch.
     let slow_loaders = run_paced(config(1, 2), end, ms(4), ms(0))?;
-    ensure(
-        slow_loaders.ahead == 3 && slow_loaders.waits >= end - 10,
-        || {
-            format!(
-            "slow loader: {slow_loaders:?}, want ahead 3 (depth + loaders) and most uploads waiting"
-        )
-        },
-    )?;
-    ensure(slow_loaders.uploads == end, || {
-        format!("{slow_loaders:?}: {end} batches")
-    })?;
     let slow_consumer = run_paced(config(4, 2), end, ms(0), ms(2))?;
-    ensure(slow_consumer.ahead == 2 && slow_consumer.waits <= 3, || {
-        format!("slow consumer: {slow_consumer:?}, want the window down to 2 and no waits")
-    })?;
     let fixed = run_paced(
         PrefetchConfig {
             ahead: 3,
@@ -510,7 +496,27 @@ fn window_adapts() -> R {
         ms(0),
         ms(2),
     )?;
-    ensure(fixed.ahead == 3, || format!("fixed at 3: {fixed:?}"))
+    ensure(slow_loaders.uploads == end, || {
+        format!("{slow_loaders:?}: {end} batches")
+    })?;
+    ensure(fixed.ahead == 3, || format!("fixed at 3: {fixed:?}"))?;
+    // Under a sanitizer the GPU side is many times slower than the 4 ms loader, so who waits
+    // for whom is not what this trial sets up (the runs above still check every batch).
+    if under_sanitizer() {
+        return Ok(());
+    }
+    ensure(
+        slow_loaders.ahead == 3 && slow_loaders.waits >= end - 10,
+        || {
+            format!(
+                "slow loader: {slow_loaders:?}, want ahead 3 (depth + loaders) and most uploads \
+                 waiting"
+            )
+        },
+    )?;
+    ensure(slow_consumer.ahead == 2 && slow_consumer.waits <= 3, || {
+        format!("slow consumer: {slow_consumer:?}, want the window down to 2 and no waits")
+    })
 }
 
 fn iterator_source() -> R {

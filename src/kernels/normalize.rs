@@ -253,8 +253,10 @@ where
     // No early return from here to the seal below (a placed table must be sealed).
     let launched = stream.enter().and_then(|()| {
         tracker::ordered_rw(stream, &trackers, || {
-            // SAFETY: every pointer in `args` addresses device memory of the checked size on this
-            // stream's device, kept alive by the borrows and, afterwards, by the trackers.
+            // SAFETY: every pointer in `args` addresses device memory of the checked size on
+            // this stream's device, kept alive by the borrows and, afterwards, by the trackers;
+            // the table (`samples`) is the stream's scratch, or a region of its mapped pinned
+            // ring reserved until the event `seal` records after this launch has passed.
             check_with(
                 unsafe { sys::pinstream_normalize(&args, <O as Element>::CODE, stream.as_raw()) },
                 "pinstream_normalize",
