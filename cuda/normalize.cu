@@ -16,7 +16,25 @@
 #include "normalize.h"
 #include "pinstream.cuh"
 
+#include <cstring>
+
 namespace {
+
+// ---- where the per-sample table is ---------------------------------------------------------
+// NoRows: in device memory at a.samples (or none: a uniform batch); ParamRows: in the launch's
+// parameters (a __grid_constant__ parameter, read in place from the constant bank).
+struct NoRows {};
+struct ParamRows {
+  pinstream_norm_sample r[PINSTREAM_PARAM_ROWS];
+};
+__device__ __forceinline__ bool has_rows(const pinstream_norm_args& a, const NoRows&) { return a.samples != nullptr; }
+__device__ __forceinline__ bool has_rows(const pinstream_norm_args&, const ParamRows&) { return true; }
+__device__ __forceinline__ pinstream_norm_sample row_of(const pinstream_norm_args& a, const NoRows&, uint32_t s) {
+  return a.samples[s];
+}
+__device__ __forceinline__ pinstream_norm_sample row_of(const pinstream_norm_args&, const ParamRows& t, uint32_t s) {
+  return t.r[s];
+}
 
 // ---- conversions ---------------------------------------------------------------------------
 // f16 / bf16 as raw bits: no dependency on cuda_fp16.h (which needs CCCL headers that the PyPI
@@ -274,16 +292,16 @@ __global__ void __launch_bounds__(TT) nhwc_to_nchw(pinstream_norm_args a, uint32
 // loop keeps 32-bit indices (32-bit division is much cheaper) but never steps past npix: with
 // npix up to 2^32 - 1 and a stride of up to 2^20, `p += stride` could wrap to a small p and loop
 // forever, so a thread stops as soon as the remaining distance is at most one stride.
-template <typename Out>
-__global__ void __launch_bounds__(256) general(pinstream_norm_args a) {
+template <typename Out, typename Rows>
+__global__ void __launch_bounds__(256) general(pinstream_norm_args a, const __grid_constant__ Rows rows) {
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
   Out* out = reinterpret_cast<Out*>(a.out);
   const uint32_t n = (uint32_t)a.n;
   const uint32_t stride = gridDim.x * blockDim.x;  // <= 4096 * 256 (launch below)
   for (uint32_t s = blockIdx.y; s < n; s += gridDim.y) {
     pinstream_norm_sample d;
-    if (a.samples) {
-      d = a.samples[s];
+    if (has_rows(a, rows)) {
+      d = row_of(a, rows, s);
     } else {
       const size_t hw = (size_t)a.h * a.w;
       d.in_offset = (uint64_t)s * a.c_in * hw;
@@ -391,8 +409,9 @@ constexpr int crop_rows_min_blocks() {
   return sizeof(Out) <= 2 ? (C == 4 ? 4 : ROW_BLOCKS_NARROW) : 1;
 }
 
-template <typename Out, int C>
-__global__ void __launch_bounds__(ROW_THREADS, crop_rows_min_blocks<Out, C>()) crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S) {
+template <typename Out, int C, typename Rows>
+__global__ void __launch_bounds__(ROW_THREADS, crop_rows_min_blocks<Out, C>())
+    crop_rows(pinstream_norm_args a, uint32_t R, uint32_t S, const __grid_constant__ Rows rows) {
   extern __shared__ __align__(16) uint8_t tile[];
   __shared__ uint8_t lead_s[ROW_R_MAX * 4];
   const uint8_t* in = reinterpret_cast<const uint8_t*>(a.in);
@@ -400,7 +419,7 @@ __global__ void __launch_bounds__(ROW_THREADS, crop_rows_min_blocks<Out, C>()) c
   const bool in_nhwc = a.in_layout == PINSTREAM_NHWC;
   const uint32_t segs_per_row = in_nhwc ? 1u : (uint32_t)C;
   for (uint32_t s = blockIdx.y; s < (uint32_t)a.n; s += gridDim.y) {
-    const pinstream_norm_sample d = a.samples[s];
+    const pinstream_norm_sample d = row_of(a, rows, s);
     const uint32_t out_w = (uint32_t)d.out_w, out_h = (uint32_t)d.out_h;
     const size_t npix = (size_t)out_w * out_h;
     const size_t src_hw = (size_t)d.src_h * d.src_w;
@@ -536,9 +555,9 @@ __global__ void __launch_bounds__(256) denormalize(pinstream_norm_args a, size_t
 
 inline size_t cap(size_t a, size_t b) { return a < b ? a : b; }
 
-template <typename Out>
-cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
-  const bool uniform = a.samples == nullptr && a.c_out == a.c_in;
+template <typename Out, typename Rows>
+cudaError_t launch_with(const pinstream_norm_args& a, const Rows& rows, bool table, cudaStream_t stream) {
+  const bool uniform = !table && a.c_out == a.c_in;
   const size_t hw = (size_t)a.h * a.w;
   const size_t total = (size_t)a.n * a.c_in * hw;
   const uintptr_t in_addr = (uintptr_t)a.in, out_addr = (uintptr_t)a.out;
@@ -570,7 +589,7 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
       }
     }
   }
-  if (a.samples != nullptr && a.c_out == a.c_in && a.c_in >= 1 && a.c_in <= 4 && a.w <= ROW_MAX && a.h > 0 &&
+  if (table && a.c_out == a.c_in && a.c_in >= 1 && a.c_in <= 4 && a.w <= ROW_MAX && a.h > 0 &&
       out_addr % (4 * sizeof(Out)) == 0) {
     // Rows per block: as many as fit ROW_SMEM of staged source, at most ROW_R_MAX.
     const bool nhwc = a.in_layout == PINSTREAM_NHWC;
@@ -586,10 +605,10 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
     const size_t smem = (size_t)R * segs * S;
     dim3 grid((unsigned)cap(((size_t)a.h + R - 1) / R, 65535), (unsigned)cap((size_t)a.n, 65535));
     switch (a.c_in) {
-      case 1: crop_rows<Out, 1><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
-      case 2: crop_rows<Out, 2><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
-      case 3: crop_rows<Out, 3><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
-      case 4: crop_rows<Out, 4><<<grid, ROW_THREADS, smem, stream>>>(a, R, S); return pinstream::launched();
+      case 1: crop_rows<Out, 1, Rows><<<grid, ROW_THREADS, smem, stream>>>(a, R, S, rows); return pinstream::launched();
+      case 2: crop_rows<Out, 2, Rows><<<grid, ROW_THREADS, smem, stream>>>(a, R, S, rows); return pinstream::launched();
+      case 3: crop_rows<Out, 3, Rows><<<grid, ROW_THREADS, smem, stream>>>(a, R, S, rows); return pinstream::launched();
+      case 4: crop_rows<Out, 4, Rows><<<grid, ROW_THREADS, smem, stream>>>(a, R, S, rows); return pinstream::launched();
       default: break;
     }
   }
@@ -597,23 +616,35 @@ cudaError_t launch(const pinstream_norm_args& a, cudaStream_t stream) {
   // largest output height and width (their product may exceed any sample's; only the grid uses it).
   const size_t max_pix = (size_t)a.h * a.w;
   dim3 grid((unsigned)cap((max_pix + 255) / 256, 4096), (unsigned)cap((size_t)a.n, 65535));
-  general<Out><<<grid, 256, 0, stream>>>(a);
+  general<Out, Rows><<<grid, 256, 0, stream>>>(a, rows);
   return pinstream::launched();
+}
+
+template <typename Out>
+cudaError_t launch(const pinstream_norm_args& a, const pinstream_norm_sample* host_rows, cudaStream_t stream) {
+  if (host_rows) {
+    // Copied into the launch's parameters when it is queued: the caller's memory is free on return.
+    ParamRows t{};
+    std::memcpy(t.r, host_rows, (size_t)a.n * sizeof(pinstream_norm_sample));
+    return launch_with<Out>(a, t, true, stream);
+  }
+  return launch_with<Out>(a, NoRows{}, a.samples != nullptr, stream);
 }
 
 }  // namespace
 
-PINSTREAM_API cudaError_t pinstream_normalize(const pinstream_norm_args* args, int32_t out_dtype,
-                                              cudaStream_t stream) {
+PINSTREAM_API cudaError_t pinstream_normalize(const pinstream_norm_args* args, const pinstream_norm_sample* rows,
+                                              int32_t out_dtype, cudaStream_t stream) {
   if (!args || !args->in || !args->out || args->n <= 0 || args->h <= 0 || args->w <= 0 || args->c_in < 1 ||
       args->c_in > 4 || args->c_out < args->c_in || args->c_out > 4)
     return cudaErrorInvalidValue;
+  if (rows && (args->samples || args->n > PINSTREAM_PARAM_ROWS)) return cudaErrorInvalidValue;
   switch (out_dtype) {
-    case PINSTREAM_F32: return launch<float>(*args, stream);
-    case PINSTREAM_F16: return launch<half_t>(*args, stream);
-    case PINSTREAM_BF16: return launch<bf16_t>(*args, stream);
-    case PINSTREAM_U8: return launch<uint8_t>(*args, stream);
-    case PINSTREAM_I8: return launch<int8_t>(*args, stream);
+    case PINSTREAM_F32: return launch<float>(*args, rows, stream);
+    case PINSTREAM_F16: return launch<half_t>(*args, rows, stream);
+    case PINSTREAM_BF16: return launch<bf16_t>(*args, rows, stream);
+    case PINSTREAM_U8: return launch<uint8_t>(*args, rows, stream);
+    case PINSTREAM_I8: return launch<int8_t>(*args, rows, stream);
     default: return cudaErrorInvalidValue;
   }
 }

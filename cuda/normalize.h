@@ -44,9 +44,17 @@ typedef struct {
   int32_t reserved;
 } pinstream_norm_args;
 
+/* A per-sample table of at most this many samples travels in the launch's own parameters (the
+ * launch copies them when it is queued): no upload, and no host memory that must outlive the
+ * call. Larger tables are uploaded to the device and named by `samples`. */
+#define PINSTREAM_PARAM_ROWS 256
+
 /* out = k[c] * (x - mean[c]) + shift, converted to out_dtype (round to nearest even, saturating
- * for integers). One launch. Returns the launch error. */
-cudaError_t pinstream_normalize(const pinstream_norm_args* args, int32_t out_dtype, cudaStream_t stream);
+ * for integers). One launch. `rows`: NULL, or the host table of args->n <= PINSTREAM_PARAM_ROWS
+ * samples (then args->samples must be NULL), read before the call returns. Returns the launch
+ * error. */
+cudaError_t pinstream_normalize(const pinstream_norm_args* args, const pinstream_norm_sample* rows,
+                                int32_t out_dtype, cudaStream_t stream);
 
 /* out(u8) = round(x * std[c] / scale ... ) : x = (y - shift) / k[c] + mean[c], same layout in and
  * out; in_dtype is F32, F16 or BF16. n_elems = n * c * h * w. */

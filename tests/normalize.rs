@@ -467,19 +467,27 @@ impl TableLaunch {
 /// to be a pageable `cudaMemcpyAsync`, which the driver staged only once the stream had drained:
 /// the call returned after 304 ms on the H100). The output is checked afterwards.
 fn table_launch_does_not_wait_for_the_stream() -> R {
+    // Up to 256 samples the table travels in the launch's parameters, above through the ring.
+    for n in [64, 256, 257, 1000] {
+        table_launch_behind_a_spin(n)?;
+    }
+    Ok(())
+}
+
+fn table_launch_behind_a_spin(n: usize) -> R {
     const SPIN: Duration = Duration::from_millis(300);
     const LIMIT: Duration = Duration::from_millis(30);
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let (mut rng, seed) = rng();
     // The first table allocates the stream's scratch and ring: warm them with one of the size
-    // the timed launch uploads (64 samples).
-    let spec = random_table_spec(&mut rng, 64, 4..20);
+    // the timed launch uploads.
+    let spec = random_table_spec(&mut rng, n, 4..20);
     let mut warm = TableLaunch::new(&dev, &stream, &mut rng, spec)?;
     warm.launch(&stream)?;
     stream.synchronize()?;
     warm.check(&stream, "warm-up launch", seed)?;
-    let spec = random_table_spec(&mut rng, 64, 4..20);
+    let spec = random_table_spec(&mut rng, n, 4..20);
     let mut timed = TableLaunch::new(&dev, &stream, &mut rng, spec)?;
     stream.synchronize()?;
     stream.spin(SPIN)?;
@@ -493,7 +501,7 @@ fn table_launch_does_not_wait_for_the_stream() -> R {
         format!("the stream had finished its {SPIN:?} spin when the call returned after {took:?}")
     })?;
     ensure(took < LIMIT, || {
-        format!("the launch took {took:?} on the host behind a {SPIN:?} spin (limit {LIMIT:?}): it waited for the stream")
+        format!("{n} samples: the launch took {took:?} on the host behind a {SPIN:?} spin (limit {LIMIT:?}): it waited for the stream")
     })
 }
 

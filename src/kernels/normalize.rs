@@ -205,17 +205,32 @@ where
         trackers.push((m.tracker, Access::Read));
         trackers.push((s.tracker, Access::Read));
     }
-    // The per-sample table, when the batch needs one: written into a free region of the
-    // stream's pinned table ring and uploaded from there into the stream's device scratch, on
-    // the stream (`memory::ring`): the call does not wait for the stream, and no upload reads
-    // memory that is freed when this call returns. The tables stay locked until the launch is
-    // queued, so no other launch on this stream can overwrite the scratch in between.
+    // The per-sample table, when the batch needs one. Up to `PINSTREAM_PARAM_ROWS` samples it
+    // goes in the launch's own parameters, which the launch copies when it is queued: nothing
+    // to upload, nothing that must outlive the call, no wait for the stream. A larger one is
+    // written into a free region of the stream's pinned table ring and uploaded from there into
+    // the stream's device scratch, on the stream (`memory::ring`): the call does not wait for
+    // the stream either, and no upload reads memory that is freed when this call returns. The
+    // tables stay locked until the launch is queued, so no other launch on this stream can
+    // overwrite the scratch in between.
     let rows = if spec.is_uniform() {
         Vec::new()
     } else {
         sample_table(spec)?
     };
-    let table: &[u8] = bytemuck::cast_slice(&rows);
+    let in_params = !rows.is_empty()
+        && rows.len() <= sys::PINSTREAM_PARAM_ROWS as usize
+        && crate::memory::ring::upload_mode() == crate::memory::ring::Upload::Kernel;
+    let param_rows = if in_params {
+        rows.as_ptr()
+    } else {
+        std::ptr::null()
+    };
+    let table: &[u8] = if in_params {
+        &[]
+    } else {
+        bytemuck::cast_slice(&rows)
+    };
     let mut tables = None;
     if !table.is_empty() {
         let mut guard = stream.tables(table.len())?;
@@ -257,8 +272,18 @@ where
             // this stream's device, kept alive by the borrows and, afterwards, by the trackers;
             // the table (`samples`) is the stream's scratch, or a region of its mapped pinned
             // ring reserved until the event `seal` records after this launch has passed.
+            // `param_rows` is null, or `rows` (a live Vec of `spec.samples.len()` <=
+            // PINSTREAM_PARAM_ROWS entries, `samples` null), which the launcher copies into
+            // the launch's parameters before it returns.
             check_with(
-                unsafe { sys::pinstream_normalize(&args, <O as Element>::CODE, stream.as_raw()) },
+                unsafe {
+                    sys::pinstream_normalize(
+                        &args,
+                        param_rows,
+                        <O as Element>::CODE,
+                        stream.as_raw(),
+                    )
+                },
                 "pinstream_normalize",
                 || {
                     format!(

@@ -905,6 +905,7 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn cudaRuntimeGetVersion(runtimeVersion: *mut ::std::os::raw::c_int) -> cudaError_t;
 }
+pub const PINSTREAM_PARAM_ROWS: u32 = 256;
 pub const PINSTREAM_U8: _bindgen_ty_1 = 0;
 pub const PINSTREAM_I8: _bindgen_ty_1 = 1;
 pub const PINSTREAM_F32: _bindgen_ty_1 = 2;
@@ -1020,6 +1021,7 @@ const _: () = {
 unsafe extern "C" {
     pub fn pinstream_normalize(
         args: *const pinstream_norm_args,
+        rows: *const pinstream_norm_sample,
         out_dtype: i32,
         stream: cudaStream_t,
     ) -> cudaError_t;
