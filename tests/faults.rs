@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{ensure, R};
+use common::{ensure, within, R};
 use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{cpu, Normalize, Spec};
 use pinstream::prefetch::{DryRun, HostBatch, LoadError, PrefetchConfig, Prefetcher, Source};
@@ -83,28 +83,6 @@ fn main() {
 
 /// How long any schedule or single step may take before it counts as a hang.
 const BOUND: Duration = Duration::from_secs(30);
-
-/// Runs `f` on its own thread and fails if it has not returned within `bound`: a hang becomes a
-/// failure (the stuck thread is left behind; the process ends with the runner).
-fn within<T: Send + 'static>(
-    what: &str,
-    bound: Duration,
-    f: impl FnOnce() -> Result<T, Failed> + Send + 'static,
-) -> Result<T, Failed> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name(format!("watched: {what}"))
-        .spawn(move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-            let _ = tx.send(r);
-        })
-        .map_err(|e| format!("{what}: spawn: {e}"))?;
-    match rx.recv_timeout(bound) {
-        Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(format!("{what}: panicked").into()),
-        Err(_) => Err(format!("{what}: HUNG (no return within {bound:?})").into()),
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Batches: small, random, a pure function of (run seed, schedule, index).

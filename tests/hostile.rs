@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{ensure, R};
+use common::{ensure, within, R};
 use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{Normalize, Spec};
 use pinstream::memory::PoolStats;
@@ -159,29 +159,6 @@ fn message(p: &(dyn std::any::Any + Send)) -> Option<&str> {
 
 /// How long any trial (or one step of it) may take before it counts as a hang.
 const BOUND: Duration = Duration::from_secs(20);
-
-/// Runs `f` on its own thread and fails if it has not returned within `bound`: a hang becomes a
-/// failure (the stuck thread is left behind; the process ends with the runner). From
-/// `tests/faults.rs`.
-fn within<T: Send + 'static>(
-    what: &str,
-    bound: Duration,
-    f: impl FnOnce() -> Result<T, Failed> + Send + 'static,
-) -> Result<T, Failed> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::Builder::new()
-        .name(format!("watched: {what}"))
-        .spawn(move || {
-            let r = std::panic::catch_unwind(AssertUnwindSafe(f));
-            let _ = tx.send(r);
-        })
-        .map_err(|e| format!("{what}: spawn: {e}"))?;
-    match rx.recv_timeout(bound) {
-        Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(format!("{what}: panicked").into()),
-        Err(_) => Err(format!("{what}: HUNG (no return within {bound:?})").into()),
-    }
-}
 
 /// Runs the body `name` of [`CHILD_BODIES`] in a child process: an abort (or a kill for memory)
 /// there is a failure here, and so is a child still running after `bound` (it is killed).

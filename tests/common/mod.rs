@@ -57,3 +57,25 @@ pub fn same<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T], s
     }
     Ok(())
 }
+
+/// Runs `f` on its own thread and fails if it has not returned within `bound`: a hang becomes a
+/// failure (the stuck thread is left behind; the process ends with the runner).
+pub fn within<T: Send + 'static>(
+    what: &str,
+    bound: std::time::Duration,
+    f: impl FnOnce() -> Result<T, Failed> + Send + 'static,
+) -> Result<T, Failed> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name(format!("watched: {what}"))
+        .spawn(move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+            let _ = tx.send(r);
+        })
+        .map_err(|e| format!("{what}: spawn: {e}"))?;
+    match rx.recv_timeout(bound) {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(format!("{what}: panicked").into()),
+        Err(_) => Err(format!("{what}: HUNG (no return within {bound:?})").into()),
+    }
+}
