@@ -13,7 +13,6 @@
 
 mod common;
 
-use std::panic::AssertUnwindSafe;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
