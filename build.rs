@@ -370,6 +370,7 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
              |DeviceGetPCIBusId|DeviceSynchronize|DeviceGetStreamPriorityRange\
              |DriverGetVersion|RuntimeGetVersion|MemGetInfo\
              |StreamCreateWithPriority|StreamDestroy|StreamSynchronize|StreamQuery|StreamWaitEvent\
+             |StreamGetPriority|StreamGetDevice\
              |EventCreateWithFlags|EventDestroy|EventRecord|EventSynchronize|EventQuery|EventElapsedTime\
              |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync|MemcpyBatchAsync|MemcpyPeerAsync\
              |DeviceCanAccessPeer|DeviceEnablePeerAccess\

@@ -14,6 +14,8 @@ macro_rules! event_type {
         pub struct $name {
             raw: sys::cudaEvent_t,
             device: Device,
+            /// `false` for an event lent by another library (`from_raw`): not destroyed here.
+            owned: bool,
         }
 
         // SAFETY: CUDA events may be recorded, queried and destroyed from any thread.
@@ -34,7 +36,26 @@ macro_rules! event_type {
                 Ok($name {
                     raw,
                     device: *device,
+                    owned: true,
                 })
+            }
+
+            /// An event pinstream did not create (PyTorch's, cudarc's), used without owning it:
+            /// [`Stream::wait`](crate::Stream::wait) on it orders a pinstream stream after the
+            /// other library's work, [`Stream::record`](crate::Stream::record) into it lets the
+            /// other library wait for pinstream's; dropping it does not destroy it.
+            ///
+            /// # Safety
+            ///
+            /// `raw` is a live event of `device`'s primary context (the runtime's, which
+            /// PyTorch and cudarc's `CudaContext::new` share), and it stays live until the
+            /// returned value is dropped.
+            pub unsafe fn from_raw(device: &Device, raw: sys::cudaEvent_t) -> Self {
+                $name {
+                    raw,
+                    device: *device,
+                    owned: false,
+                }
             }
 
             /// The device the event belongs to.
@@ -70,6 +91,9 @@ macro_rules! event_type {
 
         impl Drop for $name {
             fn drop(&mut self) {
+                if !self.owned {
+                    return;
+                }
                 // SAFETY: `raw` is live and destroyed once; CUDA defers the release until any
                 // pending record completes. Errors cannot be reported from drop.
                 unsafe {

@@ -41,6 +41,9 @@ pub struct Stream {
 #[derive(Debug)]
 struct Inner {
     raw: sys::cudaStream_t,
+    /// Whether pinstream created the stream (and destroys it with the last clone); `false` for
+    /// one lent by another library ([`Stream::from_raw`]).
+    owned: bool,
     device: Device,
     priority: i32,
     /// Unique in the process, never reused (unlike the raw handle): trackers compare it.
@@ -84,7 +87,9 @@ impl Drop for Inner {
             if tables {
                 let _ = sys::cudaStreamSynchronize(self.raw);
             }
-            let _ = sys::cudaStreamDestroy(self.raw);
+            if self.owned {
+                let _ = sys::cudaStreamDestroy(self.raw);
+            }
         }
     }
 }
@@ -122,12 +127,71 @@ impl Stream {
         Ok(Stream {
             inner: Arc::new(Inner {
                 raw,
+                owned: true,
                 device: *device,
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 tables: Mutex::new(Tables::default()),
             }),
         })
+    }
+
+    /// A `Stream` for a CUDA stream that pinstream did not create — PyTorch's current stream,
+    /// a cudarc `CudaStream`, the legacy default stream (null) — used without owning it: every
+    /// copy, kernel, `Stager` call, wait and record works on it, and dropping the last clone
+    /// does not destroy it (when kernel tables were used on it, the drop synchronizes it first,
+    /// as for a stream of pinstream's own). Ordering with the other library's work on the
+    /// stream is plain stream order; with its other streams, use events
+    /// ([`Event::from_raw`](crate::Event::from_raw), [`Stream::wait`], [`Stream::record`]).
+    ///
+    /// Errors: `Error::InvalidArgument` if the runtime says the stream belongs to another
+    /// device than `device`.
+    ///
+    /// # Safety
+    ///
+    /// - `raw` is a live stream (or null, the legacy default stream, or
+    ///   `cudaStreamPerThread`) of `device`'s primary context: the context the CUDA runtime
+    ///   uses, which PyTorch and cudarc's `CudaContext::new` share.
+    /// - It stays live until the returned `Stream` and every clone of it have been dropped
+    ///   (buffers from [`DeviceBuffer::new_async`] on it and prefetchers consuming on it hold
+    ///   clones): destroying it earlier is a use after free in the driver.
+    pub unsafe fn from_raw(device: &Device, raw: sys::cudaStream_t) -> Result<Stream> {
+        device.make_current()?;
+        let mut priority = 0;
+        check(
+            // SAFETY: the caller promises a live stream of this device's primary context (or
+            // a special handle the runtime accepts); `priority` is a valid out-pointer.
+            unsafe { sys::cudaStreamGetPriority(raw, &mut priority) },
+            "cudaStreamGetPriority",
+        )?;
+        let mut on = 0;
+        check(
+            // SAFETY: as above; `on` is a valid out-pointer.
+            unsafe { sys::cudaStreamGetDevice(raw, &mut on) },
+            "cudaStreamGetDevice",
+        )?;
+        if on != device.raw() {
+            return Err(Error::WrongDevice {
+                op: "Stream::from_raw",
+                expected: device.raw(),
+                found: on,
+            });
+        }
+        Ok(Stream {
+            inner: Arc::new(Inner {
+                raw,
+                owned: false,
+                device: *device,
+                priority,
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                tables: Mutex::new(Tables::default()),
+            }),
+        })
+    }
+
+    /// Whether pinstream created the stream (rather than [`from_raw`](Self::from_raw)).
+    pub fn is_owned(&self) -> bool {
+        self.inner.owned
     }
 
     /// The device the stream runs on.

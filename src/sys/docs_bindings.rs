@@ -761,6 +761,18 @@ unsafe extern "C" {
     pub fn cudaStreamDestroy(stream: cudaStream_t) -> cudaError_t;
 }
 unsafe extern "C" {
+    pub fn cudaStreamGetPriority(
+        hStream: cudaStream_t,
+        priority: *mut ::std::os::raw::c_int,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaStreamGetDevice(
+        hStream: cudaStream_t,
+        device: *mut ::std::os::raw::c_int,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
     pub fn cudaStreamWaitEvent(
         stream: cudaStream_t,
         event: cudaEvent_t,
