@@ -238,73 +238,45 @@ where
         let (Some(buf), Some(ring)) = (t.scratch.as_ref(), t.ring.as_mut()) else {
             return Err(Error::invalid(OP, "the stream's table memory is missing"));
         };
-        let placed = match crate::memory::ring::upload_mode() {
-            crate::memory::ring::Upload::Direct => ring.place(stream, table)?,
-            _ => None,
-        };
-        match placed {
-            // The kernel reads the table from the mapped ring; `seal` below records the event
-            // that guards the region, after the launch.
-            Some(addr) => args.samples = addr as *const sys::pinstream_norm_sample,
-            None => {
-                // Not tracked on its own: only this stream uses the scratch, so the upload
-                // follows the last launch that read it, and the launch below (which is
-                // tracked) follows the upload.
-                ring.upload(stream, table, buf)?;
-                args.samples = buf.device_region().ptr.cast();
-            }
-        }
-        tables = Some((guard, placed.is_some()));
+        // Not tracked on its own: only this stream uses the scratch, so the upload follows the
+        // last launch that read it, and the launch below (which is tracked) follows the upload.
+        ring.upload(stream, table, buf)?;
+        args.samples = buf.device_region().ptr.cast();
+        tables = Some(guard);
     }
     let table_region = tables
         .as_ref()
-        .filter(|(_, direct)| !direct)
-        .and_then(|(g, _)| g.scratch.as_ref())
+        .and_then(|g| g.scratch.as_ref())
         .map(|b| b.device_region());
     if let Some(r) = &table_region {
         // Written just before by the table's copy on this stream.
         trackers.push((r.tracker, Access::Write));
     }
-    // No early return from here to the seal below (a placed table must be sealed).
-    let launched = stream.enter().and_then(|()| {
-        tracker::ordered_rw(stream, &trackers, || {
-            // SAFETY: every pointer in `args` addresses device memory of the checked size on
-            // this stream's device, kept alive by the borrows and, afterwards, by the trackers;
-            // the table (`samples`) is the stream's scratch, or a region of its mapped pinned
-            // ring reserved until the event `seal` records after this launch has passed.
-            // `param_rows` is null, or `rows` (a live Vec of `spec.samples.len()` <=
-            // PINSTREAM_PARAM_ROWS entries, `samples` null), which the launcher copies into
-            // the launch's parameters before it returns.
-            check_with(
-                unsafe {
-                    sys::pinstream_normalize(
-                        &args,
-                        param_rows,
-                        <O as Element>::CODE,
-                        stream.as_raw(),
-                    )
-                },
-                "pinstream_normalize",
-                || {
-                    format!(
-                        "{} samples x {} channels, {:?} -> {:?}, {}",
-                        spec.samples.len(),
-                        spec.channels,
-                        spec.in_layout,
-                        spec.out_layout,
-                        O::NAME
-                    )
-                },
-            )
-        })
-    });
-    if let Some((mut guard, true)) = tables {
-        // After the launch, queued or not: the ring region is reused only once this passes.
-        if let Some(ring) = guard.ring.as_mut() {
-            ring.seal(stream)?;
-        }
-    }
-    launched.map(|_| ())
+    stream.enter()?;
+    tracker::ordered_rw(stream, &trackers, || {
+        // SAFETY: every pointer in `args` addresses device memory of the checked size on this
+        // stream's device, kept alive by the borrows and, afterwards, by the trackers (the table,
+        // `samples`, is the stream's scratch). `param_rows` is null, or `rows` (a live Vec of
+        // `spec.samples.len()` <= PINSTREAM_PARAM_ROWS entries, `samples` null), which the
+        // launcher copies into the launch's parameters before it returns.
+        check_with(
+            unsafe {
+                sys::pinstream_normalize(&args, param_rows, <O as Element>::CODE, stream.as_raw())
+            },
+            "pinstream_normalize",
+            || {
+                format!(
+                    "{} samples x {} channels, {:?} -> {:?}, {}",
+                    spec.samples.len(),
+                    spec.channels,
+                    spec.in_layout,
+                    spec.out_layout,
+                    O::NAME
+                )
+            },
+        )
+    })
+    .map(|_| ())
 }
 
 /// Checks that `spec` is something `denormalize` handles: a uniform batch, one layout, no pad.

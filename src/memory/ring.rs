@@ -49,10 +49,6 @@ pub(crate) enum Upload {
     /// `cudaMemcpyAsync` host to device, on a copy engine (`PINSTREAM_TABLE_UPLOAD=dma`, or a
     /// ring that could not be mapped).
     Dma,
-    /// No upload: the kernel reads its table from the mapped ring itself
-    /// (`PINSTREAM_TABLE_UPLOAD=direct`); the region is guarded by an event recorded after the
-    /// launch ([`TableRing::place`], [`TableRing::seal`]).
-    Direct,
 }
 
 /// The upload path, read once from `PINSTREAM_TABLE_UPLOAD` (`kernel`, the default, or `dma`).
@@ -61,7 +57,6 @@ pub(crate) fn upload_mode() -> Upload {
     *MODE.get_or_init(
         || match std::env::var("PINSTREAM_TABLE_UPLOAD").as_deref() {
             Ok("dma") => Upload::Dma,
-            Ok("direct") => Upload::Direct,
             _ => Upload::Kernel,
         },
     )
@@ -140,8 +135,6 @@ pub(crate) struct TableRing {
     retired: Vec<(PinnedBuffer<u8>, Option<Event>)>,
     /// Set when an upload was queued but could be neither tracked nor waited for.
     poisoned: Option<Error>,
-    /// A region [`place`](TableRing::place)d for a kernel and not yet sealed.
-    sealing: Option<(usize, usize, Event)>,
 }
 
 impl TableRing {
@@ -158,7 +151,6 @@ impl TableRing {
             spare: Vec::new(),
             retired: Vec::new(),
             poisoned: None,
-            sealing: None,
         }
     }
 
@@ -178,9 +170,6 @@ impl TableRing {
         const OP: &str = "kernel table upload";
         if let Some(e) = &self.poisoned {
             return Err(e.clone());
-        }
-        if self.sealing.is_some() {
-            return Err(Error::invalid(OP, "a placed table was not sealed"));
         }
         if table.is_empty() {
             return Ok(());
@@ -289,67 +278,6 @@ impl TableRing {
         Ok((start, len, event, host))
     }
 
-    /// For [`Upload::Direct`]: writes `table` into a free region and returns the region's
-    /// device address for the kernel to read, or `None` where the ring has no device address
-    /// (use [`upload`](Self::upload) then). The region stays reserved until [`seal`](Self::seal),
-    /// which the caller must call after queuing the kernel (whether or not that succeeded).
-    pub(crate) fn place(&mut self, stream: &Stream, table: &[u8]) -> Result<Option<usize>> {
-        if let Some(e) = &self.poisoned {
-            return Err(e.clone());
-        }
-        if stream.id() != self.stream {
-            return Err(Error::invalid(
-                "kernel table",
-                "the ring belongs to another stream",
-            ));
-        }
-        if self.sealing.is_some() {
-            return Err(Error::invalid(
-                "kernel table",
-                "a placed table was not sealed",
-            ));
-        }
-        stream.enter()?;
-        // A ring must exist (and be mapped) before the table is placed in it.
-        if self.mem.is_none() {
-            self.grow(table.len().max(1))?;
-        }
-        if self.mapped.is_none() {
-            return Ok(None);
-        }
-        let (start, len, event, _) = self.write(stream, table)?;
-        // `write` may have grown the ring; the address is the current ring's.
-        let Some(base) = self.mapped else {
-            self.spare.push(event);
-            return Ok(None);
-        };
-        self.sealing = Some((start, len, event));
-        Ok(Some(base.wrapping_add(start)))
-    }
-
-    /// Records the event of the table [`place`](Self::place)d last, after the kernel that
-    /// reads it was queued on `stream`: the region is written again only once it has passed.
-    pub(crate) fn seal(&mut self, stream: &Stream) -> Result<()> {
-        let Some((start, len, event)) = self.sealing.take() else {
-            return Ok(());
-        };
-        if let Err(e) = stream.record(&event) {
-            // The kernel may be queued but is not tracked: wait for it, or give up the ring.
-            if let Err(wait) = stream.synchronize() {
-                self.poisoned = Some(wait);
-                // Keep the region out of use for good.
-                self.space.push(start, len);
-                self.events.push_back(event);
-            } else {
-                self.spare.push(event);
-            }
-            return Err(e);
-        }
-        self.space.push(start, len);
-        self.events.push_back(event);
-        Ok(())
-    }
-
     /// Frees the regions whose uploads have finished (queries only, oldest first).
     fn reclaim(&mut self) -> Result<()> {
         while let Some(ev) = self.events.front() {
@@ -391,14 +319,6 @@ impl TableRing {
 
 impl Drop for TableRing {
     fn drop(&mut self) {
-        if self.sealing.is_some() && self.poisoned.is_none() {
-            // A kernel may read a region whose event was never recorded: nobody can say when
-            // it is done, so the memory is leaked.
-            self.poisoned = Some(Error::invalid(
-                "kernel table",
-                "a placed table was not sealed",
-            ));
-        }
         let current = self.mem.take().map(|m| (m, self.events.pop_back()));
         for (mem, last) in self.retired.drain(..).chain(current) {
             let waited = match (&self.poisoned, &last) {

@@ -105,9 +105,7 @@ impl<E, S> Pipeline<E, S> {
     /// Gives a slot back to the feeder. Once the feeder has stopped the slot is dropped here.
     pub(crate) fn give_back(&self, slot: S) {
         if let Some(free) = &self.free {
-            if let Err(mpsc::SendError(slot)) = free.send(slot) {
-                drop(slot);
-            }
+            let _ = free.send(slot);
         }
     }
 
