@@ -32,6 +32,7 @@ mod affinity;
 pub mod bench;
 mod copy;
 mod device;
+pub mod dlpack;
 mod error;
 mod event;
 pub mod kernels;
@@ -53,9 +54,9 @@ pub use device::{
 pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
-    DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, HostAlloc, HostKind,
-    HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PinnedView, PoolBacking,
-    PoolBlock, PoolConfig, PoolStats, Registered,
+    DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, ForeignBuffer, HostAlloc,
+    HostKind, HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PinnedView,
+    PoolBacking, PoolBlock, PoolConfig, PoolStats, Registered,
 };
 pub use staging::{
     Downloads, FileSource, Packed, PackedBatch, Packer, Stager, StagerConfig, Uploads,

@@ -8,7 +8,7 @@ use std::os::raw::c_void;
 use bytemuck::Pod;
 
 use super::sealed::{DeviceMem, DeviceRegion};
-use super::tracker::{self, Tracker};
+use super::tracker::{self, Access, Tracker};
 use super::{resolve_range, DeviceSlice, DeviceSliceMut};
 use crate::device::Device;
 use crate::error::{byte_len, check_alloc, check_with, Result};
@@ -167,6 +167,22 @@ impl<T: Pod> DeviceBuffer<T> {
         self.tracker.synchronize()
     }
 
+    /// PyTorch's `record_stream`: the memory is also read by what `stream` (another library's,
+    /// usually: see [`Stream::from_raw`]) has queued so far. `stream` first waits on the GPU for
+    /// the buffer's last write, then the next write or free through pinstream waits for the
+    /// point it has reached now. Call it after queuing the reads (they are covered up to the
+    /// call); for a stream that writes the memory use
+    /// [`record_stream_mut`](Self::record_stream_mut).
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        self.tracker.record_use(stream, Access::Read)
+    }
+
+    /// As [`record_stream`](Self::record_stream) for a stream that writes the memory: it waits
+    /// for every earlier use, and every later use waits for it.
+    pub fn record_stream_mut(&mut self, stream: &Stream) -> Result<()> {
+        self.tracker.record_use(stream, Access::Write)
+    }
+
     /// A read-only view of `range` (in elements).
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceView<'_, T>> {
         let r = resolve_range("DeviceBuffer::slice", range, self.len)?;
@@ -323,6 +339,37 @@ macro_rules! view_type {
             pub fn as_device_ptr(&self) -> *const T {
                 self.ptr
             }
+
+            /// The memory is also read by what `stream` has queued so far (see
+            /// [`DeviceBuffer::record_stream`]; it covers the whole buffer the view is of).
+            pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+                self.tracker.record_use(stream, Access::Read)
+            }
+        }
+
+        impl<'a, T: Pod> $name<'a, T> {
+            /// A view of `len` elements at `ptr`, tracked by `tracker`.
+            ///
+            /// # Safety
+            ///
+            /// `ptr .. ptr + len` is device memory of `device`, aligned for `T`, that stays
+            /// allocated while `tracker` lives (`'a`), and `tracker` tracks every pinstream use
+            /// of it. For the writable view, nothing else hands out a view of the same memory
+            /// while this one lives, except through `&mut` of the owner.
+            pub(crate) unsafe fn from_parts(
+                ptr: *mut T,
+                len: usize,
+                device: Device,
+                tracker: &'a Tracker,
+            ) -> Self {
+                $name {
+                    ptr,
+                    len,
+                    device,
+                    tracker,
+                    _marker: PhantomData,
+                }
+            }
         }
 
         impl<T: Pod> DeviceMem<T> for $name<'_, T> {
@@ -350,6 +397,13 @@ view_type!(
     "A writable view of part of a `DeviceBuffer` (`DeviceBuffer::slice_mut`)."
 );
 impl<T: Pod> DeviceSliceMut<T> for DeviceViewMut<'_, T> {}
+
+impl<T: Pod> DeviceViewMut<'_, T> {
+    /// As [`DeviceBuffer::record_stream_mut`]: `stream` writes the memory.
+    pub fn record_stream_mut(&mut self, stream: &Stream) -> Result<()> {
+        self.tracker.record_use(stream, Access::Write)
+    }
+}
 
 impl<T: Pod> DeviceMem<T> for DeviceBuffer<T> {
     fn device_region(&self) -> DeviceRegion<'_> {

@@ -4,6 +4,8 @@
 //! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+pub use foreign::ForeignBuffer;
+pub(crate) use foreign::{check_device_ptr, pointer_kind, PointerKind};
 pub use live::{live, Live};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
@@ -55,6 +57,7 @@ pub(crate) use flag_set;
 
 pub(crate) mod bounce;
 mod device;
+mod foreign;
 mod live;
 pub(crate) mod nt;
 mod pinned;

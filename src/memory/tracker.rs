@@ -123,6 +123,15 @@ impl Tracker {
         st.poisoned.is_none() && st.all().all(|u| u.event.is_complete().unwrap_or(false))
     }
 
+    /// Adds what `stream` has queued so far as a use of the memory (PyTorch's `record_stream`):
+    /// the stream first waits for the uses `access` conflicts with (for a read, the last
+    /// write), then an event recorded on it joins the others, so a later write or free waits
+    /// for it too.
+    pub(crate) fn record_use(&self, stream: &Stream, access: Access) -> Result<()> {
+        stream.enter()?;
+        ordered_rw(stream, &[(self, access)], || Ok(())).map(|_| ())
+    }
+
     /// Makes later work on `stream` wait for every use (used before a stream-ordered free).
     pub(crate) fn wait_on(&self, stream: &Stream) -> Result<()> {
         for ev in self.uses()? {

@@ -32,6 +32,12 @@ pub struct PrefetchConfig {
     /// `local_cpulist`, where the OS allows them), so the page-locked memory they fill sits on
     /// the GPU's NUMA node. Nothing changes where sysfs does not say. Default: on.
     pub numa_local: bool,
+    /// Spare slots that stand in for batches handed to other libraries
+    /// ([`DeviceBatch::into_dlpack`](super::DeviceBatch::into_dlpack)) until their consumers
+    /// release them, so prefetching goes on at full depth meanwhile. When `depth +
+    /// export_spares` batches are held, [`Prefetcher::next`](super::Prefetcher::next) returns
+    /// an error (and can be called again after a release) rather than wait. 0..=64; default 2.
+    pub export_spares: usize,
 }
 
 impl Default for PrefetchConfig {
@@ -43,6 +49,7 @@ impl Default for PrefetchConfig {
             stager: StagerConfig::default(),
             pool: PoolConfig::default(),
             numa_local: true,
+            export_spares: 2,
         }
     }
 }
@@ -58,6 +65,12 @@ impl PrefetchConfig {
             return bad(format!(
                 "loader_threads = {} is not in 1..=256",
                 self.loader_threads
+            ));
+        }
+        if self.export_spares > 64 {
+            return bad(format!(
+                "export_spares = {} is more than 64",
+                self.export_spares
             ));
         }
         if self.ahead > 4096 {

@@ -66,12 +66,16 @@ impl Feeder {
         }
         let extras_len = batch.extras.len();
         // Everything the consumer did with the slot's last batch comes first.
-        slot.stream.wait(&slot.release)?;
+        slot.wait_released()?;
         let b = slot
             .bufs
             .as_mut()
             .ok_or_else(|| Error::invalid("Prefetcher", "a slot lost its buffers"))?;
-        let (dev, release, bytes) = (&self.device, &slot.release, &*slot.device_bytes);
+        let (dev, release, bytes) = (
+            &self.device,
+            (&slot.release, &slot.also[..]),
+            &*slot.device_bytes,
+        );
         Slot::<O, E>::grow(dev, release, &mut b.input, in_len, bytes)?;
         Slot::<O, E>::grow(dev, release, &mut b.output, out_len, bytes)?;
         Slot::<O, E>::grow(dev, release, &mut b.extras, extras_len, bytes)?;

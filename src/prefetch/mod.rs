@@ -48,6 +48,7 @@ use bytemuck::Pod;
 mod batch;
 mod config;
 mod dry;
+mod export;
 mod feeder;
 mod loaders;
 mod pipeline;
@@ -62,12 +63,15 @@ pub use dry::{DryBatch, DryRun};
 pub use pixels::Pixels;
 pub use source::{LoadError, Source};
 
+use crate::dlpack::{Element, Tensor, TensorParts};
 use crate::error::{Error, Result};
-use crate::kernels::{OutputElement, Spec};
+use crate::event::Event;
+use crate::kernels::{Layout, OutputElement, Spec};
 use crate::memory::{DeviceView, PinnedPool, PoolStats};
 use crate::staging::Stager;
 use crate::stream::Stream;
 use batch::PinnedSupply;
+use export::{Exports, Lease, LeaseOwner};
 use feeder::Feeder;
 use pipeline::{Msg, Pipeline, Plan};
 use slot::Slot;
@@ -115,6 +119,7 @@ pub struct Prefetcher<O: OutputElement, E: Pod + Send + 'static = i64> {
     pipe: Pipeline<E, Box<Slot<O, E>>>,
     pool: PinnedPool,
     device_bytes: Arc<AtomicUsize>,
+    exports: Arc<Exports>,
     /// An error found while giving a slot back from `Drop`, reported by the next `next()`.
     pending: Option<Error>,
     finished: bool,
@@ -199,6 +204,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             pipe,
             pool,
             device_bytes,
+            exports: Arc::new(Exports::new(config.depth, config.export_spares)),
             pending: None,
             finished: false,
             _types: PhantomData,
@@ -223,6 +229,20 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         if self.finished {
             return None;
         }
+        if self.exports.circulating() == 0 {
+            // Every slot is held by a DLPack consumer: waiting could be for ever.
+            return Some(Err(Error::invalid(
+                "Prefetcher::next",
+                format!(
+                    "all {} slots are held by batches handed over through DLPack whose \
+                     consumers have not released them (depth {} + export_spares {}); release \
+                     one and call next() again",
+                    self.exports.depth + self.exports.spares.load(Ordering::Acquire),
+                    self.exports.depth,
+                    self.exports.limit
+                ),
+            )));
+        }
         match self.pipe.recv() {
             Msg::Ready(slot) => {
                 if let Err(e) = self.consumer.wait(&slot.ready) {
@@ -246,18 +266,20 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
 
     /// Records the release of the slot the consumer held and sends it back to the feeder.
     fn give_back(&mut self) {
-        let Some(slot) = self.current.take() else {
+        let Some(mut slot) = self.current.take() else {
             return;
         };
-        if let Err(e) = self.consumer.record(&slot.release) {
-            // Without the event the feeder could refill the slot under the consumer: wait for
-            // the consumer's stream instead; if even that fails, keep the slot out of use.
-            if let Err(wait) = self.consumer.synchronize() {
-                self.pending.get_or_insert(wait);
+        match mark_released(&self.consumer, &mut slot) {
+            Ok(None) => {}
+            Ok(Some(e)) => {
+                self.pending.get_or_insert(e);
+            }
+            Err(e) => {
+                // The slot's users cannot be ordered before its refill: keep it out of use.
+                self.pending.get_or_insert(e);
                 self.current = Some(slot);
                 return;
             }
-            self.pending.get_or_insert(e);
         }
         // Once the feeder has stopped the slot is dropped there, which waits for its release.
         self.pipe.give_back(slot);
@@ -284,6 +306,31 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
     pub fn loader_stats(&self) -> LoaderStats {
         self.pipe.loader_stats()
     }
+}
+
+/// Records the release of the batch in `slot` on the consumer's stream and on every stream
+/// named by `record_stream`; a stream whose event cannot be recorded is waited for instead.
+/// `Ok(Some(e))`: an error to report, the slot may be reused; `Err`: it may not.
+fn mark_released<O: Pod, E: Pod>(
+    consumer: &Stream,
+    slot: &mut Slot<O, E>,
+) -> Result<Option<Error>> {
+    let mut report = None;
+    if let Err(e) = consumer.record(&slot.release) {
+        consumer.synchronize()?;
+        report = Some(e);
+    }
+    slot.also.clear();
+    for s in slot.take_users() {
+        match Event::new(&s.device()).and_then(|ev| s.record(&ev).map(|()| ev)) {
+            Ok(ev) => slot.also.push(ev),
+            Err(e) => {
+                s.synchronize()?;
+                report.get_or_insert(e);
+            }
+        }
+    }
+    Ok(report)
 }
 
 /// [`Prefetcher::loader_stats`].
@@ -382,6 +429,113 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
     pub fn device_bytes(&self) -> usize {
         self.p.device_bytes()
     }
+
+    /// PyTorch's `record_stream` for the whole batch: `stream` (another library's, usually:
+    /// see [`Stream::from_raw`]) uses it too. `stream` waits on the GPU for the batch now, and
+    /// when the batch is dropped an event is recorded on it as on the consumer's stream: the
+    /// slot is refilled only after both. Work queued on `stream` until the drop is covered.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        let slot = self.slot()?;
+        stream.wait(&slot.ready)?;
+        let mut users = slot.users.lock().unwrap_or_else(|e| e.into_inner());
+        if !users.iter().any(|u| u.id() == stream.id()) {
+            users.push(stream.clone());
+        }
+        Ok(())
+    }
+
+    /// Hands the batch to other libraries as two DLPack tensors, pixels and extras, that keep
+    /// its slot until both are released (see [`crate::dlpack`]). The pixels are `[n, c, h, w]`
+    /// (NCHW output) or `[n, h, w, c]` (NHWC) when every sample has the same output size,
+    /// else flat; the extras are flat. Hand each over with
+    /// [`Tensor::into_versioned`]`(Some(&stream))`: that stream waits for the batch on the
+    /// GPU, and its release orders the slot's refill after it.
+    ///
+    /// Meanwhile a spare slot stands in for it (up to
+    /// [`PrefetchConfig::export_spares`]), so prefetching goes on at full depth; what the
+    /// consumer's stream had queued on the batch before this call is covered as by a drop.
+    pub fn into_dlpack(self) -> Result<(Tensor, Tensor)>
+    where
+        O: Element,
+        E: Element,
+    {
+        let p = &mut *self.p;
+        let Some(mut slot) = p.current.take() else {
+            return Err(Error::invalid("DeviceBatch", "the batch was given back"));
+        };
+        match mark_released(&p.consumer, &mut slot) {
+            Ok(None) => {}
+            Ok(Some(e)) | Err(e) => {
+                // Still the consumer's: dropping the batch gives it back the usual way.
+                p.current = Some(slot);
+                return Err(e);
+            }
+        }
+        let device = p.consumer.device();
+        let (shape, out_len, extras_len) = (pixel_shape(&slot), slot.out_len, slot.extras_len);
+        let (output, extras) = match slot.bufs.as_ref() {
+            Some(b) => (b.output.as_device_ptr(), b.extras.as_device_ptr()),
+            None => {
+                p.current = Some(slot);
+                return Err(Error::invalid("Prefetcher", "a slot lost its buffers"));
+            }
+        };
+        // A spare takes the slot's place in the feeder's circle while it is away.
+        if p.exports.claim_spare() {
+            match Slot::new(&device, p.device_bytes.clone()) {
+                Ok(spare) => p.pipe.give_back(Box::new(spare)),
+                Err(e) => {
+                    p.exports.spares.fetch_sub(1, Ordering::AcqRel);
+                    p.pending.get_or_insert(e);
+                }
+            }
+        }
+        p.exports.held.fetch_add(1, Ordering::AcqRel);
+        let lease = Arc::new(Lease::new(
+            slot,
+            device,
+            p.pipe.returner(),
+            p.exports.clone(),
+        ));
+        let part = |data: *const std::os::raw::c_void, dtype, elem, len| TensorParts {
+            data: data.cast_mut(),
+            device,
+            dtype,
+            elem,
+            len,
+            owner: Box::new(LeaseOwner(lease.clone())),
+        };
+        let pixels = part(output.cast(), O::DTYPE, std::mem::size_of::<O>(), out_len);
+        let extras = part(
+            extras.cast(),
+            E::DTYPE,
+            std::mem::size_of::<E>(),
+            extras_len,
+        );
+        drop(lease);
+        let pixels = Tensor::from_parts(pixels, crate::dlpack::abi::KDL_CUDA)?;
+        let extras = Tensor::from_parts(extras, crate::dlpack::abi::KDL_CUDA)?;
+        let pixels = match shape {
+            Some(s) => pixels.reshape(&s)?,
+            None => pixels,
+        };
+        Ok((pixels, extras))
+    }
+}
+
+/// The pixels' shape for a batch of equal-sized samples, in the output layout's order.
+fn pixel_shape<O: Pod, E: Pod>(slot: &Slot<O, E>) -> Option<Vec<usize>> {
+    let spec = &slot.spec;
+    let first = spec.samples.first()?.out_hw();
+    if !spec.samples.iter().all(|s| s.out_hw() == first) {
+        return None;
+    }
+    let (n, c, (h, w)) = (spec.samples.len(), spec.out_channels(), first);
+    let shape = match spec.out_layout {
+        Layout::Nchw => vec![n, c, h, w],
+        Layout::Nhwc => vec![n, h, w, c],
+    };
+    (shape.iter().product::<usize>() == slot.out_len).then_some(shape)
 }
 
 impl<O: OutputElement, E: Pod + Send + 'static> Drop for DeviceBatch<'_, O, E> {

@@ -10,6 +10,7 @@
 //! free slot (both woken by shutdown), the loaders' on the queue.
 
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use bytemuck::Pod;
@@ -40,7 +41,10 @@ pub(crate) struct Plan {
 /// dropped on the way, each waiting for whatever its own `Drop` waits for).
 pub(crate) struct Pipeline<E, S> {
     ready: Receiver<Msg<S>>,
-    free: Option<Sender<S>>,
+    /// The way back to the feeder: shared with exported batches, which give their slot back
+    /// when their consumer releases them; emptied (closing the channel) when the pipeline
+    /// stops.
+    free: Returner<S>,
     feeder: Option<JoinHandle<()>>,
     loaders: Loaders<E>,
 }
@@ -68,7 +72,7 @@ impl<E: Pod + Send + 'static, S: Send + 'static> Pipeline<E, S> {
         let queue = loaders.queue().clone();
         let mut me = Pipeline {
             ready: ready_rx,
-            free: Some(free_tx),
+            free: Arc::new(Mutex::new(Some(free_tx))),
             feeder: None,
             loaders,
         };
@@ -104,9 +108,12 @@ impl<E, S> Pipeline<E, S> {
 
     /// Gives a slot back to the feeder. Once the feeder has stopped the slot is dropped here.
     pub(crate) fn give_back(&self, slot: S) {
-        if let Some(free) = &self.free {
-            let _ = free.send(slot);
-        }
+        give_back(&self.free, slot);
+    }
+
+    /// The way back to the feeder, for slots that come back later from another thread.
+    pub(crate) fn returner(&self) -> Returner<S> {
+        self.free.clone()
     }
 
     pub(crate) fn loader_stats(&self) -> LoaderStats {
@@ -118,7 +125,8 @@ impl<E, S> Drop for Pipeline<E, S> {
     fn drop(&mut self) {
         self.loaders.queue().stop();
         // Closing the free channel wakes a feeder that waits for a slot.
-        self.free = None;
+        let closed = lock(&self.free).take();
+        drop(closed);
         // Drain what the feeder sent (the channel is unbounded, so it never blocks on it).
         while let Ok(m) = self.ready.try_recv() {
             drop(m);
@@ -131,6 +139,24 @@ impl<E, S> Drop for Pipeline<E, S> {
         }
         // `loaders` drops next: stops (again) and joins its threads.
     }
+}
+
+/// The sending side of the feeder's free slots, `None` once the pipeline has stopped.
+pub(crate) type Returner<S> = Arc<Mutex<Option<Sender<S>>>>;
+
+fn lock<S>(r: &Returner<S>) -> std::sync::MutexGuard<'_, Option<Sender<S>>> {
+    // Only whole values are stored under the lock: a panic elsewhere leaves it consistent.
+    r.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sends `slot` back to the feeder; once the pipeline has stopped, drops it here (after the
+/// lock is released: a slot's `Drop` may wait for the GPU).
+pub(crate) fn give_back<S>(r: &Returner<S>, slot: S) {
+    let refused = match lock(r).as_ref() {
+        Some(free) => free.send(slot).err().map(|e| e.0),
+        None => Some(slot),
+    };
+    drop(refused);
 }
 
 /// The feeder's loop: takes local index 0, 1, 2, ... from the queue, fills a free slot with

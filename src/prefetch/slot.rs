@@ -2,7 +2,7 @@
 //! the two events that hand it between the feeder and the consumer.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
@@ -21,6 +21,12 @@ pub(crate) struct Slot<O: Pod, E: Pod> {
     pub(crate) ready: Event,
     /// Recorded on the consumer's stream when the consumer is done with the batch.
     pub(crate) release: Event,
+    /// Other streams that use the batch ([`DeviceBatch::record_stream`](super::DeviceBatch::record_stream)),
+    /// taken when the batch is given back.
+    pub(crate) users: Mutex<Vec<Stream>>,
+    /// Events recorded on those streams (and on DLPack consumers' streams) when the batch was
+    /// given back: the refill waits for them as for `release`.
+    pub(crate) also: Vec<Event>,
     pub(crate) bufs: Option<Buffers<O, E>>,
     pub(crate) spec: Spec,
     pub(crate) index: u64,
@@ -47,6 +53,8 @@ impl<O: Pod, E: Pod> Slot<O, E> {
             stream: Stream::new(device)?,
             ready: Event::new(device)?,
             release: Event::new(device)?,
+            users: Mutex::new(Vec::new()),
+            also: Vec::new(),
             bufs: Some(Buffers {
                 input: DeviceBuffer::new(device, 0)?,
                 output: DeviceBuffer::new(device, 0)?,
@@ -66,11 +74,31 @@ impl<O: Pod, E: Pod> Slot<O, E> {
             .ok_or_else(|| Error::invalid("Prefetcher", "a slot lost its buffers"))
     }
 
+    /// The streams named by `record_stream`, taken (locked only for the moment).
+    pub(crate) fn take_users(&self) -> Vec<Stream> {
+        std::mem::take(&mut *self.users.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Makes the slot's stream wait for every release of its last batch.
+    pub(crate) fn wait_released(&self) -> Result<()> {
+        self.stream.wait(&self.release)?;
+        for ev in &self.also {
+            self.stream.wait(ev)?;
+        }
+        Ok(())
+    }
+
+    /// Blocks until every release of the slot's last batch has passed.
+    pub(crate) fn synchronize_released(release: &Event, also: &[Event]) -> Result<()> {
+        release.synchronize()?;
+        also.iter().try_for_each(Event::synchronize)
+    }
+
     /// Grows `buf` to at least `len` elements. The old buffer may still be read by the
     /// consumer (through raw pointers the trackers cannot see): wait for its release first.
     pub(crate) fn grow<T: Pod>(
         device: &Device,
-        release: &Event,
+        released: (&Event, &[Event]),
         buf: &mut DeviceBuffer<T>,
         len: usize,
         bytes: &AtomicUsize,
@@ -78,7 +106,7 @@ impl<O: Pod, E: Pod> Slot<O, E> {
         if buf.len() >= len {
             return Ok(());
         }
-        release.synchronize()?;
+        Self::synchronize_released(released.0, released.1)?;
         let new = DeviceBuffer::<T>::new(device, len)?;
         bytes.fetch_sub(buf.byte_len(), Ordering::Relaxed);
         bytes.fetch_add(new.byte_len(), Ordering::Relaxed);
@@ -90,9 +118,7 @@ impl<O: Pod, E: Pod> Slot<O, E> {
 impl<O: Pod, E: Pod> Drop for Slot<O, E> {
     fn drop(&mut self) {
         // The consumer's last use and the slot's own work must be over before the buffers go.
-        let waited = self
-            .release
-            .synchronize()
+        let waited = Self::synchronize_released(&self.release, &self.also)
             .and_then(|()| self.stream.synchronize());
         if let Some(b) = self.bufs.take() {
             self.device_bytes.fetch_sub(b.bytes(), Ordering::Relaxed);

@@ -1,0 +1,556 @@
+//! Export: [`Tensor`], what keeps its memory alive ([`Owner`]), and the deleters.
+
+use std::ops::RangeBounds;
+use std::os::raw::c_void;
+use std::sync::Arc;
+
+use super::abi::{
+    DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLTensor, FLAG_READ_ONLY,
+    KDL_CUDA, KDL_CUDA_HOST, VERSION,
+};
+use super::{check_element, dtype_name, Element};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::memory::sealed::{DeviceMem, HostMem};
+use crate::memory::tracker::{self, Access};
+use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer};
+use crate::stream::Stream;
+
+/// Who consumes an exported tensor.
+pub(crate) enum Consumer<'a> {
+    /// The tensor was never handed over: nothing but pinstream used it.
+    Nobody,
+    /// The consumer's stream, named at the handover.
+    Stream(&'a Stream),
+    /// Handed over with no stream (`-1`): the consumer's work is not known.
+    Unknown,
+}
+
+/// What keeps an exported tensor's memory alive, and gives it back.
+pub(crate) trait Owner: Send + Sync + 'static {
+    /// At the handover: orders `consumer` (on the GPU) or the host after the producer's work
+    /// on the memory.
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()>;
+    /// When the consumer releases the tensor (any thread, exactly once): orders the memory's
+    /// next use or free after the consumer's work. Dropping `self` afterwards gives it back.
+    fn release(&self, consumer: Consumer<'_>);
+}
+
+/// The parts of a tensor a crate module builds (a prefetcher's batch).
+pub(crate) struct TensorParts {
+    pub(crate) data: *mut c_void,
+    pub(crate) device: Device,
+    pub(crate) dtype: DLDataType,
+    pub(crate) elem: usize,
+    pub(crate) len: usize,
+    pub(crate) owner: Box<dyn Owner>,
+}
+
+/// A DLPack tensor of pinstream memory, not yet handed over: an owner (a device or pinned
+/// buffer, a prefetched batch), a shape and strides. Hand it over with
+/// [`into_versioned`](Self::into_versioned) (DLPack 1.x) or [`into_legacy`](Self::into_legacy);
+/// dropping it instead gives the memory back at once.
+///
+/// ```no_run
+/// use pinstream::dlpack::Tensor;
+/// # fn main() -> pinstream::Result<()> {
+/// # let dev = pinstream::Device::get(0)?;
+/// let stream = dev.stream()?;
+/// let buf = pinstream::DeviceBuffer::<f32>::new(&dev, 2 * 3)?;
+/// let t = Tensor::from_device(buf)?.reshape(&[2, 3])?;
+/// // `consumer` waits on the GPU for the buffer's last write; the deleter, when the
+/// // consumer calls it, orders the free after `consumer`'s work.
+/// let raw = t.into_versioned(Some(&stream))?;   // *mut DLManagedTensorVersioned
+/// # let _ = raw;
+/// # Ok(()) }
+/// ```
+pub struct Tensor {
+    data: *mut c_void,
+    device: DLDevice,
+    dtype: DLDataType,
+    /// Element size in bytes.
+    elem: usize,
+    /// Elements addressable from `data`.
+    len: usize,
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    flags: u64,
+    owner: Option<Box<dyn Owner>>,
+}
+
+// SAFETY: `data` points into memory that `owner` (Send + Sync) keeps alive; the tensor never
+// reads or writes through it.
+unsafe impl Send for Tensor {}
+// SAFETY: as above; `&Tensor` only reads the metadata.
+unsafe impl Sync for Tensor {}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("data", &self.data)
+            .field("device", &self.device)
+            .field("dtype", &dtype_name(self.dtype))
+            .field("shape", &self.shape)
+            .field("strides", &self.strides)
+            .field("flags", &self.flags)
+            .finish()
+    }
+}
+
+/// A handover that failed: the error and the tensor, still owned by the caller.
+#[derive(Debug)]
+pub struct Refused {
+    /// Why.
+    pub error: Error,
+    /// The tensor, unchanged.
+    pub tensor: Tensor,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DLPack handover refused: {}", self.error)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl From<Refused> for Error {
+    fn from(r: Refused) -> Error {
+        r.error
+    }
+}
+
+fn to_i64(op: &'static str, n: usize) -> Result<i64> {
+    i64::try_from(n).map_err(|_| Error::invalid(op, format!("{n} does not fit in an int64")))
+}
+
+impl Tensor {
+    pub(crate) fn from_parts(p: TensorParts, kind: i32) -> Result<Tensor> {
+        let len = to_i64("dlpack::Tensor", p.len)?;
+        let device_id = i32::try_from(p.device.ordinal())
+            .map_err(|_| Error::invalid("dlpack::Tensor", "device ordinal out of range"))?;
+        Ok(Tensor {
+            data: p.data,
+            device: DLDevice {
+                device_type: kind,
+                device_id: if kind == KDL_CUDA { device_id } else { 0 },
+            },
+            dtype: p.dtype,
+            elem: p.elem,
+            len: p.len,
+            shape: vec![len],
+            strides: vec![1],
+            flags: 0,
+            owner: Some(p.owner),
+        })
+    }
+
+    /// A one-dimensional tensor of a whole device buffer (`kDLCUDA`). A shared buffer
+    /// (`Arc<DeviceBuffer<T>>`) stays usable by pinstream while exported: its uses and the
+    /// consumer's are ordered at the handover and at the release, not in between.
+    pub fn from_device<T: Element>(buf: impl Into<Arc<DeviceBuffer<T>>>) -> Result<Tensor> {
+        check_element::<T>("dlpack::Tensor::from_device")?;
+        let buf = buf.into();
+        let r = buf.device_region();
+        let parts = TensorParts {
+            data: r.ptr,
+            device: r.device,
+            dtype: T::DTYPE,
+            elem: std::mem::size_of::<T>(),
+            len: r.len,
+            owner: Box::new(DeviceOwner(buf)),
+        };
+        Tensor::from_parts(parts, KDL_CUDA)
+    }
+
+    /// A one-dimensional tensor of a whole pinned buffer (`kDLCUDAHost`). The handover waits
+    /// on the host for the GPU's uses of it (host consumers read it at once).
+    pub fn from_pinned<T: Element>(buf: impl Into<Arc<PinnedBuffer<T>>>) -> Result<Tensor> {
+        check_element::<T>("dlpack::Tensor::from_pinned")?;
+        let buf = buf.into();
+        let r = buf.host_region();
+        let parts = TensorParts {
+            data: r.ptr,
+            device: buf.device(),
+            dtype: T::DTYPE,
+            elem: std::mem::size_of::<T>(),
+            len: r.len,
+            owner: Box::new(PinnedOwner(buf)),
+        };
+        Tensor::from_parts(parts, KDL_CUDA_HOST)
+    }
+
+    /// The elements of `range` (of the whole memory) as a one-dimensional tensor.
+    pub fn slice(mut self, range: impl RangeBounds<usize>) -> Result<Tensor> {
+        let r = resolve_range("dlpack::Tensor::slice", range, self.len)?;
+        self.shape = vec![to_i64("dlpack::Tensor::slice", r.len())?];
+        self.strides = vec![1];
+        // Inside the memory (checked above); not dereferenced here.
+        self.data = self
+            .data
+            .cast::<u8>()
+            .wrapping_add(r.start * self.elem)
+            .cast();
+        self.len = r.len();
+        Ok(self)
+    }
+
+    /// A compact row-major (C order) shape over all of the tensor's elements.
+    ///
+    /// Errors: `Error::InvalidArgument` when the shape's product is not the element count.
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor> {
+        const OP: &str = "dlpack::Tensor::reshape";
+        let mut strides = vec![0usize; shape.len()];
+        let mut acc = 1usize;
+        for (i, &n) in shape.iter().enumerate().rev() {
+            strides[i] = acc;
+            acc = acc
+                .checked_mul(n)
+                .ok_or_else(|| Error::invalid(OP, format!("shape {shape:?} overflows")))?;
+        }
+        if acc != self.len {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "shape {shape:?} has {acc} elements, the tensor {}",
+                    self.len
+                ),
+            ));
+        }
+        self.strided(OP, shape, &strides)
+    }
+
+    /// Any shape and strides (in elements) whose every index lies inside the tensor's memory:
+    /// transposed or channels-last views, broadcast (stride 0) dimensions.
+    pub fn with_strides(self, shape: &[usize], strides: &[usize]) -> Result<Tensor> {
+        self.strided("dlpack::Tensor::with_strides", shape, strides)
+    }
+
+    fn strided(mut self, op: &'static str, shape: &[usize], strides: &[usize]) -> Result<Tensor> {
+        if shape.len() != strides.len() || i32::try_from(shape.len()).is_err() {
+            return Err(Error::invalid(
+                op,
+                format!("{} sizes and {} strides", shape.len(), strides.len()),
+            ));
+        }
+        // The furthest element any index reaches, when there is any element at all.
+        if !shape.contains(&0) {
+            let mut last = 0usize;
+            for (&n, &s) in shape.iter().zip(strides) {
+                last = (n - 1)
+                    .checked_mul(s)
+                    .and_then(|x| last.checked_add(x))
+                    .ok_or_else(|| Error::invalid(op, "the strides overflow"))?;
+            }
+            if last >= self.len {
+                return Err(Error::invalid(
+                    op,
+                    format!(
+                        "shape {shape:?} with strides {strides:?} reaches element {last} of {}",
+                        self.len
+                    ),
+                ));
+            }
+        }
+        self.shape = shape
+            .iter()
+            .map(|&n| to_i64(op, n))
+            .collect::<Result<_>>()?;
+        self.strides = strides
+            .iter()
+            .map(|&n| to_i64(op, n))
+            .collect::<Result<_>>()?;
+        Ok(self)
+    }
+
+    /// Marks it read-only (`DLPACK_FLAG_BITMASK_READ_ONLY`; the legacy struct has no flags).
+    pub fn read_only(mut self) -> Tensor {
+        self.flags |= FLAG_READ_ONLY;
+        self
+    }
+
+    /// Sizes.
+    pub fn shape(&self) -> &[i64] {
+        &self.shape
+    }
+
+    /// Strides, in elements.
+    pub fn strides(&self) -> &[i64] {
+        &self.strides
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DLDataType {
+        self.dtype
+    }
+
+    /// Where the data lives.
+    pub fn device(&self) -> DLDevice {
+        self.device
+    }
+
+    /// The first element's address (device memory for `kDLCUDA`).
+    pub fn data_ptr(&self) -> *const c_void {
+        self.data
+    }
+
+    /// `DLPACK_FLAG_*` bits.
+    pub fn flags(&self) -> u64 {
+        self.flags
+    }
+
+    /// Orders the consumer after the data, then takes the owner out for the box.
+    fn hand_over(&mut self, consumer: Option<&Stream>) -> Result<Ctx> {
+        let owner = self
+            .owner
+            .as_ref()
+            .ok_or_else(|| Error::invalid("dlpack::Tensor", "already handed over"))?;
+        owner.sync(consumer)?;
+        Ok(Ctx {
+            shape: std::mem::take(&mut self.shape),
+            strides: std::mem::take(&mut self.strides),
+            owner: self.owner.take(),
+            consumer: consumer.cloned(),
+        })
+    }
+
+    fn dl_tensor(&self, ctx: &mut Ctx) -> DLTensor {
+        let ndim = ctx.shape.len() as i32; // fits: checked in `strided`
+        let (shape, strides) = if ndim == 0 {
+            (std::ptr::null_mut(), std::ptr::null_mut())
+        } else {
+            (ctx.shape.as_mut_ptr(), ctx.strides.as_mut_ptr())
+        };
+        DLTensor {
+            data: if self.len == 0 {
+                std::ptr::null_mut()
+            } else {
+                self.data
+            },
+            device: self.device,
+            ndim,
+            dtype: self.dtype,
+            shape,
+            strides,
+            byte_offset: 0,
+        }
+    }
+
+    /// Hands it over as a DLPack 1.x `DLManagedTensorVersioned`, which the consumer releases
+    /// by calling its `deleter` once (from any thread).
+    ///
+    /// `consumer`: the stream the consumer will use it on (`__dlpack__(stream=...)`); it waits
+    /// on the GPU for pinstream's work on the memory, and the release orders the memory's
+    /// reuse after the work queued on it by then. `None` (`stream=-1`): no synchronisation at
+    /// the handover (the consumer has ordered itself), and the release waits for the whole
+    /// device on the host before the memory is reused.
+    ///
+    /// Errors: the CUDA error of the wait, with the tensor back ([`Refused`]).
+    pub fn into_versioned(
+        mut self,
+        consumer: Option<&Stream>,
+    ) -> std::result::Result<*mut DLManagedTensorVersioned, Box<Refused>> {
+        let mut ctx = match self.hand_over(consumer) {
+            Ok(c) => c,
+            Err(error) => {
+                return Err(Box::new(Refused {
+                    error,
+                    tensor: self,
+                }))
+            }
+        };
+        let dl_tensor = self.dl_tensor(&mut ctx);
+        let boxed = Box::new(VersionedBox {
+            managed: DLManagedTensorVersioned {
+                version: VERSION,
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_versioned),
+                flags: self.flags,
+                dl_tensor,
+            },
+            ctx,
+        });
+        let raw = Box::into_raw(boxed);
+        // SAFETY: `raw` is a live box just made; the context points at itself for consumers
+        // that look at it (pinstream's deleter does not need it).
+        unsafe { (*raw).managed.manager_ctx = raw.cast() };
+        Ok(raw.cast())
+    }
+
+    /// As [`into_versioned`](Self::into_versioned), as the legacy `DLManagedTensor` (no
+    /// version, no flags: a read-only tensor is refused here, as the struct cannot say so).
+    pub fn into_legacy(
+        mut self,
+        consumer: Option<&Stream>,
+    ) -> std::result::Result<*mut DLManagedTensor, Box<Refused>> {
+        if self.flags & FLAG_READ_ONLY != 0 {
+            let error = Error::invalid(
+                "dlpack::Tensor::into_legacy",
+                "a read-only tensor cannot be handed over as a legacy DLManagedTensor",
+            );
+            return Err(Box::new(Refused {
+                error,
+                tensor: self,
+            }));
+        }
+        let mut ctx = match self.hand_over(consumer) {
+            Ok(c) => c,
+            Err(error) => {
+                return Err(Box::new(Refused {
+                    error,
+                    tensor: self,
+                }))
+            }
+        };
+        let dl_tensor = self.dl_tensor(&mut ctx);
+        let boxed = Box::new(LegacyBox {
+            managed: DLManagedTensor {
+                dl_tensor,
+                manager_ctx: std::ptr::null_mut(),
+                deleter: Some(delete_legacy),
+            },
+            ctx,
+        });
+        let raw = Box::into_raw(boxed);
+        // SAFETY: as in `into_versioned`.
+        unsafe { (*raw).managed.manager_ctx = raw.cast() };
+        Ok(raw.cast())
+    }
+}
+
+impl From<Box<Refused>> for Error {
+    fn from(r: Box<Refused>) -> Error {
+        r.error
+    }
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take() {
+            let _ = crate::sync::quietly(move || {
+                owner.release(Consumer::Nobody);
+                drop(owner);
+            });
+        }
+    }
+}
+
+/// What a handed-over tensor keeps until its deleter runs.
+struct Ctx {
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    owner: Option<Box<dyn Owner>>,
+    consumer: Option<Stream>,
+}
+
+impl Ctx {
+    fn release(mut self) {
+        if let Some(owner) = self.owner.take() {
+            let who = match &self.consumer {
+                Some(s) => Consumer::Stream(s),
+                None => Consumer::Unknown,
+            };
+            owner.release(who);
+            drop(owner);
+        }
+    }
+}
+
+#[repr(C)]
+struct VersionedBox {
+    managed: DLManagedTensorVersioned,
+    ctx: Ctx,
+}
+
+#[repr(C)]
+struct LegacyBox {
+    managed: DLManagedTensor,
+    ctx: Ctx,
+}
+
+/// The versioned tensor's deleter.
+unsafe extern "C" fn delete_versioned(p: *mut DLManagedTensorVersioned) {
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: every `DLManagedTensorVersioned` with this deleter is the first field of a
+    // `repr(C)` `VersionedBox` made by `into_versioned`; DLPack's contract has the consumer call
+    // the deleter once, after which it no longer touches the struct.
+    let b = unsafe { Box::from_raw(p.cast::<VersionedBox>()) };
+    // A panic must not unwind into the consumer's C frames.
+    let _ = crate::sync::quietly(move || b.ctx.release());
+}
+
+/// The legacy tensor's deleter.
+unsafe extern "C" fn delete_legacy(p: *mut DLManagedTensor) {
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: as in `delete_versioned`, for `LegacyBox` and `into_legacy`.
+    let b = unsafe { Box::from_raw(p.cast::<LegacyBox>()) };
+    let _ = crate::sync::quietly(move || b.ctx.release());
+}
+
+/// Orders the memory's next use after what the consumer queued, or waits for the device when
+/// that is not known; leaks the owner when even that fails (nobody can say when the memory is
+/// free again).
+fn release_tracked(
+    t: &tracker::Tracker,
+    device: Device,
+    bytes: usize,
+    consumer: Consumer<'_>,
+) -> bool {
+    let ordered = match consumer {
+        Consumer::Nobody => Ok(()),
+        Consumer::Stream(s) => t.record_use(s, Access::Write).or_else(|_| s.synchronize()),
+        Consumer::Unknown => device.synchronize(),
+    };
+    match ordered.or_else(|_| device.synchronize()) {
+        Ok(()) => true,
+        Err(e) => {
+            tracker::leak("memory exported through DLPack", bytes, &e);
+            false
+        }
+    }
+}
+
+struct DeviceOwner<T: Element>(Arc<DeviceBuffer<T>>);
+
+impl<T: Element> Owner for DeviceOwner<T> {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        match consumer {
+            Some(s) => self.0.device_region().tracker.record_use(s, Access::Write),
+            None => Ok(()),
+        }
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        let r = self.0.device_region();
+        if !release_tracked(r.tracker, r.device, self.0.byte_len(), consumer) {
+            // Keep the buffer alive for ever rather than free it under the consumer.
+            std::mem::forget(self.0.clone());
+        }
+    }
+}
+
+struct PinnedOwner<T: Element>(Arc<PinnedBuffer<T>>);
+
+impl<T: Element> Owner for PinnedOwner<T> {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        // Host consumers read it as soon as they have it: wait for every GPU use here.
+        let _ = consumer;
+        match self.0.host_region().tracker {
+            Some(t) => t.synchronize(),
+            None => Ok(()),
+        }
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        let bytes = self.0.len() * std::mem::size_of::<T>();
+        let ok = match self.0.host_region().tracker {
+            Some(t) => release_tracked(t, self.0.device(), bytes, consumer),
+            None => true,
+        };
+        if !ok {
+            std::mem::forget(self.0.clone());
+        }
+    }
+}
