@@ -52,10 +52,14 @@ impl Exports {
             .is_ok()
     }
 
-    /// A slot came back while a spare stands in: retire one (the caller drops the slot).
+    /// A held slot came back: retire one spare (the caller drops the slot) when more spares
+    /// stand in than slots are still held, so that `depth` slots keep circulating.
     fn retire_spare(&self) -> bool {
+        let held = self.held.load(Ordering::Acquire);
         self.spares
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n > held).then(|| n - 1)
+            })
             .is_ok()
     }
 }
@@ -161,5 +165,35 @@ impl<S: Leased> Owner for LeaseOwner<S> {
             Some(ev) => lock(&self.0.also).push(ev),
             None => self.0.device_sync.store(true, Ordering::Release),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Spares stand in for held slots up to the limit, and retire only when fewer slots are
+    /// held than spares exist: `depth` slots keep circulating while they can.
+    #[test]
+    fn spares_keep_the_depth() {
+        let x = Exports::new(2, 1);
+        // Three exports: one spare, then none left to claim.
+        assert!(x.claim_spare());
+        x.held.fetch_add(1, Ordering::AcqRel);
+        assert_eq!(x.circulating(), 2);
+        assert!(!x.claim_spare());
+        x.held.fetch_add(2, Ordering::AcqRel);
+        assert_eq!(x.circulating(), 0);
+        // One comes back: it returns to the feeder (2 still held > 1 spare).
+        x.held.fetch_sub(1, Ordering::AcqRel);
+        assert!(!x.retire_spare());
+        assert_eq!(x.circulating(), 1);
+        x.held.fetch_sub(1, Ordering::AcqRel);
+        assert!(!x.retire_spare());
+        assert_eq!(x.circulating(), 2);
+        // The last one: now the spare retires and the depth is back to 2.
+        x.held.fetch_sub(1, Ordering::AcqRel);
+        assert!(x.retire_spare());
+        assert_eq!((x.circulating(), x.spares.load(Ordering::Acquire)), (2, 0));
     }
 }
