@@ -46,6 +46,7 @@ fn main() {
         Trial::test("gpu/roundtrip/i32", roundtrip::<i32>),
         Trial::test("gpu/roundtrip/i64", roundtrip::<i64>),
         Trial::test("gpu/pinned_host_export_is_an_upload_source", pinned_export),
+        Trial::test("gpu/packed_tensors_share_the_arena", packed_export),
         Trial::test("gpu/consumer_waits_on_the_gpu", consumer_waits_on_gpu),
         Trial::test(
             "gpu/deleter_on_another_thread_orders_the_free",
@@ -390,6 +391,58 @@ fn pinned_export() -> R {
     let mut d2 = DeviceBuffer::<u8>::new(&dev, v.len())?;
     stager.upload(&s, h.as_slice()?, &mut d2)?;
     same("stager from import", &download(&s, &d2, v.len())?, &v, seed)
+}
+
+/// Tensors of a packed upload share its arena: each round-trips, and the arena lives until
+/// the last is released.
+fn packed_export() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let stager = pinstream::Stager::new(&dev, pinstream::StagerConfig::default())?;
+    let (a, seed) = random::<f32>(1000);
+    let (b, _) = random::<i64>(77);
+    let (c, _) = random::<u8>(4093);
+    let mut packer = pinstream::Packer::new();
+    let (ha, hb, hc) = (packer.push(&a)?, packer.push(&b)?, packer.push(&c)?);
+    let batch = Arc::new(stager.upload_packed(&s, &packer)?);
+    let weak = Arc::downgrade(&batch);
+    let ta = Tensor::from_packed(batch.clone(), ha)?.reshape(&[10, 100])?;
+    let tb = Tensor::from_packed(batch.clone(), hb)?;
+    let tc = Tensor::from_packed(batch, hc)?;
+    // SAFETY: each handed over just above.
+    let (ia, ib, ic) = unsafe {
+        (
+            Imported::from_versioned(ta.into_versioned(Some(&s))?)?,
+            Imported::from_legacy(tb.into_legacy(Some(&s))?)?,
+            Imported::from_versioned(tc.into_versioned(None)?)?,
+        )
+    };
+    same(
+        "packed f32",
+        as_bytes(&download(&s, &ia.device_view::<f32>()?, 1000)?),
+        as_bytes(&a),
+        seed,
+    )?;
+    same(
+        "packed i64",
+        &download(&s, &ib.device_view::<i64>()?, 77)?,
+        &b,
+        seed,
+    )?;
+    same(
+        "packed u8",
+        &download(&s, &ic.device_view::<u8>()?, 4093)?,
+        &c,
+        seed,
+    )?;
+    drop((ia, ib));
+    ensure(weak.upgrade().is_some(), || {
+        "arena freed with a tensor left".into()
+    })?;
+    drop(ic);
+    ensure(weak.upgrade().is_none(), || {
+        "arena kept after the last release".into()
+    })
 }
 
 /// The consumer's stream waits for the producer's last write on the GPU: a slow fill on the

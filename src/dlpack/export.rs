@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::memory::sealed::{DeviceMem, HostMem};
 use crate::memory::tracker::{self, Access};
 use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer};
+use crate::staging::{Packed, PackedBatch};
 use crate::stream::Stream;
 
 /// Who consumes an exported tensor.
@@ -159,6 +160,30 @@ impl Tensor {
             elem: std::mem::size_of::<T>(),
             len: r.len,
             owner: Box::new(DeviceOwner(buf)),
+        };
+        Tensor::from_parts(parts, KDL_CUDA)
+    }
+
+    /// A one-dimensional tensor of one slice of a packed upload
+    /// ([`Stager::upload_packed`](crate::Stager::upload_packed)): the arena stays alive until
+    /// every tensor exported from it is released (each holds the `Arc`).
+    pub fn from_packed<T: Element>(
+        batch: impl Into<Arc<PackedBatch>>,
+        handle: Packed<T>,
+    ) -> Result<Tensor> {
+        check_element::<T>("dlpack::Tensor::from_packed")?;
+        let batch = batch.into();
+        let (ptr, len) = {
+            let v = batch.get(handle)?;
+            (v.as_device_ptr(), v.len())
+        };
+        let parts = TensorParts {
+            data: ptr.cast_mut().cast(),
+            device: batch.arena().device(),
+            dtype: T::DTYPE,
+            elem: std::mem::size_of::<T>(),
+            len,
+            owner: Box::new(PackedOwner(batch)),
         };
         Tensor::from_parts(parts, KDL_CUDA)
     }
@@ -550,6 +575,29 @@ impl<T: Element> Owner for PinnedOwner<T> {
             None => true,
         };
         if !ok {
+            std::mem::forget(self.0.clone());
+        }
+    }
+}
+
+struct PackedOwner(Arc<PackedBatch>);
+
+impl Owner for PackedOwner {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        match consumer {
+            Some(s) => self
+                .0
+                .arena()
+                .device_region()
+                .tracker
+                .record_use(s, Access::Write),
+            None => Ok(()),
+        }
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        let arena = self.0.arena();
+        let r = arena.device_region();
+        if !release_tracked(r.tracker, r.device, arena.byte_len(), consumer) {
             std::mem::forget(self.0.clone());
         }
     }
