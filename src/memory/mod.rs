@@ -4,6 +4,7 @@
 //! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+pub use download::{Download, DownloadTarget};
 pub use live::{live, Live};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
@@ -55,6 +56,7 @@ pub(crate) use flag_set;
 
 pub(crate) mod bounce;
 mod device;
+mod download;
 mod live;
 pub(crate) mod nt;
 mod pinned;
