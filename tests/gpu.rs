@@ -1971,22 +1971,24 @@ fn download_poll_before_ready() -> R {
         let pinned = PinnedBuffer::from_slice(&dev, &poison, HostAlloc::DEFAULT)?;
         s.spin(Duration::from_millis(300))?;
         let queued = Instant::now();
-        let (ready, got) = if pooled {
+        // The first poll, and how long after the kernel was queued it came.
+        let early = |ready: bool, got: bool| -> R {
+            let at = queued.elapsed();
+            if at < Duration::from_millis(250) {
+                ensure(!ready && !got, || {
+                    format!("{what}: ready ({ready}) or data ({got}) {at:?} into a 300 ms kernel")
+                })?;
+            }
+            Ok(())
+        };
+        if pooled {
             let dl = s.download_into(&d, block)?;
-            let early = (dl.is_ready()?, dl.try_get()?.is_some());
+            early(dl.is_ready()?, dl.try_get()?.is_some())?;
             poll_until_ready(dl, &data, seed, what)?;
-            early
         } else {
             let dl = s.download_into(&d, pinned)?;
-            let early = (dl.is_ready()?, dl.try_get()?.is_some());
+            early(dl.is_ready()?, dl.try_get()?.is_some())?;
             poll_until_ready(dl, &data, seed, what)?;
-            early
-        };
-        let first_poll = queued.elapsed();
-        if first_poll < Duration::from_millis(250) {
-            ensure(!ready && !got, || {
-                format!("{what}: ready ({ready}) or data ({got}) behind a 300 ms kernel")
-            })?;
         }
     }
     Ok(())

@@ -482,17 +482,19 @@ fn packed_arena_reuse_and_growth() -> R {
         .map(|f| packer.push(f))
         .collect::<Result<_, _>>()?;
     let hl1 = packer.push(&labels1)?;
-    let mut copies: Vec<DeviceBuffer<f32>> = Vec::new();
+    // Allocated first: nothing that might wait for the device runs once the readers are queued.
+    let mut copies: Vec<DeviceBuffer<f32>> = h1
+        .iter()
+        .map(|h| DeviceBuffer::<f32>::new(&dev, h.len()))
+        .collect::<Result<_, _>>()?;
     let mut labels_copy = DeviceBuffer::<i64>::new(&dev, labels1.len())?;
     let (cap1, base1) = {
         let batch = stager.upload_packed_into(&up, &packer, &mut arena)?;
         ensure(batch.bytes() == packer.bytes(), || "batch bytes".into())?;
         // The readers start only after a kernel: their copies run after call 2 has been queued.
         readers.spin(Duration::from_millis(200))?;
-        for h in &h1 {
-            let mut c = DeviceBuffer::<f32>::new(&dev, h.len())?;
-            readers.copy_d2d(&batch.get(*h)?, &mut c)?;
-            copies.push(c);
+        for (h, c) in h1.iter().zip(copies.iter_mut()) {
+            readers.copy_d2d(&batch.get(*h)?, c)?;
         }
         readers.copy_d2d(&batch.get(hl1)?, &mut labels_copy)?;
         (batch.capacity(), batch.get(h1[0])?.as_device_ptr() as usize)
