@@ -4,7 +4,6 @@
 //! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
-pub use download::{Download, DownloadTarget};
 pub use live::{live, Live};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
@@ -14,6 +13,8 @@ pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};
+// Owned downloads and `to_vec` (issue 20).
+pub use download::{Download, DownloadTarget};
 
 use std::os::raw::c_void;
 
@@ -56,7 +57,6 @@ pub(crate) use flag_set;
 
 pub(crate) mod bounce;
 mod device;
-mod download;
 mod live;
 pub(crate) mod nt;
 mod pinned;
@@ -64,6 +64,8 @@ pub(crate) mod pool;
 mod registered;
 pub(crate) mod ring;
 pub(crate) mod tracker;
+
+mod download;
 
 /// What kind of host memory a copy reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
