@@ -409,11 +409,15 @@ fn packed_export() -> R {
     let ta = Tensor::from_packed(batch.clone(), ha)?.reshape(&[10, 100])?;
     let tb = Tensor::from_packed(batch.clone(), hb)?;
     let tc = Tensor::from_packed(batch, hc)?;
+    // The arena is shared by the three: each is read-only, and the legacy struct refuses it.
+    ensure(tc.flags() & FLAG_READ_ONLY != 0, || {
+        "a shared slice is writable".into()
+    })?;
     // SAFETY: each handed over just above.
     let (ia, ib, ic) = unsafe {
         (
             Imported::from_versioned(ta.into_versioned(Some(&s))?)?,
-            Imported::from_legacy(tb.into_legacy(Some(&s))?)?,
+            Imported::from_versioned(tb.into_versioned(Some(&s))?)?,
             Imported::from_versioned(tc.into_versioned(None)?)?,
         )
     };

@@ -123,7 +123,10 @@ pub(crate) struct Lease<S: Leased> {
 
 /// What a lease needs of its slot.
 pub(crate) trait Leased: Send + 'static {
-    fn ready(&self) -> &Event;
+    /// Makes `s` wait for the batch (`ready`) and for every use of it recorded when it left
+    /// the consumer (`release`, and the `record_stream` users' events): the new consumer may
+    /// write it.
+    fn order_after(&self, s: &Stream) -> Result<()>;
     fn add_released(&mut self, events: Vec<Event>);
     /// An event for a release on a stream of `device` (a spare one of the slot's, or new).
     fn release_event(&mut self, device: &Device) -> Result<Event>;
@@ -131,8 +134,10 @@ pub(crate) trait Leased: Send + 'static {
 }
 
 impl<O: Pod + Send, E: Pod + Send> Leased for Box<Slot<O, E>> {
-    fn ready(&self) -> &Event {
-        &self.ready
+    fn order_after(&self, s: &Stream) -> Result<()> {
+        s.wait(&self.ready)?;
+        s.wait(&self.release)?;
+        self.also.iter().try_for_each(|ev| s.wait(ev))
     }
     fn add_released(&mut self, events: Vec<Event>) {
         self.also.extend(events);
@@ -199,7 +204,7 @@ pub(crate) struct LeaseOwner<S: Leased>(pub(crate) Arc<Lease<S>>);
 impl<S: Leased> Owner for LeaseOwner<S> {
     fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
         match (consumer, lock(&self.0.slot).as_ref()) {
-            (Some(s), Some(slot)) => s.wait(slot.ready()),
+            (Some(s), Some(slot)) => slot.order_after(s),
             _ => Ok(()),
         }
     }

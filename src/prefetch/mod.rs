@@ -228,21 +228,35 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         if self.finished {
             return None;
         }
-        if self.exports.circulating() == 0 {
-            // Every slot is held by a DLPack consumer: waiting could be for ever.
-            return Some(Err(Error::invalid(
-                "Prefetcher::next",
-                format!(
-                    "all {} slots are held by batches handed over through DLPack whose \
-                     consumers have not released them (depth {} + export_spares {}); release \
-                     one and call next() again",
-                    self.exports.total(),
-                    self.exports.depth,
-                    self.exports.limit
-                ),
-            )));
-        }
-        match self.pipe.recv() {
+        let msg = if self.exports.circulating() == 0 {
+            // Every slot is held by a DLPack consumer: no batch can come before a release.
+            // The end of the epoch or an error still can (the feeder sends them without a
+            // slot): wait for a message as long as the feeder is not stuck on a loaded batch.
+            loop {
+                if let Some(m) = self.pipe.recv_timeout(std::time::Duration::ZERO) {
+                    break m;
+                }
+                if self.pipe.starved() && self.exports.circulating() == 0 {
+                    return Some(Err(Error::invalid(
+                        "Prefetcher::next",
+                        format!(
+                            "all {} slots are held by batches handed over through DLPack \
+                             whose consumers have not released them (depth {} + \
+                             export_spares {}); release one and call next() again",
+                            self.exports.total(),
+                            self.exports.depth,
+                            self.exports.limit
+                        ),
+                    )));
+                }
+                if let Some(m) = self.pipe.recv_timeout(std::time::Duration::from_millis(2)) {
+                    break m;
+                }
+            }
+        } else {
+            self.pipe.recv()
+        };
+        match msg {
             Msg::Ready(slot) => {
                 if let Err(e) = self.consumer.wait(&slot.ready) {
                     self.finished = true;
