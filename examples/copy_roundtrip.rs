@@ -6,8 +6,9 @@
 //! cargo run --example copy_roundtrip -- 256     # 256 MiB
 //! ```
 //!
-//! In your own crate: `pinstream = { version = "0.1", default-features = false }` (without the
-//! command-line program's dependencies). Without a CUDA device this prints
+//! In your own crate: `pinstream = { path = "../pinstream" }` (or a git dependency): the library
+//! alone, none of the command-line program's dependencies (those are the `pinstream-cli` crate
+//! in `cli/`). Without a CUDA device this prints
 //! `no CUDA device: <error>` and exits with status 0.
 
 mod common;

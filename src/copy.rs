@@ -159,11 +159,6 @@ fn same_len(op: &'static str, src: usize, dst: usize) -> Result<()> {
     Ok(())
 }
 
-/// Both trackers of a copy, every one counted as written (the measurement code's copies).
-pub(crate) fn trackers<'a>(a: &'a Tracker, b: Option<&'a Tracker>) -> Vec<&'a Tracker> {
-    std::iter::once(a).chain(b).collect()
-}
-
 /// The uses of a copy from `src` to `dst` (a side without a tracker is pageable memory, which
 /// the copy is done with before it returns).
 pub(crate) fn reads_writes<'a>(
@@ -658,7 +653,7 @@ fn memcpy_each(
 
 /// Copies each plain slice of `srcs` into the device buffer at the same index with one
 /// `cudaMemcpyBatchAsync` that reads the sources during the call, then waits for the stream
-/// (the measured alternative to packing; see `bench::staging::many`).
+/// (the measured alternative to packing; see `timing::batch_h2d_pageable`).
 pub(crate) fn batch_h2d_pageable(
     stream: &Stream,
     srcs: &[&[u8]],

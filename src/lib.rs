@@ -29,7 +29,6 @@
 pub mod sys;
 
 mod affinity;
-pub mod bench;
 mod copy;
 mod device;
 pub mod dlpack;
@@ -41,6 +40,7 @@ pub mod prefetch;
 pub mod staging;
 mod stream;
 mod sync;
+pub mod timing;
 
 pub use bytemuck::{self, Pod, Zeroable};
 pub use half::{self, bf16, f16};

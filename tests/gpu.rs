@@ -130,9 +130,6 @@ fn main() {
     );
     gpu("registered_read_only".into(), registered_read_only);
     gpu("deliberate_api_errors".into(), deliberate_api_errors);
-    gpu("bandwidth_sweep_small".into(), bandwidth_sweep_small);
-    gpu("bandwidth_sweep_chunked".into(), bandwidth_sweep_chunked);
-    gpu("bandwidth_file_rows".into(), bandwidth_file_rows);
     gpu(
         "pageable_slice_of_pinned_memory".into(),
         pageable_slice_of_pinned_memory,
@@ -156,6 +153,14 @@ fn main() {
         "soundness/gate_from_many_threads".into(),
         gate_from_many_threads,
     );
+    gpu("timing/copy_loop_delivers".into(), copy_loop_delivers);
+    gpu("timing/copy_loop_is_ordered".into(), copy_loop_is_ordered);
+    gpu("timing/copy_loop_errors".into(), copy_loop_errors);
+    gpu(
+        "timing/gate_holds_a_copy_loop".into(),
+        gate_holds_a_copy_loop,
+    );
+    gpu("timing/costs_and_batch".into(), timing_costs_and_batch);
     for &(name, kind) in KINDS {
         for &size in SIZES {
             trials.push(
@@ -170,13 +175,9 @@ fn main() {
         Trial::test("wrong_device_is_an_error", wrong_device_is_an_error)
             .with_ignored_flag(!two_gpus),
     );
-    // Copies between devices: one GPU is enough for a same-device pair and the bench's note;
-    // the rest needs two (ignored with fewer).
+    // Copies between devices: one GPU is enough for a same-device pair; the rest needs two
+    // (ignored with fewer).
     trials.push(Trial::test("peer/same_device", peer_same_device).with_ignored_flag(no_gpu));
-    trials.push(
-        Trial::test("peer/bandwidth_one_device", peer_bandwidth_one_device)
-            .with_ignored_flag(no_gpu),
-    );
     for (from, to) in [(0, 1), (1, 0)] {
         for (on, on_source) in [("push", true), ("pull", false)] {
             for &size in PEER_SIZES {
@@ -197,8 +198,7 @@ fn main() {
     two("peer/errors", peer_errors);
     two("peer/stream_ordered_buffers", peer_stream_ordered_buffers);
     two("peer/drop_while_in_flight", peer_drop_while_in_flight);
-    two("peer/bandwidth_small", peer_bandwidth_small);
-    two("peer/bandwidth_chunked", peer_bandwidth_chunked);
+    two("peer/copy_loop", peer_copy_loop);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -1093,160 +1093,6 @@ fn wrong_device_is_an_error() -> R {
     })
 }
 
-/// Copies issued in pieces (`Options::chunk`) at sizes that do not divide evenly still deliver
-/// every byte, and bidir-sum is the per-sample sum of the two loaded directions.
-fn bandwidth_sweep_chunked() -> R {
-    use pinstream::bench::sweep::{self, Direction, MemKind, Options};
-    let dev = dev0()?;
-    let opts = Options {
-        sizes: vec![(3 << 20) + 5, 1 << 20],
-        kinds: vec![MemKind::Pinned, MemKind::Registered],
-        directions: vec![Direction::H2D, Direction::D2H, Direction::Bidir],
-        chunk: Some(256 << 10),
-        ..Options::default()
-    };
-    let rows = sweep::run(&dev, &opts, &mut |_| {})?;
-    ensure(rows.len() == opts.row_count(), || {
-        format!("{} rows", rows.len())
-    })?;
-    for r in &rows {
-        ensure(r.verified && r.gbps.samples.len() >= 5, || {
-            format!("{} {} {}: {:?}", r.kind, r.direction, r.bytes, r.gbps)
-        })?;
-    }
-    for sum in rows.iter().filter(|r| r.direction == "bidir-sum") {
-        let find = |d: &str| {
-            rows.iter()
-                .find(|r| r.direction == d && r.kind == sum.kind && r.bytes == sum.bytes)
-                .ok_or_else(|| format!("no {d} row"))
-        };
-        let (up, down) = (find("bidir-h2d")?, find("bidir-d2h")?);
-        for ((s, u), d) in sum
-            .gbps
-            .samples
-            .iter()
-            .zip(&up.gbps.samples)
-            .zip(&down.gbps.samples)
-        {
-            ensure((s - (u + d)).abs() < 1e-9 * s.abs().max(1.0), || {
-                format!("sum {s} != {u} + {d}")
-            })?;
-        }
-    }
-    Ok(())
-}
-
-/// `pinstream bandwidth --file`'s rows: read + copy and upload_file (O_DIRECT where the
-/// filesystem of the working directory or /tmp allows it), h2d, host clock, checked, the whole
-/// file when it is smaller than asked for.
-fn bandwidth_file_rows() -> R {
-    use pinstream::bench::sweep;
-    use pinstream::{Stager, StagerConfig};
-    let dev = dev0()?;
-    let stream = dev.stream()?;
-    let stager = Stager::new(&dev, StagerConfig::default())?;
-    let len = (3 << 20) + 5;
-    let (data, _) = common::random_bytes(len);
-    let mut seen_direct = Vec::new();
-    for dir in [std::env::current_dir()?, std::env::temp_dir()] {
-        let path = dir.join(format!("pinstream-gpu-file-{}.bin", std::process::id()));
-        std::fs::write(&path, &data)?;
-        let rows = sweep::file_rows(&stager, &stream, &path, 64 << 20, 3);
-        let _ = std::fs::remove_file(&path);
-        let rows = rows?;
-        let kinds: Vec<&str> = rows.iter().map(|r| r.kind).collect();
-        ensure(
-            kinds.starts_with(&["file read+copy", "file upload_file"]) && kinds.len() <= 3,
-            || format!("{kinds:?}"),
-        )?;
-        for r in &rows {
-            ensure(
-                r.verified
-                    && r.direction == "h2d"
-                    && r.bytes == len
-                    && r.gbps.median > 0.0
-                    && r.host_gbps.as_ref() == Some(&r.gbps)
-                    && r.note.is_some(),
-                || format!("{r:?}"),
-            )?;
-        }
-        seen_direct.push(format!("{}: {}", dir.display(), kinds.len() == 3));
-    }
-    println!("O_DIRECT rows: {}", seen_direct.join("; "));
-    Ok(())
-}
-
-/// A small bandwidth sweep: every kind and direction, every row verified and plausible, and as
-/// many rows as `Options::row_count` promises.
-fn bandwidth_sweep_small() -> R {
-    use pinstream::bench::sweep::{self, Options};
-    let dev = dev0()?;
-    let opts = Options {
-        sizes: vec![4096, 1 << 20],
-        ..Options::default()
-    };
-    let mut seen = 0;
-    let rows = sweep::run(&dev, &opts, &mut |_| seen += 1)?;
-    ensure(rows.len() == opts.row_count() && seen == rows.len(), || {
-        format!(
-            "{} rows, {} promised, {seen} reported",
-            rows.len(),
-            opts.row_count()
-        )
-    })?;
-    for r in &rows {
-        ensure(r.verified, || {
-            format!("{} {} {}: data not delivered", r.kind, r.direction, r.bytes)
-        })?;
-        ensure(
-            r.gbps.samples.len() >= 5 && r.gbps.median > 0.01 && r.gbps.median < 10_000.0,
-            || format!("{} {} {}: {:?}", r.kind, r.direction, r.bytes, r.gbps),
-        )?;
-        // The explanation column: host memcpy at the same size, on pageable rows only.
-        let memcpy_ok = match r.host_memcpy_gbps {
-            Some(m) => r.kind == "pageable" && m > 0.1,
-            None => r.kind != "pageable",
-        };
-        ensure(memcpy_ok, || {
-            format!(
-                "{} {}: memcpy {:?}",
-                r.kind, r.direction, r.host_memcpy_gbps
-            )
-        })?;
-        // Staged rows: host clock (gbps and host_gbps the same samples), the engine in the
-        // note, h2d and d2h only.
-        let staged = r.kind == "staged";
-        ensure(staged == r.note.is_some(), || {
-            format!("{} {}: note {:?}", r.kind, r.direction, r.note)
-        })?;
-        if staged {
-            ensure(
-                r.note.as_deref().is_some_and(|n| n.contains("threads="))
-                    && r.host_gbps.as_ref() == Some(&r.gbps)
-                    && (r.direction == "h2d" || r.direction == "d2h"),
-                || format!("{r:?}"),
-            )?;
-        }
-    }
-    ensure(
-        rows.iter().filter(|r| r.kind == "staged").count() == 2 * opts.sizes.len(),
-        || "one staged h2d and d2h row per size".into(),
-    )?;
-    let lat = sweep::latency(&dev, 20)?;
-    ensure(
-        lat.len() == 4
-            && lat
-                .iter()
-                .all(|l| l.micros.median > 0.1 && l.micros.median < 10_000.0),
-        || format!("{lat:?}"),
-    )?;
-    let pin = sweep::pinning_cost(&dev, 16 << 20, 1)?;
-    ensure(
-        pin.len() == 3 && pin.iter().all(|p| p.pin_s_per_gib.median > 0.0),
-        || format!("{pin:?}"),
-    )
-}
-
 /// A plain source slice may be changed the moment `copy_h2d` returns, whatever the GPU is doing:
 /// small ones (bounce blocks) return without waiting for the busy stream, larger ones return
 /// with the copy finished. Then the source is scribbled over; the device must hold the original.
@@ -1480,10 +1326,10 @@ fn sticky_child() -> R {
     })
 }
 
-/// `bench::Gate` used from several threads at once: each thread closes it on its own stream and
+/// `timing::Gate` used from several threads at once: each thread closes it on its own stream and
 /// opens it; every round finishes (nothing hangs) and data queued behind the gate arrives.
 fn gate_from_many_threads() -> R {
-    use pinstream::bench::Gate;
+    use pinstream::timing::Gate;
     let dev = dev0()?;
     let gate = Gate::new(&dev, Duration::from_secs(2))?;
     let (data, seed) = random_bytes(1 << 16);
@@ -1818,81 +1664,261 @@ fn peer_same_device() -> R {
     Ok(())
 }
 
-/// `bench::peer` on one device: no rows, and a note that says p2p needs two.
-fn peer_bandwidth_one_device() -> R {
-    use pinstream::bench::{peer, sweep::Options};
-    let opts = Options {
-        sizes: vec![4096],
-        ..Options::default()
-    };
-    let out = peer::run(&[dev0()?], &opts, &mut |_| {})?;
-    ensure(
-        out.rows.is_empty() && out.notes.len() == 1 && out.notes[0].contains("needs two devices"),
-        || format!("{out:?}"),
-    )
-}
-
-/// Every peer row of a small run: as many as promised, verified, at least 5 samples, plausible,
-/// and each p2p-bidir-sum sample above its p2p-bidir sample.
-fn peer_bandwidth_check(opts: &pinstream::bench::sweep::Options) -> R {
-    use pinstream::bench::peer;
-    let devices = [Device::get(0)?, Device::get(1)?];
-    let mut seen = 0;
-    let out = peer::run(&devices, opts, &mut |_| seen += 1)?;
-    println!("notes: {:?}", out.notes);
-    let pairs_ok =
-        devices[0].can_access_peer(&devices[1])? && devices[1].can_access_peer(&devices[0])?;
-    let want = if pairs_ok {
-        peer::row_count(2, opts)
-    } else {
-        0
-    };
-    ensure(out.rows.len() == want && seen == want, || {
-        format!("{} rows, {seen} reported, {want} promised", out.rows.len())
-    })?;
-    for r in &out.rows {
-        println!(
-            "{} {} {} {}: {:.2} GB/s ({} per sample)",
-            r.device, r.kind, r.direction, r.bytes, r.gbps.median, r.copies_per_sample
-        );
-        ensure(
-            r.verified
-                && r.kind == peer::KIND
-                && (r.device == "0->1" || r.device == "1->0")
-                && peer::DIRECTIONS.contains(&r.direction)
-                && r.gbps.samples.len() >= 5
-                && r.gbps.median > 0.01
-                && r.gbps.median < 10_000.0,
-            || format!("{r:?}"),
-        )?;
-    }
-    for sum in out.rows.iter().filter(|r| r.direction == "p2p-bidir-sum") {
-        let one = out
-            .rows
-            .iter()
-            .find(|r| r.direction == "p2p-bidir" && r.device == sum.device && r.bytes == sum.bytes)
-            .ok_or("no p2p-bidir row")?;
-        for (s, o) in sum.gbps.samples.iter().zip(&one.gbps.samples) {
-            ensure(s > o, || format!("sum {s} <= one direction {o}"))?;
+/// `timing::CopyLoop` through every host kind, both ways and device to device: odd sizes, odd
+/// pieces, several copies per batch, and only the first `len` elements touched (the rest keeps
+/// its poison).
+fn copy_loop_delivers() -> R {
+    use pinstream::timing::CopyLoop;
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    for &(name, kind) in KINDS {
+        for (size, piece) in [(4095usize, 1000usize), ((1 << 20) + 13, (64 << 10) + 3)] {
+            let what = format!("{name} {size} in pieces of {piece}");
+            let (data, seed) = random_bytes(size);
+            let len = size - 7;
+            let mut d = DeviceBuffer::<u8>::new(&dev, size)?;
+            stream.memset(&mut d, 0x5A)?;
+            let mut back = vec![0xC3u8; size];
+            let check_device = |d: &DeviceBuffer<u8>, what: &str| -> R {
+                let mut got = vec![0u8; size];
+                stream.copy_d2h(d, &mut got[..])?.wait()?;
+                same(what, &got[..len], &data[..len], seed)?;
+                ensure(got[len..].iter().all(|&b| b == 0x5A), || {
+                    format!("{what}: bytes past len were written")
+                })
+            };
+            match kind {
+                Kind::Pageable => {
+                    CopyLoop::h2d(&stream, &data[..], &mut d, len)?
+                        .pieces(piece)
+                        .queue(3)?;
+                    check_device(&d, &format!("{what} h2d"))?;
+                    CopyLoop::d2h(&stream, &d, &mut back[..], len)?
+                        .pieces(piece)
+                        .queue(2)?;
+                }
+                Kind::Pinned(flags) => {
+                    let src = PinnedBuffer::from_slice(&dev, &data, flags)?;
+                    CopyLoop::h2d(&stream, &src, &mut d, len)?
+                        .pieces(piece)
+                        .queue(3)?;
+                    check_device(&d, &format!("{what} h2d"))?;
+                    let mut dst = PinnedBuffer::from_slice(&dev, &back, flags)?;
+                    CopyLoop::d2h(&stream, &d, &mut dst, len)?
+                        .pieces(piece)
+                        .queue(2)?;
+                    // Host access waits for the copies through the tracker.
+                    back.copy_from_slice(dst.as_slice()?);
+                }
+                Kind::Registered(flags) => {
+                    let mut src = data.clone();
+                    Registered::scope(&dev, &mut src, flags, |r| -> R {
+                        CopyLoop::h2d(&stream, &*r, &mut d, len)?
+                            .pieces(piece)
+                            .queue(3)?;
+                        Ok(())
+                    })??;
+                    check_device(&d, &format!("{what} h2d"))?;
+                    let mut dst = back.clone();
+                    Registered::scope(&dev, &mut dst, flags, |r| -> R {
+                        CopyLoop::d2h(&stream, &d, r, len)?.pieces(piece).queue(2)?;
+                        Ok(())
+                    })??;
+                    back = dst;
+                }
+            }
+            same(&format!("{what} d2h"), &back[..len], &data[..len], seed)?;
+            ensure(back[len..].iter().all(|&b| b == 0xC3), || {
+                format!("{what} d2h: bytes past len were written")
+            })?;
         }
     }
+    // Device to device, typed: 1000 f32 of 1001.
+    let src: Vec<f32> = (0..1001).map(|i| i as f32 + 0.5).collect();
+    let mut a = DeviceBuffer::<f32>::new(&dev, 1001)?;
+    stream.copy_h2d(&src[..], &mut a)?.wait()?;
+    let mut b = DeviceBuffer::<f32>::new(&dev, 1001)?;
+    stream.memset(&mut b, 0)?;
+    let l = CopyLoop::d2d(&stream, &a, &mut b, 1000)?.pieces(999);
+    ensure(l.bytes() == 4000, || format!("bytes {}", l.bytes()))?;
+    l.queue(4)?;
+    drop(l);
+    let mut got = vec![1f32; 1001];
+    stream.copy_d2h(&b, &mut got[..])?.wait()?;
+    same("d2d f32", &got[..1000], &src[..1000], 0)?;
+    ensure(got[1000] == 0.0, || "d2d wrote past len".into())
+}
+
+/// A copy loop is ordered like any copy: its destination's earlier write on another stream
+/// (behind a slow kernel) comes first, and a read on a third stream waits for the loop.
+fn copy_loop_is_ordered() -> R {
+    use pinstream::timing::CopyLoop;
+    let dev = dev0()?;
+    let (s1, s2, s3) = (dev.stream()?, dev.stream()?, dev.stream()?);
+    let n = 8 << 20;
+    let (data, seed) = random_bytes(n);
+    let src = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    // s2: a slow kernel, then the destination poisoned: the loop on s1 must land after it.
+    s2.spin(Duration::from_millis(100))?;
+    s2.memset(&mut d, 0x11)?;
+    CopyLoop::h2d(&s1, &src, &mut d, n)?.queue(2)?;
+    let mut got = vec![0u8; n];
+    s3.copy_d2h(&d, &mut got[..])?.wait()?;
+    same("ordered copy loop", &got, &data, seed)
+}
+
+/// Typed errors before anything is queued: a length past either side, a destination
+/// registered read-only; zero copies and empty copies queue nothing.
+fn copy_loop_errors() -> R {
+    use pinstream::timing::CopyLoop;
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let host = [1u8; 100];
+    let mut d = DeviceBuffer::<u8>::new(&dev, 50)?;
+    let e = CopyLoop::h2d(&stream, &host[..], &mut d, 51).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("len past the destination: {e:?}")
+    })?;
+    let mut small = [0u8; 10];
+    let e = CopyLoop::d2h(&stream, &d, &mut small[..], 11).err();
+    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+        format!("len past the host destination: {e:?}")
+    })?;
+    let mut ro = vec![7u8; 4096];
+    Registered::scope(&dev, &mut ro, HostRegister::READ_ONLY, |r| -> R {
+        let e = CopyLoop::d2h(&stream, &d, r, 10).err();
+        ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
+            format!("read-only destination: {e:?}")
+        })
+    })??;
+    ensure(ro.iter().all(|&b| b == 7), || {
+        "read-only memory written".into()
+    })?;
+    stream.memset(&mut d, 9)?;
+    let l = CopyLoop::h2d(&stream, &host[..], &mut d, 0)?;
+    l.queue(5)?;
+    let l = CopyLoop::h2d(&stream, &host[..], &mut d, 50)?;
+    l.queue(0)?;
+    let mut got = [0u8; 50];
+    stream.copy_d2h(&d, &mut got[..])?.wait()?;
+    ensure(got.iter().all(|&b| b == 9), || {
+        "an empty loop or zero copies wrote something".into()
+    })
+}
+
+/// Copies queued behind a closed gate wait for it: the end event is not reached until the
+/// gate opens, and then the data arrives.
+fn gate_holds_a_copy_loop() -> R {
+    use pinstream::timing::{gbps, CopyLoop, Gate};
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let gate = Gate::new(&dev, Duration::from_secs(5))?;
+    let n = 4 << 20;
+    let (data, seed) = random_bytes(n);
+    let src = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    let (t0, t1) = (TimingEvent::new(&dev)?, TimingEvent::new(&dev)?);
+    {
+        let l = CopyLoop::h2d(&stream, &src, &mut d, n)?;
+        gate.close(&stream)?;
+        stream.record(&t0)?;
+        l.queue(8)?;
+        stream.record(&t1)?;
+        std::thread::sleep(Duration::from_millis(50));
+        ensure(!t1.is_complete()?, || {
+            "copies ran past a closed gate".into()
+        })?;
+        ensure(gate.open(), || "the gate timed out".into())?;
+        t1.synchronize()?;
+        let rate = gbps(8.0 * n as f64, t0.elapsed(&t1)?.as_secs_f64());
+        ensure(rate > 0.1 && rate < 10_000.0, || format!("{rate} GB/s"))?;
+    }
+    let mut got = vec![0u8; n];
+    stream.copy_d2h(&d, &mut got[..])?.wait()?;
+    same("behind the gate", &got, &data, seed)
+}
+
+/// The cost of pinning is measured (and positive), and `batch_h2d_pageable` delivers every
+/// tensor or refuses mismatched lengths before queueing anything.
+fn timing_costs_and_batch() -> R {
+    use pinstream::timing;
+    let dev = dev0()?;
+    let (alloc, free) = timing::host_alloc_cost(&dev, 16 << 20, HostAlloc::DEFAULT)?;
+    let mut data = vec![1u8; 16 << 20];
+    let (reg, unreg) = timing::host_register_cost(&dev, &mut data, HostRegister::DEFAULT)?;
+    ensure(
+        [alloc, free, reg, unreg]
+            .iter()
+            .all(|t| *t > Duration::ZERO && *t < Duration::from_secs(60)),
+        || format!("{alloc:?} {free:?} {reg:?} {unreg:?}"),
+    )?;
+    let stream = dev.stream()?;
+    let srcs: Vec<Vec<u8>> = (0..5).map(|i| random_bytes(1000 + i * 37).0).collect();
+    let refs: Vec<&[u8]> = srcs.iter().map(|s| &s[..]).collect();
+    let mut dsts = srcs
+        .iter()
+        .map(|s| DeviceBuffer::<u8>::new(&dev, s.len()))
+        .collect::<Result<Vec<_>, _>>()?;
+    timing::batch_h2d_pageable(&stream, &refs, &mut dsts)?;
+    for (s, d) in srcs.iter().zip(&dsts) {
+        let mut got = vec![0u8; s.len()];
+        stream.copy_d2h(d, &mut got[..])?.wait()?;
+        same("batch_h2d_pageable", &got, s, 0)?;
+    }
+    let e = timing::batch_h2d_pageable(&stream, &refs[..4], &mut dsts).err();
+    ensure(matches!(e, Some(Error::LengthMismatch { .. })), || {
+        format!("count mismatch: {e:?}")
+    })?;
+    let swapped = [refs[1], refs[0]];
+    let e = timing::batch_h2d_pageable(&stream, &swapped, &mut dsts[..2]).err();
+    ensure(matches!(e, Some(Error::LengthMismatch { .. })), || {
+        format!("length mismatch: {e:?}")
+    })
+}
+
+/// `CopyLoop::peer` both ways, pushed and pulled, in odd pieces; a stream on neither device is
+/// `WrongDevice`.
+fn peer_copy_loop() -> R {
+    use pinstream::timing::CopyLoop;
+    let (d0, d1) = (Device::get(0)?, Device::get(1)?);
+    if !(d0.can_access_peer(&d1)? && d1.can_access_peer(&d0)?) {
+        println!("no peer access between 0 and 1: nothing to check");
+        return Ok(());
+    }
+    let n = (3 << 20) + 5;
+    let (data, seed) = random_bytes(n);
+    for (from, to) in [(d0, d1), (d1, d0)] {
+        for on_source in [true, false] {
+            let (sf, st) = (from.stream()?, to.stream()?);
+            let mut a = DeviceBuffer::<u8>::new(&from, n)?;
+            sf.copy_h2d(&data[..], &mut a)?.wait()?;
+            let mut b = DeviceBuffer::<u8>::new(&to, n)?;
+            st.memset(&mut b, 0)?;
+            let stream = if on_source { &sf } else { &st };
+            CopyLoop::peer(stream, &a, &mut b, n)?
+                .pieces(256 << 10)
+                .queue(3)?;
+            let mut got = vec![0u8; n];
+            st.copy_d2h(&b, &mut got[..])?.wait()?;
+            same(
+                &format!("{}->{} on_source={on_source}", from.ordinal(), to.ordinal()),
+                &got,
+                &data,
+                seed,
+            )?;
+        }
+    }
+    if Device::count()? >= 3 {
+        let d2 = Device::get(2)?;
+        let a = DeviceBuffer::<u8>::new(&d0, 16)?;
+        let mut b = DeviceBuffer::<u8>::new(&d1, 16)?;
+        let e = CopyLoop::peer(&d2.stream()?, &a, &mut b, 16).err();
+        ensure(matches!(e, Some(Error::WrongDevice { .. })), || {
+            format!("stream on neither device: {e:?}")
+        })?;
+    }
     Ok(())
-}
-
-fn peer_bandwidth_small() -> R {
-    peer_bandwidth_check(&pinstream::bench::sweep::Options {
-        sizes: vec![4096, (1 << 20) + 7],
-        ..Default::default()
-    })
-}
-
-/// Pieces (`--chunk`) that do not divide the size still deliver every byte.
-fn peer_bandwidth_chunked() -> R {
-    peer_bandwidth_check(&pinstream::bench::sweep::Options {
-        sizes: vec![(3 << 20) + 5],
-        chunk: Some(256 << 10),
-        ..Default::default()
-    })
 }
 
 /// Owned downloads of fresh random data (several types and sizes, views included) kept in a

@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::{ensure, random_bytes, same, R};
 use libtest_mimic::{Arguments, Trial};
 use pinstream::{
-    bench, Device, DeviceBuffer, Error, HostAlloc, HostRegister, PinnedPool, PoolBacking,
-    PoolConfig, PoolStats,
+    Device, DeviceBuffer, Error, HostAlloc, HostRegister, PinnedPool, PoolBacking, PoolConfig,
+    PoolStats,
 };
 
 const BACKINGS: &[(&str, PoolBacking)] = &[
@@ -82,7 +82,6 @@ fn main() {
     gpu("soundness/over_aligned_refused", over_aligned_refused);
     gpu("soundness/read_only_register", read_only_register);
     gpu("config_refused", config_refused);
-    gpu("bench/pool_cost", pool_cost);
     libtest_mimic::run(&args, trials).exit();
 }
 
@@ -695,40 +694,5 @@ fn config_refused() -> R {
     );
     ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
         format!("zero threads: {r:?}")
-    })
-}
-
-fn pool_cost() -> R {
-    let dev = dev0()?;
-    for (bytes, threads) in [(1 << 20, 1), (64 << 20, 4)] {
-        let c = bench::pool::pool_cost(&dev, bytes, threads)?;
-        println!("{c:?}");
-        let fresh = c.host_alloc_seconds.min(c.register_seconds);
-        ensure(
-            c.bytes == bytes
-                && c.class_bytes >= bytes
-                && c.register_threads == threads
-                && c.host_alloc_seconds > 0.0
-                && c.register_seconds > 0.0
-                && c.host_alloc_seconds < 60.0
-                && c.register_seconds < 60.0
-                && c.cached_us > 0.0
-                && c.cached_us <= c.cached_max_us
-                && c.cached_hits == c.cached_samples as u64
-                && c.cached_samples >= 20,
-            || format!("{c:?}"),
-        )?;
-        // A hit is a lock and a few event queries; a fresh allocation is a system call at least.
-        ensure(c.cached_us * 1e-6 < fresh, || {
-            format!("a cache hit was no faster than a fresh allocation: {c:?}")
-        })?;
-    }
-    let e = bench::pool::pool_cost(&dev, 0, 1).err();
-    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
-        format!("zero bytes: {e:?}")
-    })?;
-    let e = bench::pool::pool_cost(&dev, 4096, 0).err();
-    ensure(matches!(e, Some(Error::InvalidArgument { .. })), || {
-        format!("zero threads: {e:?}")
     })
 }

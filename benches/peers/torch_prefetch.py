@@ -11,7 +11,7 @@ from synthetic pageable u8 batches, the step is a calibrated busy kernel on the 
      waits for the side stream, record_stream on what is handed out
   d  dataloader: the same DataLoader, .cuda(non_blocking=True) + normalize on the default stream
 
-Batches are the bytes `pinstream prefetch` makes (src/bench/prefetch.rs `synth`): batch i is
+Batches are the bytes `pinstream prefetch` makes (cli/src/bench/prefetch.rs `synth`): batch i is
 filled with (i % 251) + 1 and every 4096th byte is (k + i) % 256; labels are int64
 (i * batch + arange(batch)) % 1000. The serial loop fills one preallocated buffer; loader workers
 allocate a fresh tensor per batch (it leaves the worker through shared memory, so a reused buffer
@@ -112,7 +112,7 @@ def parse_args(argv=None):
 
 
 class Synth:
-    """Batch i's pixels and labels; the same bytes as `synth` in src/bench/prefetch.rs."""
+    """Batch i's pixels and labels; the same bytes as `synth` in cli/src/bench/prefetch.rs."""
 
     def __init__(self, batch, shape, nhwc):
         c, h, w = shape

@@ -10,7 +10,6 @@ pub use live::{live, Live};
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
 pub(crate) use pool::class_of as pool_class_of;
-pub(crate) use pool::HugePageBuf;
 pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};

@@ -304,7 +304,7 @@ impl<T: Pod> PinnedBuffer<T> {
 impl PinnedBuffer<u32> {
     /// The buffer as atomics, for flags that a running kernel polls or sets through the mapped
     /// address while the host reads and writes them. Host access to such a buffer must only go
-    /// through these atomics (never `as_slice`), which the one user, `bench::Gate`, keeps to.
+    /// through these atomics (never `as_slice`), which the one user, `timing::Gate`, keeps to.
     pub(crate) fn as_atomics(&self) -> &[std::sync::atomic::AtomicU32] {
         // SAFETY: `AtomicU32` has the size and alignment of `u32`; the `len` elements are live
         // and initialised for as long as `&self`; the GPU's accesses are outside Rust's memory

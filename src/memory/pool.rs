@@ -85,7 +85,7 @@ pub enum PoolBacking {
     /// An anonymous `mmap`, pre-faulted on `threads` threads (one byte written per page), then
     /// `cudaHostRegister(flags)`. Registering memory that is already faulted in measured
     /// 0.042 s/GiB against 0.347 for `cudaHostAlloc` (BENCHMARKS.md); this adds the page faults,
-    /// spread over the threads (`bench::pool::pool_cost` measures the whole). A failed `mmap` for
+    /// spread over the threads (`pinstream staging --pool-size` measures the whole). A failed `mmap` for
     /// lack of memory is `Error::OutOfMemory` with `call: "mmap"`. Fresh blocks are zero (anonymous memory). Freed with
     /// `cudaHostUnregister` and `munmap`. The blocks count as registered memory
     /// ([`HostKind::Registered`]); with [`HostRegister::READ_ONLY`] they are never a copy's
@@ -931,43 +931,6 @@ impl<T: Pod> HostMem<T> for PoolBlock<T> {
 }
 impl<T: Pod> HostSlice<T> for PoolBlock<T> {}
 impl<T: Pod> HostSliceMut<T> for PoolBlock<T> {}
-
-/// Ordinary (pageable, never registered) memory in an anonymous mapping advised
-/// `MADV_HUGEPAGE`, pre-faulted on several threads: the measured alternative source for staged
-/// copies (`bench::staging::compare`).
-pub(crate) struct HugePageBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl HugePageBuf {
-    /// `len` bytes (at least 1), zeroed and faulted in.
-    pub(crate) fn new(len: usize, threads: usize) -> Result<HugePageBuf> {
-        let len = len.max(1);
-        let ptr = map_anonymous(len, true)?;
-        prefault(ptr, len, threads);
-        Ok(HugePageBuf { ptr, len })
-    }
-
-    pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr..ptr + len` is a live, zero-initialised mapping owned by `self`; the
-        // `&mut self` borrow excludes every other access.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-
-    pub(crate) fn as_slice(&self) -> &[u8] {
-        // SAFETY: as above, shared.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-}
-
-impl Drop for HugePageBuf {
-    fn drop(&mut self) {
-        // SAFETY: the mapping came from `map_anonymous`, was never registered with CUDA, and
-        // no borrow of it outlives `self`.
-        unsafe { unmap(self.ptr, self.len) };
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use clap::Args;
-use pinstream::bench::prefetch::{self, Parts, PixelSource, Setup};
 use pinstream::kernels::Layout;
 use pinstream::{Device, Error, Result};
+use pinstream_cli::bench::prefetch::{self, Parts, PixelSource, Setup};
 use serde::Serialize;
 
 use crate::output::{self, Format};

@@ -7,11 +7,11 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::Args;
-use pinstream::bench::peer;
-use pinstream::bench::scenarios::{self, Case};
-use pinstream::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
-use pinstream::bench::{host_memcpy_gbps, size_name};
 use pinstream::{Device, Error, Result, Stager, StagerConfig};
+use pinstream_cli::bench::peer;
+use pinstream_cli::bench::scenarios::{self, Case};
+use pinstream_cli::bench::sweep::{self, Direction, Latency, MemKind, Options, PinCost, Row};
+use pinstream_cli::bench::{host_memcpy_gbps, size_name};
 use serde::Serialize;
 
 use crate::output::{self, Format, Ordered};
@@ -754,7 +754,7 @@ fn plot(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pinstream::bench::Stats;
+    use pinstream_cli::bench::Stats;
 
     #[test]
     fn sizes_parse() {

@@ -1,23 +1,26 @@
-//! Measurement code behind `pinstream bandwidth` and the criterion benches: a gate kernel that
-//! holds a stream while copies are queued, statistics, the transfer sweep, copies between GPUs,
-//! the cost of pooled pinned memory, and the experiments of PyTorch's pin_memory / non_blocking
-//! guide.
+//! Measurement code behind `pinstream bandwidth`, `staging` and `prefetch`: the transfer sweep,
+//! copies between GPUs, the staging engine against plain copies, the cost of pooled pinned
+//! memory, the prefetcher against a serial loop and APEX's, and the experiments of PyTorch's
+//! pin_memory / non_blocking guide. Built on the library's timing API ([`pinstream::timing`]:
+//! statistics, the gate, copy loops), re-exported here.
 
-mod gate;
 pub mod peer;
 pub mod pool;
 pub mod prefetch;
 pub mod scenarios;
 pub mod staging;
 pub mod sweep;
+mod thp;
 
-pub use gate::Gate;
+pub use pinstream::timing::{gbps, Gate, Stats};
+
+use std::time::{Duration, Instant};
+
+use pinstream::{Error, Result};
 
 /// Median wall time in ms of `f` over 7 runs after three warm-up runs (host clock; `f`
 /// synchronises).
-pub(crate) fn median_ms(
-    mut f: impl FnMut() -> crate::error::Result<()>,
-) -> crate::error::Result<f64> {
+pub(crate) fn median_ms(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
     // Warm-up: the first calls also allocate (a stager's pool, its threads' first slots) and
     // were measured up to 35 % slow on the H100 with one warm-up call.
     for _ in 0..3 {
@@ -32,66 +35,13 @@ pub(crate) fn median_ms(
     Ok(Stats::new(t).map_or(0.0, |s| s.median))
 }
 
-use std::time::{Duration, Instant};
-
-/// Summary of repeated samples.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Stats {
-    /// The samples, in the order they were taken.
-    pub samples: Vec<f64>,
-    /// The middle sample (the mean of the two middle ones for an even count).
-    pub median: f64,
-    /// The smallest sample.
-    pub min: f64,
-    /// The largest sample.
-    pub max: f64,
-    /// Coefficient of variation: standard deviation over mean.
-    pub cv: f64,
-}
-
-impl Stats {
-    /// `None` for no samples.
-    pub fn new(samples: Vec<f64>) -> Option<Stats> {
-        if samples.is_empty() {
-            return None;
-        }
-        let mut sorted = samples.clone();
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        let median = if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-        };
-        let mean = sorted.iter().sum::<f64>() / n as f64;
-        let var = sorted.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
-        let cv = if mean != 0.0 { var.sqrt() / mean } else { 0.0 };
-        Some(Stats {
-            median,
-            min: sorted[0],
-            max: sorted[n - 1],
-            cv,
-            samples,
-        })
-    }
-}
-
-/// Decimal GB/s for `bytes` moved in `secs`.
-pub fn gbps(bytes: f64, secs: f64) -> f64 {
-    if secs > 0.0 {
-        bytes / secs / 1e9
-    } else {
-        0.0
-    }
-}
-
 /// `n` bytes of a random pattern in which no byte is zero (xorshift, seeded from the clock).
 /// An error, not a panic or an abort, when `n` bytes cannot be allocated.
-pub fn pattern(n: usize) -> crate::Result<Vec<u8>> {
+pub fn pattern(n: usize) -> Result<Vec<u8>> {
     let mut x = Instant::now().elapsed().as_nanos() as u64
         ^ 0x9E37_79B9_7F4A_7C15
         ^ (n as u64).rotate_left(17);
-    let mut out = crate::error::try_vec("bench::pattern", n)?;
+    let mut out = try_vec("bench::pattern", n)?;
     let mut chunk = [0u8; 8];
     while out.len() < n {
         x ^= x << 13;
@@ -120,7 +70,7 @@ pub fn host_memcpy_gbps(bytes: usize, samples: usize) -> Option<Stats> {
     // Place the destination half a page away from the source (mod 4096): two separate large
     // allocations both start at the same page offset, which makes `rep movsb` alias 4K
     // addresses and run at a fraction of its speed (seen: 4.2 GB/s at 1 MiB on the H100 host).
-    let mut buf: Vec<u8> = crate::error::try_vec("bench", bytes.checked_add(4096)?).ok()?;
+    let mut buf: Vec<u8> = try_vec("bench", bytes.checked_add(4096)?).ok()?;
     buf.resize(bytes + 4096, 0);
     let off = ((src.as_ptr() as usize + 2048).wrapping_sub(buf.as_ptr() as usize)) % 4096;
     let dst = &mut buf[off..off + bytes];
@@ -155,4 +105,27 @@ pub fn size_name(bytes: usize) -> String {
         }
     }
     bytes.to_string()
+}
+
+/// An `InvalidArgument` error of `op`.
+pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: reason.into(),
+    }
+}
+
+/// An empty vector with room for `len` elements, or an error (not an abort) where there is none.
+pub(crate) fn try_vec<T>(op: &'static str, len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|e| {
+        invalid(
+            op,
+            format!(
+                "cannot allocate {len} elements of {} bytes of host memory: {e}",
+                std::mem::size_of::<T>()
+            ),
+        )
+    })?;
+    Ok(v)
 }

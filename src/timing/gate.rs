@@ -1,5 +1,6 @@
 //! `Gate`: holds streams on a flag in mapped pinned memory while work is queued behind it, so
-//! that the host's enqueue time stays out of what the events measure.
+//! that the host's enqueue time stays out of what the events measure. The kernel is
+//! `pinstream_gate` in `cuda/`.
 
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -14,6 +15,11 @@ use crate::stream::Stream;
 /// A flag the GPU polls. `close(&stream)` queues a kernel that waits for it; `open()` lets every
 /// waiting stream go. A kernel that waits longer than the timeout gives up and marks the gate
 /// as timed out (the measurement then included enqueue time, and says so).
+///
+/// Queue at most about a hundred operations behind a closed gate: a stream's queue is finite,
+/// and a host blocked on a full queue behind the gate can only wait for the timeout. One gate
+/// may hold streams of several devices and be used from several threads. See the
+/// [module](crate::timing) for a timed loop.
 #[derive(Debug)]
 pub struct Gate {
     /// Word 0: open (host writes, kernels poll); word 1: timed out (kernels write). Host access

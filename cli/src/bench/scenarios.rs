@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use super::staging::describe;
 use super::{median_ms, pattern};
-use crate::device::Device;
-use crate::error::Result;
-use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
-use crate::staging::{Packer, Stager, StagerConfig, Uploads};
+use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use pinstream::staging::{Packer, Stager, StagerConfig, Uploads};
+use pinstream::Device;
+use pinstream::Result;
 
 /// One measured case of one scenario.
 #[derive(Clone, Debug)]
@@ -248,7 +248,7 @@ pub fn run(device: &Device) -> Result<Vec<Case>> {
     let mut d = DeviceBuffer::<u8>::new(device, n)?;
     let other = device.stream()?;
     for pinned_mem in [false, true] {
-        let copy = |st: &crate::Stream, d: &mut DeviceBuffer<u8>| -> Result<()> {
+        let copy = |st: &pinstream::Stream, d: &mut DeviceBuffer<u8>| -> Result<()> {
             if pinned_mem {
                 drop(st.copy_h2d(&pinned, d)?);
             } else {

@@ -7,10 +7,10 @@
 use std::time::Instant;
 
 use super::{gbps, secs, Stats};
-use crate::error::{Error, Result};
-use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
-use crate::staging::{FileSource, Packer, Stager, Uploads};
-use crate::stream::Stream;
+use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use pinstream::staging::{FileSource, Packer, Stager, Uploads};
+use pinstream::Stream;
+use pinstream::{Error, Result};
 
 /// One measured way of moving `bytes`.
 #[derive(Clone, Debug)]
@@ -29,19 +29,7 @@ pub struct Measure {
     pub note: String,
 }
 
-/// Process CPU time so far (user + system), in seconds.
-pub fn cpu_seconds() -> f64 {
-    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: `ru` is a valid out-pointer for one `rusage`.
-    let rc = unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
-    if rc != 0 {
-        return 0.0;
-    }
-    // SAFETY: zero-initialised, then filled by a successful getrusage.
-    let ru = unsafe { ru.assume_init() };
-    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 * 1e-6;
-    t(ru.ru_utime) + t(ru.ru_stime)
-}
+pub use pinstream::timing::cpu_seconds;
 
 /// Times `f` (which must leave the stream synchronised) `samples` times after one warm-up.
 pub fn measure(
@@ -63,7 +51,7 @@ pub fn measure(
     let cpu = cpu_seconds() - cpu0;
     let rates: Vec<f64> = t.iter().map(|&s| gbps(bytes as f64, s)).collect();
     let ms = Stats::new(t).map_or(0.0, |s| s.median * 1e3);
-    let gbps = Stats::new(rates).ok_or_else(|| Error::invalid("bench::staging", "no samples"))?;
+    let gbps = Stats::new(rates).ok_or_else(|| super::invalid("bench::staging", "no samples"))?;
     let moved = bytes as f64 * samples as f64 / 1e9;
     Ok(Measure {
         what: what.into(),
@@ -91,7 +79,7 @@ pub fn describe(stager: &Stager) -> String {
 /// Checks that `got` holds `want` (after a measured copy).
 fn verify(what: &str, got: &[u8], want: &[u8]) -> Result<()> {
     if got != want {
-        return Err(Error::invalid(
+        return Err(super::invalid(
             "bench::staging",
             format!("{what}: the copied data differ from the source"),
         ));
@@ -145,7 +133,7 @@ pub fn compare(
     verify("staged h2d", &back, &src)?;
 
     // The same source in transparent huge pages (MADV_HUGEPAGE), for both ways.
-    let mut thp = crate::memory::HugePageBuf::new(bytes, stager.config().threads)?;
+    let mut thp = super::thp::HugePageBuf::new(bytes, stager.config().threads)?;
     thp.as_mut_slice()[..bytes].copy_from_slice(&src);
     let thp_src = &thp.as_slice()[..bytes];
     out.push(measure(
@@ -207,7 +195,7 @@ pub fn many(
     let bytes = count
         .checked_mul(elems)
         .and_then(|n| n.checked_mul(4))
-        .ok_or_else(|| Error::invalid("bench::staging::many", "size overflows"))?;
+        .ok_or_else(|| super::invalid("bench::staging::many", "size overflows"))?;
     let srcs: Vec<Vec<f32>> = (0..count)
         .map(|i| (0..elems).map(|j| (i * elems + j) as f32 + 0.5).collect())
         .collect();
@@ -244,7 +232,7 @@ pub fn many(
     )?);
     let plain = Stager::new(
         &device,
-        crate::staging::StagerConfig {
+        pinstream::staging::StagerConfig {
             batch_copies: false,
             ..stager.config().clone()
         },
@@ -267,13 +255,16 @@ pub fn many(
     let mut raw: Vec<DeviceBuffer<u8>> = (0..count)
         .map(|_| DeviceBuffer::new(&device, elems * 4))
         .collect::<Result<_>>()?;
-    let byte_srcs: Vec<&[u8]> = srcs.iter().map(|s| bytemuck::cast_slice(s)).collect();
+    let byte_srcs: Vec<&[u8]> = srcs
+        .iter()
+        .map(|s| pinstream::bytemuck::cast_slice(s))
+        .collect();
     out.push(measure(
         "many: cudaMemcpyBatchAsync",
         bytes,
         samples,
         "one batch straight from the pageable tensors (source read during the call)",
-        || crate::copy::batch_h2d_pageable(stream, &byte_srcs, &mut raw),
+        || pinstream::timing::batch_h2d_pageable(stream, &byte_srcs, &mut raw),
     )?);
     for i in [0, count / 2, count - 1] {
         let mut back = vec![0u8; elems * 4];
@@ -307,14 +298,14 @@ pub fn many(
                 .wait()?;
             verify(
                 "packed",
-                bytemuck::cast_slice(&back),
-                bytemuck::cast_slice(&srcs[i]),
+                pinstream::bytemuck::cast_slice(&back),
+                pinstream::bytemuck::cast_slice(&srcs[i]),
             )?;
             stream.copy_d2h(&dsts[i], &mut back[..])?.wait()?;
             verify(
                 "upload_all",
-                bytemuck::cast_slice(&back),
-                bytemuck::cast_slice(&srcs[i]),
+                pinstream::bytemuck::cast_slice(&back),
+                pinstream::bytemuck::cast_slice(&srcs[i]),
             )?;
         }
     }

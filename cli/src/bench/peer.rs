@@ -24,18 +24,12 @@
 //! queued, events around a loop of copies, the median of its samples); it copies with
 //! `cuMemcpyAsync` in the context of the device that drives the copy, 512 MiB by default.
 
-use std::os::raw::c_void;
+use pinstream::memory::DeviceBuffer;
+use pinstream::timing::CopyLoop;
+use pinstream::{Device, Error, Result, Stream, TimingEvent};
 
 use super::sweep::{empty_stats, gate_reps, matches, Measured, Options, Row};
 use super::{gbps, pattern, Gate, Stats};
-use crate::copy::memcpy_peer;
-use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::event::TimingEvent;
-use crate::memory::sealed::DeviceMem;
-use crate::memory::tracker::{self, Tracker};
-use crate::memory::DeviceBuffer;
-use crate::stream::Stream;
 
 /// The row kind of every peer row.
 pub const KIND: &str = "peer";
@@ -69,9 +63,9 @@ pub fn run(devices: &[Device], opts: &Options, progress: &mut dyn FnMut(&Row)) -
         .iter()
         .copied()
         .max()
-        .ok_or_else(|| Error::invalid("bandwidth p2p", "no sizes given"))?;
+        .ok_or_else(|| super::invalid("bandwidth p2p", "no sizes given"))?;
     if opts.sizes.contains(&0) {
-        return Err(Error::invalid(
+        return Err(super::invalid(
             "bandwidth p2p",
             "sizes must be at least 1 byte",
         ));
@@ -120,57 +114,32 @@ pub fn run(devices: &[Device], opts: &Options, progress: &mut dyn FnMut(&Row)) -
     Ok(out)
 }
 
-/// Everything one ordered pair `a -> b` is measured with.
-struct Pair<'o> {
+/// What the timed samples of one ordered pair `a -> b` need: its devices, streams, gate and
+/// events.
+struct Links<'o> {
     a: Device,
     b: Device,
     opts: &'o Options,
-    pattern: &'o [u8],
     /// Streams of `a` and `b`.
     sa: Stream,
     sb: Stream,
     gate: Gate,
+    /// Start, end of the timed copies, end of the extra ones: on `a`, on `b`.
+    ev_a: [TimingEvent; 3],
+    ev_b: [TimingEvent; 3],
+}
+
+/// Everything one ordered pair `a -> b` is measured with.
+struct Pair<'o> {
+    l: Links<'o>,
+    pattern: &'o [u8],
     /// The forward copy's source (holds the pattern) and destination.
     a_src: DeviceBuffer<u8>,
     b_dst: DeviceBuffer<u8>,
     /// The reverse copy's (bidirectional rows).
     b_src: DeviceBuffer<u8>,
     a_dst: DeviceBuffer<u8>,
-    /// Start, end of the timed copies, end of the extra ones: on `a`, on `b`.
-    ev_a: [TimingEvent; 3],
-    ev_b: [TimingEvent; 3],
     check: Vec<u8>,
-}
-
-/// A closure that queues `reps` peer copies of `bytes` from `src` to `dst` on `stream` (one
-/// tracked batch: one wait, one record), each as consecutive pieces of at most `piece` bytes.
-#[allow(clippy::too_many_arguments)]
-fn copies<'a>(
-    stream: &'a Stream,
-    trackers: &'a [&'a Tracker],
-    dst: *mut c_void,
-    dst_device: Device,
-    src: *const c_void,
-    src_device: Device,
-    bytes: usize,
-    piece: usize,
-) -> impl Fn(usize) -> Result<()> + 'a {
-    move |reps| {
-        tracker::ordered(stream, trackers, || {
-            for _ in 0..reps {
-                let mut off = 0;
-                while off < bytes {
-                    let n = piece.min(bytes - off);
-                    let d = dst.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                    let s = src.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                    memcpy_peer(stream, d, dst_device, s, src_device, n)?;
-                    off += n;
-                }
-            }
-            Ok(())
-        })
-        .map(|_| ())
-    }
 }
 
 /// One bidirectional sample: seconds of the forward and of the reverse copies, and whether
@@ -193,64 +162,7 @@ fn ms(a: &TimingEvent, b: &TimingEvent) -> Result<f64> {
     Ok(f64::from(a.elapsed_ms(b)?) / 1e3)
 }
 
-impl<'o> Pair<'o> {
-    fn new(a: Device, b: Device, opts: &'o Options, pattern: &'o [u8], max: usize) -> Result<Self> {
-        let (sa, sb) = (a.stream()?, b.stream()?);
-        let mut a_src = DeviceBuffer::<u8>::new(&a, max)?;
-        let mut b_src = DeviceBuffer::<u8>::new(&b, max)?;
-        sa.copy_h2d(pattern, &mut a_src)?;
-        sb.copy_h2d(pattern, &mut b_src)?;
-        Ok(Pair {
-            a,
-            b,
-            opts,
-            pattern,
-            gate: Gate::new(&a, opts.gate_timeout)?,
-            a_src,
-            b_src,
-            a_dst: DeviceBuffer::<u8>::new(&a, max)?,
-            b_dst: DeviceBuffer::<u8>::new(&b, max)?,
-            ev_a: events(&a)?,
-            ev_b: events(&b)?,
-            check: vec![0u8; max],
-            sa,
-            sb,
-        })
-    }
-
-    /// The four rows of one size.
-    fn rows(&mut self, bytes: usize) -> Result<Vec<Row>> {
-        let (a, b) = (self.a.ordinal(), self.b.ordinal());
-        let mut rows = Vec::with_capacity(DIRECTIONS.len());
-        for (on_source, direction, note) in [
-            (true, DIRECTIONS[0], format!("on {a} (push)")),
-            (false, DIRECTIONS[1], format!("on {b} (pull)")),
-        ] {
-            self.clear(bytes)?;
-            let m = {
-                let (s, d) = (self.a_src.device_region(), self.b_dst.device_region());
-                let trackers = [s.tracker, d.tracker];
-                let stream = if on_source { &self.sa } else { &self.sb };
-                let op = copies(
-                    stream,
-                    &trackers,
-                    d.ptr,
-                    self.b,
-                    s.ptr,
-                    self.a,
-                    bytes,
-                    self.opts.piece(bytes),
-                );
-                let ev = if on_source { &self.ev_a } else { &self.ev_b };
-                self.measure(stream, ev, bytes, &op)?
-            };
-            let verified = self.check(false, bytes)?;
-            rows.push(self.row(direction, bytes, &m, verified, note));
-        }
-        rows.extend(self.bidir(bytes)?);
-        Ok(rows)
-    }
-
+impl Links<'_> {
     fn row(
         &self,
         direction: &'static str,
@@ -273,25 +185,6 @@ impl<'o> Pair<'o> {
             partly_alone: false,
             note: Some(note),
         }
-    }
-
-    /// Zeroes the first `bytes` of both destinations (the pattern has no zero byte), each on
-    /// its own device's stream; the copies are ordered after it by the trackers.
-    fn clear(&mut self, bytes: usize) -> Result<()> {
-        self.sb.memset(&mut self.b_dst.slice_mut(..bytes)?, 0)?;
-        self.sa.memset(&mut self.a_dst.slice_mut(..bytes)?, 0)
-    }
-
-    /// Checks the first `bytes` of `a_dst` (`true`) or `b_dst` against the pattern.
-    fn check(&mut self, on_a: bool, bytes: usize) -> Result<bool> {
-        self.check[..bytes].fill(0);
-        let (stream, src) = if on_a {
-            (&self.sa, self.a_dst.slice(..bytes)?)
-        } else {
-            (&self.sb, self.b_dst.slice(..bytes)?)
-        };
-        let got = stream.copy_d2h(&src, &mut self.check[..bytes])?.wait()?;
-        Ok(matches(got, self.pattern, bytes > (256 << 20)))
     }
 
     /// One sample of `reps` copies on `stream`, timed by `ev[0]`, `ev[1]` (events of the
@@ -351,60 +244,6 @@ impl<'o> Pair<'o> {
         })
     }
 
-    /// `a -> b` on `a`'s stream and `b -> a` on `b`'s, released together by the gate; each
-    /// keeps copying (`reps / 2` more, untimed) after its timed copies, so that neither runs
-    /// alone while the other is timed. Each direction is timed from its own stream's start
-    /// event (events of two devices cannot be compared); both start when the gate opens.
-    fn bidir(&mut self, bytes: usize) -> Result<Vec<Row>> {
-        self.clear(bytes)?;
-        let piece = self.opts.piece(bytes);
-        let (samples, reps, timed_out) = {
-            let (fs, fd) = (self.a_src.device_region(), self.b_dst.device_region());
-            let (rs, rd) = (self.b_src.device_region(), self.a_dst.device_region());
-            let (ft, rt) = ([fs.tracker, fd.tracker], [rs.tracker, rd.tracker]);
-            let fwd = copies(&self.sa, &ft, fd.ptr, self.b, fs.ptr, self.a, bytes, piece);
-            let rev = copies(&self.sb, &rt, rd.ptr, self.a, rs.ptr, self.b, bytes, piece);
-            let (one, _) = self.sample(&self.sa, &self.ev_a, false, &fwd, 1, bytes)?;
-            let reps = self.opts.reps_for(one);
-            let (samples, timed_out) = self.bidir_pass(&fwd, &rev, reps, bytes)?;
-            (samples, reps, timed_out)
-        };
-        let moved = (bytes * reps) as f64;
-        let fwd: Vec<f64> = samples.iter().map(|s| gbps(moved, s.fwd)).collect();
-        let rev: Vec<f64> = samples.iter().map(|s| gbps(moved, s.rev)).collect();
-        let sum: Vec<f64> = fwd.iter().zip(&rev).map(|(f, r)| f + r).collect();
-        let alone = samples.iter().any(|s| s.partly_alone);
-        let ok = self.check(false, bytes)? && self.check(true, bytes)?;
-        let stats = |v: Vec<f64>| Stats::new(v).unwrap_or_else(empty_stats);
-        let mk = |s: Stats| Measured {
-            gbps: s,
-            host_gbps: None,
-            reps,
-            timed_out,
-        };
-        let (a, b) = (self.a.ordinal(), self.b.ordinal());
-        let mut rows = vec![
-            self.row(
-                DIRECTIONS[2],
-                bytes,
-                &mk(stats(fwd)),
-                ok,
-                format!("with {b}->{a} at once, each on its source"),
-            ),
-            self.row(
-                DIRECTIONS[3],
-                bytes,
-                &mk(stats(sum)),
-                ok,
-                format!("{a}->{b} + {b}->{a}"),
-            ),
-        ];
-        for r in &mut rows {
-            r.partly_alone = alone;
-        }
-        Ok(rows)
-    }
-
     /// Warm-up plus samples, and whether the gate timed out.
     fn bidir_pass(
         &self,
@@ -459,6 +298,130 @@ impl<'o> Pair<'o> {
             }
         }
         Ok((out, timed_out))
+    }
+}
+
+impl<'o> Pair<'o> {
+    fn new(a: Device, b: Device, opts: &'o Options, pattern: &'o [u8], max: usize) -> Result<Self> {
+        let (sa, sb) = (a.stream()?, b.stream()?);
+        let mut a_src = DeviceBuffer::<u8>::new(&a, max)?;
+        let mut b_src = DeviceBuffer::<u8>::new(&b, max)?;
+        sa.copy_h2d(pattern, &mut a_src)?;
+        sb.copy_h2d(pattern, &mut b_src)?;
+        Ok(Pair {
+            l: Links {
+                a,
+                b,
+                opts,
+                gate: Gate::new(&a, opts.gate_timeout)?,
+                ev_a: events(&a)?,
+                ev_b: events(&b)?,
+                sa,
+                sb,
+            },
+            pattern,
+            a_src,
+            b_src,
+            a_dst: DeviceBuffer::<u8>::new(&a, max)?,
+            b_dst: DeviceBuffer::<u8>::new(&b, max)?,
+            check: vec![0u8; max],
+        })
+    }
+
+    /// The four rows of one size.
+    fn rows(&mut self, bytes: usize) -> Result<Vec<Row>> {
+        let (a, b) = (self.l.a.ordinal(), self.l.b.ordinal());
+        let mut rows = Vec::with_capacity(DIRECTIONS.len());
+        for (on_source, direction, note) in [
+            (true, DIRECTIONS[0], format!("on {a} (push)")),
+            (false, DIRECTIONS[1], format!("on {b} (pull)")),
+        ] {
+            self.clear(bytes)?;
+            let m = {
+                let l = &self.l;
+                let stream = if on_source { &l.sa } else { &l.sb };
+                let op = CopyLoop::peer(stream, &self.a_src, &mut self.b_dst, bytes)?
+                    .pieces(l.opts.piece(bytes));
+                let ev = if on_source { &l.ev_a } else { &l.ev_b };
+                l.measure(stream, ev, bytes, &|n| op.queue(n))?
+            };
+            let verified = self.check(false, bytes)?;
+            rows.push(self.l.row(direction, bytes, &m, verified, note));
+        }
+        rows.extend(self.bidir(bytes)?);
+        Ok(rows)
+    }
+
+    /// Zeroes the first `bytes` of both destinations (the pattern has no zero byte), each on
+    /// its own device's stream; the copies are ordered after it by the trackers.
+    fn clear(&mut self, bytes: usize) -> Result<()> {
+        self.l.sb.memset(&mut self.b_dst.slice_mut(..bytes)?, 0)?;
+        self.l.sa.memset(&mut self.a_dst.slice_mut(..bytes)?, 0)
+    }
+
+    /// Checks the first `bytes` of `a_dst` (`true`) or `b_dst` against the pattern.
+    fn check(&mut self, on_a: bool, bytes: usize) -> Result<bool> {
+        self.check[..bytes].fill(0);
+        let (stream, src) = if on_a {
+            (&self.l.sa, self.a_dst.slice(..bytes)?)
+        } else {
+            (&self.l.sb, self.b_dst.slice(..bytes)?)
+        };
+        let got = stream.copy_d2h(&src, &mut self.check[..bytes])?.wait()?;
+        Ok(matches(got, self.pattern, bytes > (256 << 20)))
+    }
+
+    /// `a -> b` on `a`'s stream and `b -> a` on `b`'s, released together by the gate; each
+    /// keeps copying (`reps / 2` more, untimed) after its timed copies, so that neither runs
+    /// alone while the other is timed. Each direction is timed from its own stream's start
+    /// event (events of two devices cannot be compared); both start when the gate opens.
+    fn bidir(&mut self, bytes: usize) -> Result<Vec<Row>> {
+        self.clear(bytes)?;
+        let (samples, reps, timed_out) = {
+            let l = &self.l;
+            let piece = l.opts.piece(bytes);
+            let fwd = CopyLoop::peer(&l.sa, &self.a_src, &mut self.b_dst, bytes)?.pieces(piece);
+            let rev = CopyLoop::peer(&l.sb, &self.b_src, &mut self.a_dst, bytes)?.pieces(piece);
+            let (fwd, rev) = (|n| fwd.queue(n), |n| rev.queue(n));
+            let (one, _) = l.sample(&l.sa, &l.ev_a, false, &fwd, 1, bytes)?;
+            let reps = l.opts.reps_for(one);
+            let (samples, timed_out) = l.bidir_pass(&fwd, &rev, reps, bytes)?;
+            (samples, reps, timed_out)
+        };
+        let moved = (bytes * reps) as f64;
+        let fwd: Vec<f64> = samples.iter().map(|s| gbps(moved, s.fwd)).collect();
+        let rev: Vec<f64> = samples.iter().map(|s| gbps(moved, s.rev)).collect();
+        let sum: Vec<f64> = fwd.iter().zip(&rev).map(|(f, r)| f + r).collect();
+        let alone = samples.iter().any(|s| s.partly_alone);
+        let ok = self.check(false, bytes)? && self.check(true, bytes)?;
+        let stats = |v: Vec<f64>| Stats::new(v).unwrap_or_else(empty_stats);
+        let mk = |s: Stats| Measured {
+            gbps: s,
+            host_gbps: None,
+            reps,
+            timed_out,
+        };
+        let (a, b) = (self.l.a.ordinal(), self.l.b.ordinal());
+        let mut rows = vec![
+            self.l.row(
+                DIRECTIONS[2],
+                bytes,
+                &mk(stats(fwd)),
+                ok,
+                format!("with {b}->{a} at once, each on its source"),
+            ),
+            self.l.row(
+                DIRECTIONS[3],
+                bytes,
+                &mk(stats(sum)),
+                ok,
+                format!("{a}->{b} + {b}->{a}"),
+            ),
+        ];
+        for r in &mut rows {
+            r.partly_alone = alone;
+        }
+        Ok(rows)
     }
 }
 

@@ -21,16 +21,16 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::{median_ms, secs};
-use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::kernels::{self, Layout, Normalize, Spec};
-use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
-use crate::prefetch::{HostBatch, LoaderStats, PrefetchConfig, Prefetcher, Source};
-use crate::staging::{FileSource, Stager, StagerConfig};
-use crate::stream::Stream;
+use pinstream::kernels::{self, Layout, Normalize, Spec};
+use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use pinstream::prefetch::{HostBatch, LoaderStats, PrefetchConfig, Prefetcher, Source};
+use pinstream::staging::{FileSource, Stager, StagerConfig};
+use pinstream::Device;
+use pinstream::Stream;
+use pinstream::{Error, Result};
 
 /// Where the prefetcher's loaders put a batch's pixels (see
-/// [`Pixels`](crate::prefetch::Pixels)).
+/// [`Pixels`](pinstream::prefetch::Pixels)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum PixelSource {
     /// Written into a `Vec<u8>`, uploaded through the staging engine.
@@ -323,8 +323,14 @@ pub fn apex(device: &Device, s: &Setup) -> Result<f64> {
         DeviceBuffer::<f32>::new(device, out_len)?,
     ];
     let mut scratch = DeviceBuffer::<f32>::new(device, out_len)?;
-    let ready = [crate::Event::new(device)?, crate::Event::new(device)?];
-    let used = [crate::Event::new(device)?, crate::Event::new(device)?];
+    let ready = [
+        pinstream::Event::new(device)?,
+        pinstream::Event::new(device)?,
+    ];
+    let used = [
+        pinstream::Event::new(device)?,
+        pinstream::Event::new(device)?,
+    ];
     let mut preload = |i: u64| -> Result<()> {
         let k = (i % 2) as usize;
         let Some(host) = next_batch(i) else {
@@ -445,7 +451,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<(f64, Vec<LoaderStats>
             let len = usize::try_from(count)
                 .ok()
                 .and_then(|c| c.checked_mul(n))
-                .ok_or_else(|| Error::invalid("bench::prefetch", "resident batches overflow"))?;
+                .ok_or_else(|| super::invalid("bench::prefetch", "resident batches overflow"))?;
             let mut buf = PinnedBuffer::<u8>::new(d, len, HostAlloc::PORTABLE)?;
             let host = buf.as_mut_slice()?;
             for (k, chunk) in host.chunks_mut(n.max(1)).enumerate() {
@@ -525,7 +531,7 @@ pub fn pinstream(devices: &[Device], s: &Setup) -> Result<(f64, Vec<LoaderStats>
             .into_iter()
             .map(|h| {
                 h.join().unwrap_or_else(|_| {
-                    Err(crate::Error::Panicked {
+                    Err(pinstream::Error::Panicked {
                         op: "bench::prefetch",
                         message: "a consumer thread panicked".into(),
                     })

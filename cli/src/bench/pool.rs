@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use super::Stats;
-use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::memory::{HostAlloc, HostRegister, PinnedPool, PoolBacking, PoolConfig};
+use pinstream::memory::{HostAlloc, HostRegister, PinnedPool, PoolBacking, PoolConfig};
+use pinstream::Device;
+use pinstream::Result;
 
 /// Requests timed for the cached case.
 const CACHED_SAMPLES: usize = 21;
@@ -43,7 +43,7 @@ pub struct PoolCost {
 /// returns. Zero bytes or zero threads are `Error::InvalidArgument`.
 pub fn pool_cost(device: &Device, bytes: usize, register_threads: usize) -> Result<PoolCost> {
     if bytes == 0 {
-        return Err(Error::invalid("bench::pool_cost", "nothing to allocate"));
+        return Err(super::invalid("bench::pool_cost", "nothing to allocate"));
     }
     let register = PinnedPool::new(
         device,
@@ -89,7 +89,7 @@ pub fn pool_cost(device: &Device, bytes: usize, register_threads: usize) -> Resu
     }
     let cached_hits = host.stats().hits.saturating_sub(before);
     let stats =
-        Stats::new(samples).ok_or_else(|| Error::invalid("bench::pool_cost", "no samples"))?;
+        Stats::new(samples).ok_or_else(|| super::invalid("bench::pool_cost", "no samples"))?;
     Ok(PoolCost {
         bytes,
         class_bytes,

@@ -2,10 +2,10 @@
 //! run, many small tensors, files, and a tuning grid over threads and slot sizes.
 
 use clap::Args;
-use pinstream::bench::pool::PoolCost;
-use pinstream::bench::size_name;
-use pinstream::bench::staging::{self, Measure};
 use pinstream::{Device, Result, Stager, StagerConfig};
+use pinstream_cli::bench::pool::PoolCost;
+use pinstream_cli::bench::size_name;
+use pinstream_cli::bench::staging::{self, Measure};
 use serde::Serialize;
 
 use crate::output::{self, Format};
@@ -352,7 +352,7 @@ pub fn run(args: StagingArgs) -> Result<()> {
         }
     }
     if args.pool_size > 0 {
-        let c = pinstream::bench::pool::pool_cost(&device, args.pool_size, args.pool_threads)?;
+        let c = pinstream_cli::bench::pool::pool_cost(&device, args.pool_size, args.pool_threads)?;
         out.pool(&c);
     }
     if let Some(path) = &args.file {

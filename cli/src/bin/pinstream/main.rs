@@ -1,4 +1,7 @@
-//! `pinstream`: the command-line front end. Thin over the library.
+//! `pinstream`: the command-line front end. Thin over the library and `pinstream_cli::bench`.
+//! Its one `unsafe` block restores the default SIGPIPE action.
+
+#![deny(unsafe_code)]
 
 mod bandwidth;
 mod info;
@@ -65,6 +68,7 @@ fn main() -> ExitCode {
     // `println!` when the reader goes away: restore the default SIGPIPE action (Rust ignores it).
     // SAFETY: `signal` with a valid signal number and `SIG_DFL` only changes this process's
     // disposition; no handler runs Rust code, and no other thread exists yet.
+    #[allow(unsafe_code)]
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }

@@ -3,22 +3,16 @@
 //! Staged copies ([`MemKind::Staged`]) are done by host threads and cannot be gated: they are
 //! timed with the host clock instead, each copy followed by a stream synchronize.
 
-use std::os::raw::c_void;
 use std::time::{Duration, Instant};
 
-use super::{gbps, pattern, secs, Gate, Stats};
-use crate::copy::{memcpy, trackers};
-use crate::device::Device;
-use crate::error::{Error, Result};
-use crate::event::TimingEvent;
-use crate::memory::sealed::DeviceMem;
-use crate::memory::{
-    tracker, DeviceBuffer, HostAlloc, HostRegister, HostSlice, HostSliceMut, PinnedBuffer,
-    Registered,
+use pinstream::memory::{
+    DeviceBuffer, HostAlloc, HostRegister, HostSlice, HostSliceMut, PinnedBuffer, Registered,
 };
-use crate::staging::{FileSource, Stager, StagerConfig};
-use crate::stream::Stream;
-use crate::sys::cudaMemcpyKind as Kind;
+use pinstream::staging::{FileSource, Stager, StagerConfig};
+use pinstream::timing::{self, CopyLoop};
+use pinstream::{Device, Error, Result, Stream, TimingEvent};
+
+use super::{gbps, pattern, secs, Gate, Stats};
 
 /// Copies queued behind a closed gate at most: a stream's queue is finite, and a host blocked on
 /// a full queue behind the gate could only wait for the gate's timeout.
@@ -263,17 +257,58 @@ pub(super) fn gate_reps(opts: &Options, bytes: usize) -> usize {
     (GATE_DEPTH / bytes.div_ceil(opts.piece(bytes))).max(1)
 }
 
-struct Ctx<'o> {
+/// Host memory the sweep copies into and checks: host access after the GPU's last use.
+pub(super) trait HostAccess {
+    /// Read access.
+    fn read(&self) -> Result<&[u8]>;
+    /// Write access.
+    fn write(&mut self) -> Result<&mut [u8]>;
+}
+
+impl HostAccess for [u8] {
+    fn read(&self) -> Result<&[u8]> {
+        Ok(self)
+    }
+    fn write(&mut self) -> Result<&mut [u8]> {
+        Ok(self)
+    }
+}
+
+impl HostAccess for PinnedBuffer<u8> {
+    fn read(&self) -> Result<&[u8]> {
+        self.as_slice()
+    }
+    fn write(&mut self) -> Result<&mut [u8]> {
+        self.as_mut_slice()
+    }
+}
+
+impl HostAccess for Registered<'_, u8> {
+    fn read(&self) -> Result<&[u8]> {
+        self.as_slice()
+    }
+    fn write(&mut self) -> Result<&mut [u8]> {
+        self.as_mut_slice()
+    }
+}
+
+/// What the timed samples need: streams, the gate, events, the options.
+struct Timer<'o> {
     device: Device,
     opts: &'o Options,
     up: Stream,
     down: Stream,
     gate: Gate,
+    ev: [TimingEvent; 6],
+}
+
+/// The timer and the memory the sweep copies between (the device side and the check buffer).
+struct Ctx<'o> {
+    t: Timer<'o>,
     pattern: Vec<u8>,
     dev_a: DeviceBuffer<u8>,
     dev_b: DeviceBuffer<u8>,
     check: Vec<u8>,
-    ev: [TimingEvent; 6],
 }
 
 /// Runs the sweep on `device`; `progress` sees each row as it is measured. Nothing is allocated
@@ -284,9 +319,9 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
         .iter()
         .copied()
         .max()
-        .ok_or_else(|| Error::invalid("bandwidth", "no sizes given"))?;
+        .ok_or_else(|| super::invalid("bandwidth", "no sizes given"))?;
     if opts.sizes.contains(&0) {
-        return Err(Error::invalid("bandwidth", "sizes must be at least 1 byte"));
+        return Err(super::invalid("bandwidth", "sizes must be at least 1 byte"));
     }
     if opts.row_count() == 0 {
         return Ok(Vec::new());
@@ -296,23 +331,25 @@ pub fn run(device: &Device, opts: &Options, progress: &mut dyn FnMut(&Row)) -> R
     let mut dev_b = DeviceBuffer::<u8>::new(device, max)?;
     up.copy_h2d(&pattern[..], &mut dev_b)?;
     let mut ctx = Ctx {
-        device: *device,
-        opts,
-        down: device.stream()?,
-        gate: Gate::new(device, opts.gate_timeout)?,
+        t: Timer {
+            device: *device,
+            opts,
+            down: device.stream()?,
+            gate: Gate::new(device, opts.gate_timeout)?,
+            ev: [
+                TimingEvent::new(device)?,
+                TimingEvent::new(device)?,
+                TimingEvent::new(device)?,
+                TimingEvent::new(device)?,
+                TimingEvent::new(device)?,
+                TimingEvent::new(device)?,
+            ],
+            up,
+        },
         dev_a: DeviceBuffer::<u8>::new(device, max)?,
         dev_b,
         check: vec![0u8; max],
-        ev: [
-            TimingEvent::new(device)?,
-            TimingEvent::new(device)?,
-            TimingEvent::new(device)?,
-            TimingEvent::new(device)?,
-            TimingEvent::new(device)?,
-            TimingEvent::new(device)?,
-        ],
         pattern,
-        up,
     };
     // One engine for the whole sweep, reused for every size (it pins its slots and starts its
     // threads once, as a program using it would).
@@ -382,114 +419,7 @@ pub(super) fn matches(got: &[u8], want: &[u8], sparse: bool) -> bool {
     (0..got.len()).step_by(4093).all(|i| got[i] == want[i]) && got[tail..] == want[tail..]
 }
 
-impl Ctx<'_> {
-    fn run_kind<S, D>(
-        &mut self,
-        kind: MemKind,
-        src: &S,
-        dst: &mut D,
-        rows: &mut Vec<Row>,
-        progress: &mut dyn FnMut(&Row),
-    ) -> Result<()>
-    where
-        S: HostSlice<u8> + ?Sized,
-        D: HostSliceMut<u8> + ?Sized,
-    {
-        let dirs = self.opts.directions.clone();
-        for &b in &self.opts.sizes.clone() {
-            let memcpy = match kind {
-                MemKind::Pageable => super::host_memcpy_gbps(b, 3).map(|m| m.median),
-                _ => None,
-            };
-            for &dir in &dirs {
-                let mut new: Vec<Row> = match dir {
-                    Direction::H2D => vec![self.h2d(kind, src, b)?],
-                    Direction::D2H => vec![self.d2h(kind, dst, b)?],
-                    Direction::Bidir if kind != MemKind::Pageable => {
-                        self.bidir(kind, src, dst, b)?
-                    }
-                    _ => Vec::new(),
-                };
-                for r in &mut new {
-                    r.host_memcpy_gbps = memcpy;
-                }
-                for r in new {
-                    progress(&r);
-                    rows.push(r);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Staged rows: `stager` moves `src` (plain memory) to `dev_a` and `dev_b` to `dst`
-    /// (plain memory). The engine's threads do the host side of each copy, so a gate cannot
-    /// hold them back; they are timed with the host clock. Only h2d and d2h: the engine has no
-    /// bidirectional mode that a gate could release together (no bidir rows), and d2d involves
-    /// no host memory (its rows come once per size, not per kind).
-    fn run_staged(
-        &mut self,
-        stager: &Stager,
-        src: &[u8],
-        dst: &mut [u8],
-        rows: &mut Vec<Row>,
-        progress: &mut dyn FnMut(&Row),
-    ) -> Result<()> {
-        let how = super::staging::describe(stager);
-        let min_bytes = stager.config().min_bytes;
-        for &b in &self.opts.sizes.clone() {
-            for &dir in &self.opts.directions.clone() {
-                let mut row = match dir {
-                    Direction::H2D => self.staged_h2d(stager, src, b)?,
-                    Direction::D2H => self.staged_d2h(stager, dst, b)?,
-                    // Skipped for staged memory: see above (p2p: `peer::run`).
-                    Direction::D2D | Direction::Bidir | Direction::P2P => continue,
-                };
-                row.note = Some(if b < min_bytes {
-                    format!(
-                        "{how}; under min_bytes={}: plain copy",
-                        super::size_name(min_bytes)
-                    )
-                } else {
-                    how.clone()
-                });
-                progress(&row);
-                rows.push(row);
-            }
-        }
-        Ok(())
-    }
-
-    fn staged_h2d(&mut self, stager: &Stager, src: &[u8], b: usize) -> Result<Row> {
-        let src = src
-            .get(..b)
-            .ok_or_else(|| Error::invalid("bandwidth", "staged source shorter than the size"))?;
-        let m = {
-            let (opts, up) = (self.opts, &self.up);
-            let mut d = self.dev_a.slice_mut(..b)?;
-            host_timed(opts, b, || {
-                stager.upload(up, src, &mut d)?;
-                up.synchronize()
-            })?
-        };
-        let verified = self.check_device(true, b)?;
-        Ok(self.row(MemKind::Staged.name(), "h2d", b, &m, verified))
-    }
-
-    fn staged_d2h(&mut self, stager: &Stager, dst: &mut [u8], b: usize) -> Result<Row> {
-        let dst = dst.get_mut(..b).ok_or_else(|| {
-            Error::invalid("bandwidth", "staged destination shorter than the size")
-        })?;
-        dst.fill(0);
-        let m = {
-            let (opts, up) = (self.opts, &self.up);
-            let s = self.dev_b.slice(..b)?;
-            host_timed(opts, b, || stager.download(up, &s, dst))?
-        };
-        let verified = matches(dst, &self.pattern, b > (256 << 20));
-        Ok(self.row(MemKind::Staged.name(), "d2h", b, &m, verified))
-    }
-
+impl Timer<'_> {
     fn row(
         &self,
         kind: &'static str,
@@ -511,35 +441,6 @@ impl Ctx<'_> {
             gate_timed_out: m.timed_out,
             partly_alone: false,
             note: None,
-        }
-    }
-
-    /// A closure that queues `reps` copies of `bytes` from `src` to `dst` on `stream` (one
-    /// tracked batch: one wait, one record), each as consecutive pieces of at most `piece` bytes.
-    fn copies<'a>(
-        stream: &'a Stream,
-        trackers: &'a [&'a tracker::Tracker],
-        dst: *mut c_void,
-        src: *const c_void,
-        bytes: usize,
-        piece: usize,
-        kind: Kind,
-    ) -> impl Fn(usize) -> Result<()> + 'a {
-        move |reps| {
-            tracker::ordered(stream, trackers, || {
-                for _ in 0..reps {
-                    let mut off = 0;
-                    while off < bytes {
-                        let n = piece.min(bytes - off);
-                        let d = dst.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                        let s = src.cast::<u8>().wrapping_add(off).cast::<c_void>();
-                        memcpy(stream, d, s, n, kind, "bandwidth")?;
-                        off += n;
-                    }
-                }
-                Ok(())
-            })
-            .map(|_| ())
         }
     }
 
@@ -612,137 +513,6 @@ impl Ctx<'_> {
         })
     }
 
-    fn h2d<S: HostSlice<u8> + ?Sized>(&mut self, kind: MemKind, src: &S, b: usize) -> Result<Row> {
-        let gated = kind != MemKind::Pageable;
-        let m = {
-            let (h, d) = (src.host_region(), self.dev_a.device_region());
-            let trackers = trackers(d.tracker, h.tracker);
-            let piece = self.opts.piece(b);
-            let op = Self::copies(
-                &self.up,
-                &trackers,
-                d.ptr,
-                h.ptr,
-                b,
-                piece,
-                Kind::cudaMemcpyHostToDevice,
-            );
-            self.measure(gated, b, &op)?
-        };
-        let verified = self.check_device(true, b)?;
-        Ok(self.row(kind.name(), "h2d", b, &m, verified))
-    }
-
-    fn d2h<D: HostSliceMut<u8> + ?Sized>(
-        &mut self,
-        kind: MemKind,
-        dst: &mut D,
-        b: usize,
-    ) -> Result<Row> {
-        let gated = kind != MemKind::Pageable;
-        dst.host_write()?[..b].fill(0);
-        let m = {
-            let (d, h) = (self.dev_b.device_region(), dst.host_region_mut());
-            let trackers = trackers(d.tracker, h.tracker);
-            let piece = self.opts.piece(b);
-            let op = Self::copies(
-                &self.up,
-                &trackers,
-                h.ptr,
-                d.ptr,
-                b,
-                piece,
-                Kind::cudaMemcpyDeviceToHost,
-            );
-            self.measure(gated, b, &op)?
-        };
-        let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
-        let verified = matches(&dst.host_read()?[..b], &self.pattern, sparse);
-        Ok(self.row(kind.name(), "d2h", b, &m, verified))
-    }
-
-    /// Checks the first `b` bytes of `dev_a` (`true`) or `dev_b` against the pattern.
-    fn check_device(&mut self, a: bool, b: usize) -> Result<bool> {
-        self.check[..b].fill(0);
-        let src = if a {
-            self.dev_a.slice(..b)?
-        } else {
-            self.dev_b.slice(..b)?
-        };
-        let got = self.up.copy_d2h(&src, &mut self.check[..b])?.wait()?;
-        Ok(matches(got, &self.pattern, b > (256 << 20)))
-    }
-
-    /// H2D and D2H of `b` bytes on two streams released by one gate. Two passes: in the first
-    /// each stream keeps copying after its timed copies until the other is done, so each
-    /// direction's rate is taken under load all along (bidir-h2d, bidir-d2h, bidir-sum); the
-    /// second is plain, both directions the same copies, timed to the later end (bidir-pair).
-    fn bidir<S, D>(&mut self, kind: MemKind, src: &S, dst: &mut D, b: usize) -> Result<Vec<Row>>
-    where
-        S: HostSlice<u8> + ?Sized,
-        D: HostSliceMut<u8> + ?Sized,
-    {
-        dst.host_write()?[..b].fill(0);
-        let piece = self.opts.piece(b);
-        let (loaded, pair, reps, timed_out) = {
-            let (h_src, d_a) = (src.host_region(), self.dev_a.device_region());
-            let (d_b, h_dst) = (self.dev_b.device_region(), dst.host_region_mut());
-            let up_tr = trackers(d_a.tracker, h_src.tracker);
-            let down_tr = trackers(d_b.tracker, h_dst.tracker);
-            let up_op = Self::copies(
-                &self.up,
-                &up_tr,
-                d_a.ptr,
-                h_src.ptr,
-                b,
-                piece,
-                Kind::cudaMemcpyHostToDevice,
-            );
-            let down_op = Self::copies(
-                &self.down,
-                &down_tr,
-                h_dst.ptr,
-                d_b.ptr,
-                b,
-                piece,
-                Kind::cudaMemcpyDeviceToHost,
-            );
-            // Calibrate on one direction alone.
-            let (one, _, _) = self.sample(false, &up_op, 1, b)?;
-            let reps = self.reps_for(one);
-            let (loaded, t1) = self.bidir_pass(&up_op, &down_op, reps, b, reps.div_ceil(2))?;
-            let (pair, t2) = self.bidir_pass(&up_op, &down_op, reps, b, 0)?;
-            (loaded, pair, reps, t1 || t2)
-        };
-        let moved = (b * reps) as f64;
-        let stats = |v: Vec<f64>| Stats::new(v).unwrap_or_else(empty_stats);
-        let mk = |s: Stats| Measured {
-            gbps: s,
-            host_gbps: None,
-            reps,
-            timed_out,
-        };
-        let up: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.up)).collect();
-        let down: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.down)).collect();
-        let sum = up.iter().zip(&down).map(|(u, d)| u + d).collect();
-        let pair = pair.iter().map(|t| gbps(2.0 * moved, t.both)).collect();
-        let alone = loaded.iter().any(|t| t.partly_alone);
-        let ok_up = self.check_device(true, b)?;
-        let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
-        let ok_down = matches(&dst.host_read()?[..b], &self.pattern, sparse);
-        let name = kind.name();
-        let mut rows = vec![
-            self.row(name, "bidir-h2d", b, &mk(stats(up)), ok_up),
-            self.row(name, "bidir-d2h", b, &mk(stats(down)), ok_down),
-            self.row(name, "bidir-sum", b, &mk(stats(sum)), ok_up && ok_down),
-            self.row(name, "bidir-pair", b, &mk(stats(pair)), ok_up && ok_down),
-        ];
-        for r in &mut rows[..3] {
-            r.partly_alone = alone;
-        }
-        Ok(rows)
-    }
-
     /// Warm-up plus samples of `reps` copies each way, released together by the gate; then
     /// `extra` more copies each way, untimed, to keep the link loaded while the slower
     /// direction finishes. Returns the samples and whether the gate timed out.
@@ -804,24 +574,219 @@ impl Ctx<'_> {
         }
         Ok((out, timed_out))
     }
+}
+
+impl Ctx<'_> {
+    fn run_kind<S, D>(
+        &mut self,
+        kind: MemKind,
+        src: &S,
+        dst: &mut D,
+        rows: &mut Vec<Row>,
+        progress: &mut dyn FnMut(&Row),
+    ) -> Result<()>
+    where
+        S: HostSlice<u8> + ?Sized,
+        D: HostSliceMut<u8> + HostAccess + ?Sized,
+    {
+        let dirs = self.t.opts.directions.clone();
+        for &b in &self.t.opts.sizes.clone() {
+            let memcpy = match kind {
+                MemKind::Pageable => super::host_memcpy_gbps(b, 3).map(|m| m.median),
+                _ => None,
+            };
+            for &dir in &dirs {
+                let mut new: Vec<Row> = match dir {
+                    Direction::H2D => vec![self.h2d(kind, src, b)?],
+                    Direction::D2H => vec![self.d2h(kind, dst, b)?],
+                    Direction::Bidir if kind != MemKind::Pageable => {
+                        self.bidir(kind, src, dst, b)?
+                    }
+                    _ => Vec::new(),
+                };
+                for r in &mut new {
+                    r.host_memcpy_gbps = memcpy;
+                }
+                for r in new {
+                    progress(&r);
+                    rows.push(r);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Staged rows: `stager` moves `src` (plain memory) to `dev_a` and `dev_b` to `dst`
+    /// (plain memory). The engine's threads do the host side of each copy, so a gate cannot
+    /// hold them back; they are timed with the host clock. Only h2d and d2h: the engine has no
+    /// bidirectional mode that a gate could release together (no bidir rows), and d2d involves
+    /// no host memory (its rows come once per size, not per kind).
+    fn run_staged(
+        &mut self,
+        stager: &Stager,
+        src: &[u8],
+        dst: &mut [u8],
+        rows: &mut Vec<Row>,
+        progress: &mut dyn FnMut(&Row),
+    ) -> Result<()> {
+        let how = super::staging::describe(stager);
+        let min_bytes = stager.config().min_bytes;
+        for &b in &self.t.opts.sizes.clone() {
+            for &dir in &self.t.opts.directions.clone() {
+                let mut row = match dir {
+                    Direction::H2D => self.staged_h2d(stager, src, b)?,
+                    Direction::D2H => self.staged_d2h(stager, dst, b)?,
+                    // Skipped for staged memory: see above (p2p: `peer::run`).
+                    Direction::D2D | Direction::Bidir | Direction::P2P => continue,
+                };
+                row.note = Some(if b < min_bytes {
+                    format!(
+                        "{how}; under min_bytes={}: plain copy",
+                        super::size_name(min_bytes)
+                    )
+                } else {
+                    how.clone()
+                });
+                progress(&row);
+                rows.push(row);
+            }
+        }
+        Ok(())
+    }
+
+    fn staged_h2d(&mut self, stager: &Stager, src: &[u8], b: usize) -> Result<Row> {
+        let src = src
+            .get(..b)
+            .ok_or_else(|| super::invalid("bandwidth", "staged source shorter than the size"))?;
+        let m = {
+            let (opts, up) = (self.t.opts, &self.t.up);
+            let mut d = self.dev_a.slice_mut(..b)?;
+            host_timed(opts, b, || {
+                stager.upload(up, src, &mut d)?;
+                up.synchronize()
+            })?
+        };
+        let verified = self.check_device(true, b)?;
+        Ok(self.t.row(MemKind::Staged.name(), "h2d", b, &m, verified))
+    }
+
+    fn staged_d2h(&mut self, stager: &Stager, dst: &mut [u8], b: usize) -> Result<Row> {
+        let dst = dst.get_mut(..b).ok_or_else(|| {
+            super::invalid("bandwidth", "staged destination shorter than the size")
+        })?;
+        dst.fill(0);
+        let m = {
+            let (opts, up) = (self.t.opts, &self.t.up);
+            let s = self.dev_b.slice(..b)?;
+            host_timed(opts, b, || stager.download(up, &s, dst))?
+        };
+        let verified = matches(dst, &self.pattern, b > (256 << 20));
+        Ok(self.t.row(MemKind::Staged.name(), "d2h", b, &m, verified))
+    }
+
+    fn h2d<S: HostSlice<u8> + ?Sized>(&mut self, kind: MemKind, src: &S, b: usize) -> Result<Row> {
+        let gated = kind != MemKind::Pageable;
+        let m = {
+            let t = &self.t;
+            let op = CopyLoop::h2d(&t.up, src, &mut self.dev_a, b)?.pieces(t.opts.piece(b));
+            t.measure(gated, b, &|n| op.queue(n))?
+        };
+        let verified = self.check_device(true, b)?;
+        Ok(self.t.row(kind.name(), "h2d", b, &m, verified))
+    }
+
+    fn d2h<D: HostSliceMut<u8> + HostAccess + ?Sized>(
+        &mut self,
+        kind: MemKind,
+        dst: &mut D,
+        b: usize,
+    ) -> Result<Row> {
+        let gated = kind != MemKind::Pageable;
+        dst.write()?[..b].fill(0);
+        let m = {
+            let t = &self.t;
+            let op = CopyLoop::d2h(&t.up, &self.dev_b, dst, b)?.pieces(t.opts.piece(b));
+            t.measure(gated, b, &|n| op.queue(n))?
+        };
+        let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
+        let verified = matches(&dst.read()?[..b], &self.pattern, sparse);
+        Ok(self.t.row(kind.name(), "d2h", b, &m, verified))
+    }
+
+    /// Checks the first `b` bytes of `dev_a` (`true`) or `dev_b` against the pattern.
+    fn check_device(&mut self, a: bool, b: usize) -> Result<bool> {
+        self.check[..b].fill(0);
+        let src = if a {
+            self.dev_a.slice(..b)?
+        } else {
+            self.dev_b.slice(..b)?
+        };
+        let got = self.t.up.copy_d2h(&src, &mut self.check[..b])?.wait()?;
+        Ok(matches(got, &self.pattern, b > (256 << 20)))
+    }
+
+    /// H2D and D2H of `b` bytes on two streams released by one gate. Two passes: in the first
+    /// each stream keeps copying after its timed copies until the other is done, so each
+    /// direction's rate is taken under load all along (bidir-h2d, bidir-d2h, bidir-sum); the
+    /// second is plain, both directions the same copies, timed to the later end (bidir-pair).
+    fn bidir<S, D>(&mut self, kind: MemKind, src: &S, dst: &mut D, b: usize) -> Result<Vec<Row>>
+    where
+        S: HostSlice<u8> + ?Sized,
+        D: HostSliceMut<u8> + HostAccess + ?Sized,
+    {
+        dst.write()?[..b].fill(0);
+        let (loaded, pair, reps, timed_out) = {
+            let t = &self.t;
+            let piece = t.opts.piece(b);
+            let up = CopyLoop::h2d(&t.up, src, &mut self.dev_a, b)?.pieces(piece);
+            let down = CopyLoop::d2h(&t.down, &self.dev_b, &mut *dst, b)?.pieces(piece);
+            let (up_op, down_op) = (|n| up.queue(n), |n| down.queue(n));
+            // Calibrate on one direction alone.
+            let (one, _, _) = t.sample(false, &up_op, 1, b)?;
+            let reps = t.reps_for(one);
+            let (loaded, t1) = t.bidir_pass(&up_op, &down_op, reps, b, reps.div_ceil(2))?;
+            let (pair, t2) = t.bidir_pass(&up_op, &down_op, reps, b, 0)?;
+            (loaded, pair, reps, t1 || t2)
+        };
+        let moved = (b * reps) as f64;
+        let stats = |v: Vec<f64>| Stats::new(v).unwrap_or_else(empty_stats);
+        let mk = |s: Stats| Measured {
+            gbps: s,
+            host_gbps: None,
+            reps,
+            timed_out,
+        };
+        let up: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.up)).collect();
+        let down: Vec<f64> = loaded.iter().map(|t| gbps(moved, t.down)).collect();
+        let sum = up.iter().zip(&down).map(|(u, d)| u + d).collect();
+        let pair = pair.iter().map(|t| gbps(2.0 * moved, t.both)).collect();
+        let alone = loaded.iter().any(|t| t.partly_alone);
+        let ok_up = self.check_device(true, b)?;
+        let sparse = b > (256 << 20) || kind == MemKind::WriteCombined;
+        let ok_down = matches(&dst.read()?[..b], &self.pattern, sparse);
+        let name = kind.name();
+        let mut rows = vec![
+            self.t.row(name, "bidir-h2d", b, &mk(stats(up)), ok_up),
+            self.t.row(name, "bidir-d2h", b, &mk(stats(down)), ok_down),
+            self.t
+                .row(name, "bidir-sum", b, &mk(stats(sum)), ok_up && ok_down),
+            self.t
+                .row(name, "bidir-pair", b, &mk(stats(pair)), ok_up && ok_down),
+        ];
+        for r in &mut rows[..3] {
+            r.partly_alone = alone;
+        }
+        Ok(rows)
+    }
 
     fn d2d(&mut self, b: usize, rows: &mut Vec<Row>, progress: &mut dyn FnMut(&Row)) -> Result<()> {
         let m = {
-            let (s, d) = (self.dev_b.device_region(), self.dev_a.device_region());
-            let trackers = [s.tracker, d.tracker];
-            let op = Self::copies(
-                &self.up,
-                &trackers,
-                d.ptr,
-                s.ptr,
-                b,
-                b,
-                Kind::cudaMemcpyDeviceToDevice,
-            );
-            self.measure(true, b, &op)?
+            let t = &self.t;
+            let op = CopyLoop::d2d(&t.up, &self.dev_b, &mut self.dev_a, b)?;
+            t.measure(true, b, &|n| op.queue(n))?
         };
         let verified = self.check_device(true, b)?;
-        let once = self.row("device", "d2d", b, &m, verified);
+        let once = self.t.row("device", "d2d", b, &m, verified);
         let mut rw = once.clone();
         rw.direction = "d2d-rw";
         rw.gbps = Stats::new(m.gbps.samples.iter().map(|g| 2.0 * g).collect())
@@ -1007,7 +972,7 @@ pub fn pinning_cost(device: &Device, bytes: usize, samples: usize) -> Result<Vec
     ] {
         let (mut a, mut f) = (Vec::new(), Vec::new());
         for _ in 0..samples.max(1) {
-            let (alloc, free) = crate::memory::time_alloc_free(device, bytes, flags)?;
+            let (alloc, free) = timing::host_alloc_cost(device, bytes, flags)?;
             a.push(secs(alloc) / gib);
             f.push(secs(free) / gib);
         }
@@ -1021,7 +986,7 @@ pub fn pinning_cost(device: &Device, bytes: usize, samples: usize) -> Result<Vec
     let mut data = pattern(bytes)?; // touched, as a real buffer would be
     let (mut a, mut f) = (Vec::new(), Vec::new());
     for _ in 0..samples.max(1) {
-        let (reg, unreg) = crate::memory::time_register(device, &mut data, HostRegister::DEFAULT)?;
+        let (reg, unreg) = timing::host_register_cost(device, &mut data, HostRegister::DEFAULT)?;
         a.push(secs(reg) / gib);
         f.push(secs(unreg) / gib);
     }
@@ -1039,7 +1004,7 @@ pub fn pinning_cost(device: &Device, bytes: usize, samples: usize) -> Result<Vec
 pub fn all_devices(devices: &[Device], bytes: usize, opts: &Options) -> Result<Vec<Row>> {
     let first = devices
         .first()
-        .ok_or_else(|| Error::invalid("bandwidth", "no devices"))?;
+        .ok_or_else(|| super::invalid("bandwidth", "no devices"))?;
     let gate = Gate::new(first, opts.gate_timeout)?;
     let pattern = pattern(bytes)?;
     struct Per {
