@@ -31,6 +31,8 @@ pub mod sys;
 mod affinity;
 pub mod bench;
 mod copy;
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 mod device;
 pub mod dlpack;
 mod error;
