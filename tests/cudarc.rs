@@ -84,7 +84,8 @@ fn random_f32(n: usize) -> (Vec<f32>, u64) {
 fn one_primary_context() -> R {
     let (dev, ctx, cs, stream) = setup()?;
     ensure(
-        stream.as_raw() as usize == cs.cu_stream() as usize && !stream.is_owned(),
+        std::ptr::eq(stream.as_raw().cast::<u8>(), cs.cu_stream().cast::<u8>())
+            && !stream.is_owned(),
         || "Stream::from_cudarc does not wrap the cudarc stream".into(),
     )?;
     ensure(stream.cudarc().is_some_and(|c| Arc::ptr_eq(c, &cs)), || {
@@ -684,7 +685,6 @@ fn prefetch_race() -> R {
             late3.copy_d2d(&px, &mut view_mut(&mut c2, &late3)?)?;
             let reads = [cs2.record_event(None)?, cs3.record_event(None)?];
             let i = batch.index();
-            drop(px);
             drop(batch); // the slot may be refilled now, while the late reads wait
             if reads.iter().all(|r| !r.is_complete()) {
                 raced += 1;
