@@ -7,6 +7,8 @@
 //! - [`view`] / [`view_mut`] lend cudarc memory (`CudaSlice`, `CudaView`, `CudaViewMut`) to
 //!   pinstream: [`CudarcView`] / [`CudarcViewMut`] are sources and destinations of copies, the
 //!   stager and the normalize kernels, on any pinstream stream.
+//! - A cudarc `CudaEvent` is an [`AnyEvent`]: `stream.wait(&ev)` and `stream.record(&ev)` order
+//!   pinstream's streams and cudarc's either way.
 //! - [`lend`] / [`lend_mut`] lend pinstream memory (a `DeviceBuffer`, a view, a prefetched
 //!   batch's pixels) to cudarc as a `CudaView` / `CudaViewMut` for the length of a closure.
 //!
@@ -70,7 +72,7 @@ use bytemuck::Pod;
 
 use crate::device::Device;
 use crate::error::{CudaError, Error, Result};
-use crate::event::Event;
+use crate::event::{AnyEvent, Event};
 use crate::memory::sealed::{DeviceMem, DeviceRegion};
 use crate::memory::tracker::{Access, Mirror, Tracker};
 use crate::memory::{check_device_ptr, resolve_range};
@@ -85,10 +87,20 @@ impl Stream {
     ///
     /// Errors: `Error::InvalidArgument` if the stream's context is not its device's primary
     /// context (the one the CUDA runtime uses: `CudaContext::new` retains it;
-    /// `new_non_primary` creates another).
+    /// `new_non_primary` creates another), or for the per-thread default stream
+    /// (`per_thread_stream`), which is another stream on every thread.
     pub fn from_cudarc(stream: &Arc<CudaStream>) -> Result<Stream> {
         const OP: &str = "Stream::from_cudarc";
         let ctx = stream.context();
+        // `cudaStreamPerThread` names another stream on every thread, while a `Stream` is one
+        // stream to the trackers (they skip waits for work on the same `Stream`).
+        if stream.cu_stream() as usize == PER_THREAD_STREAM {
+            return Err(Error::invalid(
+                OP,
+                "the per-thread default stream is another stream on every thread; use a stream \
+                 of CudaContext::new_stream, or the default stream",
+            ));
+        }
         let device = Device::get(ctx.ordinal())?;
         check_primary(OP, &device, ctx)?;
         let keep: Arc<dyn Any + Send + Sync> = Arc::new(stream.clone());
@@ -106,25 +118,41 @@ impl Stream {
     }
 }
 
-/// Checks that `ctx` is the context the runtime uses for `device`: its primary context.
+/// The handle of the per-thread default stream (`cudaStreamPerThread`, `CU_STREAM_PER_THREAD`).
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// Checks that `ctx` is the context the runtime uses for `device`: its primary context, the one
+/// the runtime makes current for it.
 fn check_primary(op: &'static str, device: &Device, ctx: &CudaContext) -> Result<()> {
-    device.make_current()?;
-    // The runtime makes the primary context current (cudaFree(null) initializes it, if
-    // cudaSetDevice has not); it is then the driver's current context.
-    // SAFETY: freeing null is a documented no-op that initializes the context.
-    let err = unsafe { sys::cudaFree(std::ptr::null_mut()) };
-    crate::error::check(err, "cudaFree")?;
-    let current = ::cudarc::driver::result::ctx::get_current()
-        .map_err(|e| driver_error("cuCtxGetCurrent", e))?;
-    if current != Some(ctx.cu_ctx()) {
-        return Err(Error::invalid(
+    let not_primary = || {
+        Error::invalid(
             op,
             format!(
                 "the cudarc context of device {} is not the primary context the CUDA runtime \
                  uses (CudaContext::new retains it; new_non_primary makes another)",
                 ctx.ordinal()
             ),
-        ));
+        )
+    };
+    // SAFETY: a device handle of a live context; every retain is released just below.
+    let primary = unsafe { ::cudarc::driver::result::primary_ctx::retain(ctx.cu_device()) }
+        .map_err(|e| driver_error("cuDevicePrimaryCtxRetain", e))?;
+    // SAFETY: releases the retain above (cudarc's context holds its own).
+    let released = unsafe { ::cudarc::driver::result::primary_ctx::release(ctx.cu_device()) };
+    released.map_err(|e| driver_error("cuDevicePrimaryCtxRelease", e))?;
+    if primary != ctx.cu_ctx() {
+        return Err(not_primary());
+    }
+    // The runtime's device of that ordinal is the driver's: its context, once the runtime has
+    // made it current (cudaFree(null) initializes it if cudaSetDevice has not), is that one.
+    device.make_current()?;
+    // SAFETY: freeing null is a documented no-op that initializes the context.
+    let err = unsafe { sys::cudaFree(std::ptr::null_mut()) };
+    crate::error::check(err, "cudaFree")?;
+    let current = ::cudarc::driver::result::ctx::get_current()
+        .map_err(|e| driver_error("cuCtxGetCurrent", e))?;
+    if current != Some(primary) {
+        return Err(not_primary());
     }
     Ok(())
 }
@@ -180,6 +208,21 @@ fn cudarc_of<'s>(op: &'static str, stream: &'s Stream) -> Result<&'s Arc<CudaStr
         .cudarc()
         .ok_or_else(|| Error::invalid(op, "the stream was not made by Stream::from_cudarc"))
 }
+
+// A cudarc event is an event of the primary context (or of another: waits across contexts are
+// allowed, and a record on a stream of another context is refused by the driver with an
+// error), so `Stream::wait` and `Stream::record` take it as they take pinstream's.
+impl crate::event::sealed::RawEvent for CudaEvent {
+    fn raw_event(&self) -> sys::cudaEvent_t {
+        self.cu_event() as sys::cudaEvent_t
+    }
+    fn event_device(&self) -> Device {
+        Device::existing(self.context().ordinal())
+    }
+}
+/// `stream.wait(&cudarc_event)` orders pinstream's work after cudarc's,
+/// `stream.record(&cudarc_event)` lets cudarc's streams wait for pinstream's (`CudaStream::wait`).
+impl AnyEvent for CudaEvent {}
 
 mod sealed {
     pub trait Sealed {}

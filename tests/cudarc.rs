@@ -144,21 +144,19 @@ fn one_primary_context() -> R {
     )?;
     drop(c3);
     drop(wrapped);
-    // The default and per-thread streams wrap too.
-    for s in [ctx.default_stream(), ctx.per_thread_stream()] {
-        let st = Stream::from_cudarc(&s)?;
-        let (h, sd) = random_bytes(4096);
-        let mut d = DeviceBuffer::<u8>::new(&dev, h.len())?;
-        st.copy_h2d(&h[..], &mut d)?;
-        let mut b = vec![0u8; h.len()];
-        st.copy_d2h(&d, &mut b[..])?.wait()?;
-        same("a round trip on a cudarc default stream", &b, &h, sd)?;
-    }
+    // The legacy default stream wraps too.
+    let st = Stream::from_cudarc(&ctx.default_stream())?;
+    let (h, sd) = random_bytes(4096);
+    let mut d = DeviceBuffer::<u8>::new(&dev, h.len())?;
+    st.copy_h2d(&h[..], &mut d)?;
+    let mut b = vec![0u8; h.len()];
+    st.copy_d2h(&d, &mut b[..])?.wait()?;
+    same("a round trip on cudarc's default stream", &b, &h, sd)?;
     Ok(())
 }
 
-/// Refusals are typed errors, with nothing queued: a stream not from cudarc, a context that is
-/// not the primary one, a slice of another context, a length mismatch, an unreported cudarc
+/// Refusals are typed errors, with nothing queued: a stream not from cudarc, the per-thread
+/// stream, a context that is not the primary one, a slice of another context, a length mismatch, an unreported cudarc
 /// error (left stored for its owner).
 fn errors_are_typed() -> R {
     let (dev, ctx, cs, stream) = setup()?;
@@ -176,6 +174,11 @@ fn errors_are_typed() -> R {
     invalid(
         lend_mut(&mut buf, &native, |_| ()),
         "lend_mut on a native stream",
+    )?;
+    // The per-thread stream is another stream on every thread: refused.
+    invalid(
+        Stream::from_cudarc(&ctx.per_thread_stream()).map(drop),
+        "the per-thread stream",
     )?;
     // A non-primary context: neither its stream nor its memory is accepted.
     let other = CudaContext::new_non_primary(0, 0)?;
@@ -269,82 +272,96 @@ fn copies_stager_normalize() -> R {
     )
 }
 
-/// An event pinstream records after a spin and its write, waited for by the cudarc stream
-/// before cudarc reads; an event cudarc records after a spin and its write, waited for by a
-/// pinstream stream before pinstream reads. Memory touched through raw addresses only, so the
-/// events are the only ordering.
+/// Events across the two libraries, with safe calls only: pinstream records into a cudarc
+/// event after a spin and its write, the cudarc stream waits for it before cudarc reads; cudarc
+/// records after a spin and its write, a pinstream stream waits before pinstream reads; and a
+/// raw pinstream event waited for by the driver directly. The memory is touched through raw
+/// addresses, so that the events are the only ordering.
 fn events_both_ways() -> R {
     let (dev, ctx, cs, stream) = setup()?;
     let ours = dev.stream()?;
     let n = 1 << 20;
-    // pinstream -> cudarc.
     let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
-    ours.memset(&mut d, 0xA5)?;
-    ours.synchronize()?;
-    let (host, seed) = random_bytes(n);
     let mut pinned = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
-    pinned.as_mut_slice()?.copy_from_slice(&host);
-    ours.spin(HOLD)?;
-    drop(ours.copy_h2d(&pinned, &mut d)?);
-    let ev = Event::new(&dev)?;
-    ours.record(&ev)?;
-    // SAFETY: both handles are live (and of the one primary context) until the call returns.
-    unsafe {
-        cudarc::driver::result::stream::wait_event(
-            cs.cu_stream(),
-            ev.as_raw() as cudarc::driver::sys::CUevent,
-            cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-        )?
-    };
-    // Page-locked, so that the driver's copy is asynchronous.
     let mut back = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
-    // SAFETY: `d` holds n bytes and `back` n bytes, both alive until after the synchronize
-    // below; nothing else touches `back` meanwhile.
-    unsafe {
-        cudarc::driver::result::memcpy_dtoh_async(
-            back.as_mut_slice()?,
-            d.as_device_ptr() as usize as u64,
-            cs.cu_stream(),
-        )?
-    };
-    let after = cs.record_event(None)?;
-    ensure(!after.is_complete(), || {
-        "the cudarc stream ran ahead of the pinstream event it waits for".into()
-    })?;
-    cs.synchronize()?;
-    same(
-        "cudarc read after a pinstream event",
-        back.as_slice()?,
-        &host,
-        seed,
-    )?;
+    // pinstream -> cudarc, once through a cudarc event and once through a raw pinstream one.
+    for raw in [false, true] {
+        ours.memset(&mut d, 0xA5)?;
+        ours.synchronize()?;
+        let (host, seed) = random_bytes(n);
+        pinned.as_mut_slice()?.copy_from_slice(&host);
+        ours.spin(HOLD)?;
+        drop(ours.copy_h2d(&pinned, &mut d)?);
+        if raw {
+            let ev = Event::new(&dev)?;
+            ours.record(&ev)?;
+            // SAFETY: both handles are live (and of the one primary context) for the call.
+            unsafe {
+                cudarc::driver::result::stream::wait_event(
+                    cs.cu_stream(),
+                    ev.as_raw() as cudarc::driver::sys::CUevent,
+                    cudarc::driver::sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )?
+            };
+        } else {
+            let ev = ctx.new_event(None)?;
+            ours.record(&ev)?; // a cudarc event, recorded on a pinstream stream
+            cs.wait(&ev)?;
+        }
+        // SAFETY: `d` holds n bytes and `back` n bytes (page-locked: the copy is
+        // asynchronous), both alive until after the synchronize below; nothing else touches
+        // `back` meanwhile.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                back.as_mut_slice()?,
+                d.as_device_ptr() as usize as u64,
+                cs.cu_stream(),
+            )?
+        };
+        let after = cs.record_event(None)?;
+        ensure(!after.is_complete(), || {
+            format!("raw {raw}: the cudarc stream ran ahead of the pinstream work it waits for")
+        })?;
+        cs.synchronize()?;
+        let what = format!("raw {raw}: cudarc read after a pinstream event");
+        same(&what, back.as_slice()?, &host, seed)?;
+    }
 
-    // cudarc -> pinstream: cudarc's work (a spin queued on its stream, its own copy).
+    // cudarc -> pinstream: cudarc's work (a spin queued on its stream, its own copy), then a
+    // pinstream stream waits for cudarc's event.
     let (host2, seed2) = random_bytes(n);
     let mut theirs = cs.clone_htod(&vec![0x5Au8; n])?;
     cs.synchronize()?;
     stream.spin(HOLD)?;
     cs.memcpy_htod(&host2, &mut theirs)?;
-    let cev = cs.record_event(None)?;
     let ptr = address(&theirs, &cs);
-    // SAFETY: cudarc's live event of the primary context, alive until the end.
-    let borrowed = unsafe { Event::from_raw(&dev, cev.cu_event() as pinstream::sys::cudaEvent_t) };
-    ours.wait(&borrowed)?;
-    let mut back2 = vec![0u8; n];
+    let cev = cs.record_event(None)?;
+    ours.wait(&cev)?;
     {
         // SAFETY: `theirs` is n bytes on device 0, alive past this block; written only by the
         // copy the event follows.
         let foreign = unsafe { ForeignBuffer::from_raw(&dev, ptr as usize as *mut u8, n)? };
-        let mut pin_back = PinnedBuffer::<u8>::new(&dev, n, HostAlloc::DEFAULT)?;
-        let pending = ours.copy_d2h(&foreign, &mut pin_back)?;
+        let pending = ours.copy_d2h(&foreign, &mut back)?;
         let done = Event::new(&dev)?;
         ours.record(&done)?;
         ensure(!done.is_complete()?, || {
             "the pinstream stream ran ahead of the cudarc event it waits for".into()
         })?;
-        back2.copy_from_slice(pending.wait()?);
+        same(
+            "pinstream read after a cudarc event",
+            pending.wait()?,
+            &host2,
+            seed2,
+        )?;
     }
-    same("pinstream read after a cudarc event", &back2, &host2, seed2)?;
+    // A cudarc event of another device cannot be recorded on this one's stream: typed error.
+    if Device::count()? >= 2 {
+        let ev1 = CudaContext::new(1)?.new_event(None)?;
+        match ours.record(&ev1) {
+            Err(Error::WrongDevice { .. }) => {}
+            other => return Err(format!("a device-1 event on device 0: {other:?}").into()),
+        }
+    }
     ctx.check_err()?;
     Ok(())
 }
