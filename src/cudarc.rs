@@ -104,7 +104,8 @@ impl Stream {
         let device = Device::get(ctx.ordinal())?;
         check_primary(OP, &device, ctx)?;
         let keep: Arc<dyn Any + Send + Sync> = Arc::new(stream.clone());
-        // SAFETY: the raw handle is cudarc's live stream (or the null / per-thread handle) of
+        // SAFETY: the raw handle is cudarc's live stream (or the null handle, the legacy
+        // default stream) of
         // `device`'s primary context (checked above: the context the runtime makes current for
         // `device` is the stream's); the `Stream` keeps the `Arc<CudaStream>` alive until its
         // last clone drops, and cudarc destroys the stream only with its last `Arc`. The two
@@ -296,11 +297,11 @@ fn make_view<T: Pod>(
     check_device_ptr(op, &device, ptr, len)?;
     let event = event.map(|e| {
         let raw = e.cu_event() as sys::cudaEvent_t;
-        // SAFETY: the slice's own event (cudarc hands out `&self.read` / `&self.write` of the
-        // `CudaSlice` behind the view), live while the slice is borrowed, which outlives the
-        // view and so the tracker that holds this; an event of the device's primary context
-        // (the slice's context is the stream's, checked); the handle types name the same
-        // driver object. The wrapper never destroys it.
+        // SAFETY: `e` is borrowed for as long as the view lives (the view holds the reference),
+        // and the tracker holding this wrapper lives in the view: it is only ever used while
+        // the view lives (a leaked view's tracker is never used again). An event of the
+        // device's primary context (the slice's context is the stream's, checked); the handle
+        // types name the same driver object. The wrapper never destroys it.
         unsafe { Event::from_raw(&device, raw) }
     });
     let mirror = Mirror {
@@ -327,6 +328,9 @@ pub struct CudarcView<'a, T: Pod> {
     len: usize,
     device: Device,
     tracker: Tracker,
+    /// cudarc's event that the tracker's mirror records (through a raw handle): borrowed for as
+    /// long as the view lives.
+    _event: Option<&'a CudaEvent>,
     _borrow: PhantomData<&'a [T]>,
 }
 
@@ -338,6 +342,8 @@ pub struct CudarcViewMut<'a, T: Pod> {
     len: usize,
     device: Device,
     tracker: Tracker,
+    /// As in [`CudarcView`].
+    _event: Option<&'a CudaEvent>,
     _borrow: PhantomData<&'a mut [T]>,
 }
 
@@ -349,7 +355,7 @@ pub struct CudarcViewMut<'a, T: Pod> {
 /// `Error::WrongDevice` for a slice of another device.
 pub fn view<'a, T: Pod, S: CudarcSlice<T> + ?Sized>(
     slice: &'a S,
-    stream: &Stream,
+    stream: &'a Stream,
 ) -> Result<CudarcView<'a, T>> {
     const OP: &str = "pinstream::cudarc::view";
     let cs = same_context(OP, stream, ::cudarc::driver::DeviceSlice::stream(slice))?;
@@ -363,6 +369,7 @@ pub fn view<'a, T: Pod, S: CudarcSlice<T> + ?Sized>(
         len,
         device: stream.device(),
         tracker,
+        _event: event,
         _borrow: PhantomData,
     })
 }
@@ -371,7 +378,7 @@ pub fn view<'a, T: Pod, S: CudarcSlice<T> + ?Sized>(
 /// [`CudarcViewMut`]. Errors as [`view`].
 pub fn view_mut<'a, T: Pod, S: CudarcSliceMut<T> + ?Sized>(
     slice: &'a mut S,
-    stream: &Stream,
+    stream: &'a Stream,
 ) -> Result<CudarcViewMut<'a, T>> {
     const OP: &str = "pinstream::cudarc::view_mut";
     let cs = same_context(OP, stream, ::cudarc::driver::DeviceSlice::stream(slice))?;
@@ -385,6 +392,7 @@ pub fn view_mut<'a, T: Pod, S: CudarcSliceMut<T> + ?Sized>(
         len,
         device: stream.device(),
         tracker,
+        _event: event,
         _borrow: PhantomData,
     })
 }
