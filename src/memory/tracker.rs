@@ -49,6 +49,11 @@ pub(crate) struct Mirror {
 impl Mirror {
     /// Makes the mirror follow `event`, just recorded on `on` after a use.
     fn follow(&self, on: &Stream, event: &Event) -> Result<()> {
+        // Two mirrors of one event (views of two halves of a slice, on two threads) must not
+        // interleave their wait and record: the second record would stand only for its own
+        // use. One lock for all mirrors: a few microseconds, rarely contended.
+        static FOLLOW: Mutex<()> = Mutex::new(());
+        let _one_at_a_time = crate::sync::lock(&FOLLOW);
         if let Some(theirs) = &self.event {
             self.stream.wait(theirs)?;
         }
