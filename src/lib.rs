@@ -64,3 +64,6 @@ pub use staging::{
     Downloads, FileSource, Packed, PackedBatch, Packer, Stager, StagerConfig, Uploads,
 };
 pub use stream::Stream;
+
+pub use memory::{Download, DownloadTarget};
+pub use staging::{ArenaBatch, PackedArena};

@@ -155,19 +155,31 @@ impl Stream {
     ///
     /// # Safety
     ///
-    /// - `raw` is a live stream (or null, the legacy default stream, or
-    ///   `cudaStreamPerThread`) of `device`'s primary context: the context the CUDA runtime
+    /// - `raw` is a live stream (or null / `cudaStreamLegacy`, the legacy default stream) of
+    ///   `device`'s primary context: the context the CUDA runtime
     ///   uses, which PyTorch and cudarc's `CudaContext::new` share.
     /// - It stays live until the returned `Stream` and every clone of it have been dropped
     ///   (buffers from [`DeviceBuffer::new_async`] on it and prefetchers consuming on it hold
     ///   clones): destroying it earlier is a use after free in the driver.
+    ///
+    /// `cudaStreamPerThread` is refused (`Error::InvalidArgument`): it names a different stream
+    /// on every thread, while a `Stream` (and the events recorded on it, by DLPack deleters
+    /// among others) may be used from any thread.
     pub unsafe fn from_raw(device: &Device, raw: sys::cudaStream_t) -> Result<Stream> {
+        // The runtime's `cudaStreamPerThread` handle, `((cudaStream_t)0x2)`.
+        if raw as usize == 0x2 {
+            return Err(Error::invalid(
+                "Stream::from_raw",
+                "cudaStreamPerThread names another stream on each thread; pass the thread's \
+                 own stream (or the legacy default stream) instead",
+            ));
+        }
         // SAFETY: the caller's contract is `borrowed`'s.
         unsafe { Stream::borrowed(device, raw, None) }
     }
 
     /// [`from_raw`](Self::from_raw) that also holds `keep` (what keeps `raw` alive) until the
-    /// last clone drops.
+    /// last clone drops. The caller refuses `cudaStreamPerThread`.
     ///
     /// # Safety
     ///

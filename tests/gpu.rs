@@ -10,8 +10,8 @@ use common::guard::{Guarded, GUARD};
 use common::{ensure, random_bytes, rng, same, R};
 use libtest_mimic::{Arguments, Trial};
 use pinstream::{
-    bf16, f16, kernels, Device, DeviceBuffer, Error, Event, HostAlloc, HostRegister, PinnedBuffer,
-    Registered, Stream, TimingEvent,
+    bf16, f16, kernels, Device, DeviceBuffer, Download, Error, Event, HostAlloc, HostRegister,
+    PinnedBuffer, PinnedPool, PoolBacking, PoolBlock, PoolConfig, Registered, Stream, TimingEvent,
 };
 use rand::Rng;
 
@@ -101,6 +101,24 @@ fn main() {
         drop_buffers_while_in_flight,
     );
     gpu("drop_and_forget_pending".into(), drop_and_forget_pending);
+    gpu("download/owned_results".into(), download_owned_results);
+    gpu(
+        "download/poll_before_ready".into(),
+        download_poll_before_ready,
+    );
+    gpu(
+        "download/drop_and_forget_unwaited".into(),
+        download_drop_and_forget_unwaited,
+    );
+    gpu(
+        "download/into_kept_buffers".into(),
+        download_into_kept_buffers,
+    );
+    gpu(
+        "download/ordered_with_writes".into(),
+        download_ordered_with_writes,
+    );
+    gpu("to_vec/buffers_and_views".into(), to_vec_buffers_and_views);
     gpu(
         "async_alloc_across_streams".into(),
         async_alloc_across_streams,
@@ -1874,5 +1892,346 @@ fn peer_bandwidth_chunked() -> R {
         sizes: vec![(3 << 20) + 5],
         chunk: Some(256 << 10),
         ..Default::default()
+    })
+}
+
+/// Owned downloads of fresh random data (several types and sizes, views included) kept in a
+/// queue, moved to another thread and read there: `wait` (twice), `try_get` once ready,
+/// `into_vec`, and an empty download.
+fn download_owned_results() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let mut queue: std::collections::VecDeque<(Download<f32>, Vec<u8>, u64)> =
+        std::collections::VecDeque::new();
+    for n in [1usize, 4097, 1 << 20, (3 << 20) + 5] {
+        let (bytes, seed) = random_bytes(n * 4);
+        let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+        let mut d = DeviceBuffer::<f32>::new(&dev, n)?;
+        s.memset(&mut d, 0xEE)?;
+        s.copy_h2d(&data[..], &mut d)?;
+        queue.push_back((s.download(&d)?, bytes, seed));
+        // `d` is dropped here with the download queued: its drop waits for the copy.
+    }
+    // A view of a u16 buffer, and a download of nothing.
+    let (bytes, seed) = random_bytes(2 * 10_000);
+    let words: Vec<u16> = bytemuck::pod_collect_to_vec(&bytes);
+    let mut d16 = DeviceBuffer::<u16>::new(&dev, words.len())?;
+    s.copy_h2d(&words[..], &mut d16)?;
+    let part = s.download(&d16.slice(1234..9876)?)?;
+    let empty = s.download(&d16.slice(5..5)?)?;
+    let reader = std::thread::spawn(move || -> R {
+        for (i, (dl, bytes, seed)) in queue.into_iter().enumerate() {
+            let what = format!("download {i} of {} f32", bytes.len() / 4);
+            ensure(dl.len() * 4 == bytes.len(), || {
+                format!("{what}: len {}", dl.len())
+            })?;
+            same(&what, bytemuck::cast_slice(dl.wait()?), &bytes, seed)?;
+            same(&what, bytemuck::cast_slice(dl.wait()?), &bytes, seed)?;
+            let polled = dl.try_get()?.ok_or("try_get is None after wait")?;
+            same(&what, bytemuck::cast_slice(polled), &bytes, seed)?;
+            ensure(dl.is_ready()?, || format!("{what}: not ready after wait"))?;
+            let v = dl.into_vec()?;
+            same(
+                &format!("{what}, into_vec"),
+                bytemuck::cast_slice(&v),
+                &bytes,
+                seed,
+            )?;
+        }
+        same("u16 view", &part.into_vec()?, &words[1234..9876], seed)?;
+        ensure(
+            empty.is_empty() && empty.is_ready()? && empty.try_get()? == Some(&[][..]),
+            || "an empty download".into(),
+        )?;
+        ensure(empty.into_vec()?.is_empty(), || "empty into_vec".into())
+    });
+    reader.join().map_err(|_| "the reader thread panicked")?
+}
+
+/// Behind a 300 ms kernel, a download into a poisoned buffer is not ready and `try_get` gives
+/// nothing; polled (on another thread) until it is, the first data seen is the fresh data, never
+/// the poison.
+fn download_poll_before_ready() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 8 << 20;
+    let (data, seed) = random_bytes(n);
+    let poison: Vec<u8> = data.iter().map(|b| !b).collect();
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    s.copy_h2d(&data[..], &mut d)?.wait()?;
+    for pooled in [false, true] {
+        let pool = PinnedPool::new(&dev, PoolConfig::default())?;
+        let what = if pooled {
+            "pool block"
+        } else {
+            "pinned buffer"
+        };
+        let mut block: PoolBlock<u8> = pool.alloc(n)?;
+        block.as_mut_slice()?.copy_from_slice(&poison);
+        let pinned = PinnedBuffer::from_slice(&dev, &poison, HostAlloc::DEFAULT)?;
+        s.spin(Duration::from_millis(300))?;
+        let queued = Instant::now();
+        // The first poll, and how long after the kernel was queued it came.
+        let early = |ready: bool, got: bool| -> R {
+            let at = queued.elapsed();
+            if at < Duration::from_millis(250) {
+                ensure(!ready && !got, || {
+                    format!("{what}: ready ({ready}) or data ({got}) {at:?} into a 300 ms kernel")
+                })?;
+            }
+            Ok(())
+        };
+        if pooled {
+            let dl = s.download_into(&d, block)?;
+            early(dl.is_ready()?, dl.try_get()?.is_some())?;
+            poll_until_ready(dl, queued, &data, seed, what)?;
+        } else {
+            let dl = s.download_into(&d, pinned)?;
+            early(dl.is_ready()?, dl.try_get()?.is_some())?;
+            poll_until_ready(dl, queued, &data, seed, what)?;
+        }
+    }
+    Ok(())
+}
+
+/// Moves `dl` (queued behind a 300 ms kernel at `queued`) to another thread that polls it until
+/// it is ready, checking that the first data it sees is `want`, and that it was polled unready
+/// at least once where the first poll came early enough.
+fn poll_until_ready<B>(
+    dl: Download<u8, B>,
+    queued: Instant,
+    want: &[u8],
+    seed: u64,
+    what: &str,
+) -> R
+where
+    B: pinstream::DownloadTarget<u8> + Send + 'static,
+{
+    let want = want.to_vec();
+    let what = what.to_string();
+    let poller = std::thread::spawn(move || -> R {
+        let start = Instant::now();
+        let early = queued.elapsed() < Duration::from_millis(250);
+        let mut unready = 0u32;
+        loop {
+            match dl.try_get()? {
+                None => {
+                    unready += 1;
+                    ensure(start.elapsed() < Duration::from_secs(20), || {
+                        format!("{what}: not ready after 20 s")
+                    })?;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Some(got) => {
+                    same(&format!("{what}: first data polled"), got, &want, seed)?;
+                    break;
+                }
+            }
+        }
+        ensure(unready > 0 || !early, || {
+            format!("{what}: ready at the first poll, inside the 300 ms kernel")
+        })?;
+        same(&format!("{what}: wait"), dl.wait()?, &want, seed)
+    });
+    poller.join().map_err(|_| "the polling thread panicked")?
+}
+
+/// Downloads dropped or leaked before their copy ran: a pinned buffer's drop waits, a pool block
+/// goes back to the pool and is not handed out under the copy, `mem::forget` is harmless, and
+/// nothing is counted as leaked.
+fn download_drop_and_forget_unwaited() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let n = 4 << 20;
+    let (data, seed) = random_bytes(n);
+    let mut d = DeviceBuffer::<u8>::new(&dev, n)?;
+    s.copy_h2d(&data[..], &mut d)?.wait()?;
+    let leaked = pinstream::memory::leaked();
+
+    // A pinned buffer dropped with its copy behind a kernel.
+    s.spin(Duration::from_millis(50))?;
+    drop(s.download(&d)?);
+
+    // A pool block dropped unwaited goes back to the pool: what the pool hands out next must not
+    // be written by that copy after its new owner has filled it.
+    let pool = PinnedPool::new(&dev, PoolConfig::default())?;
+    drop(pool.alloc::<u8>(n)?); // one cached block, which the download takes
+    s.spin(Duration::from_millis(150))?;
+    drop(s.download_into(&d, pool.alloc::<u8>(n)?)?);
+    let mut next = pool.alloc::<u8>(n)?;
+    let (other, other_seed) = random_bytes(n);
+    next.as_mut_slice()?.copy_from_slice(&other);
+    s.synchronize()?;
+    same(
+        "a pool block filled while a dropped download was queued",
+        next.as_slice()?,
+        &other,
+        other_seed,
+    )?;
+    drop(next);
+
+    // Leaked, both kinds; the stream, the device buffer and the pool work on.
+    s.spin(Duration::from_millis(30))?;
+    std::mem::forget(s.download(&d)?);
+    std::mem::forget(s.download_into(&d, pool.alloc::<u8>(n)?)?);
+    let again = s.download_into(&d, pool.alloc::<u8>(n)?)?;
+    same("after forgetting two downloads", again.wait()?, &data, seed)?;
+    let mut back = vec![0u8; n];
+    same(
+        "the source after forgotten downloads",
+        s.copy_d2h(&d, &mut back[..])?.wait()?,
+        &data,
+        seed,
+    )?;
+    let now = pinstream::memory::leaked();
+    ensure(now == leaked, || format!("leaked {leaked:?} -> {now:?}"))
+}
+
+/// One pinned buffer kept and reused through `into_buffer` for downloads of several lengths:
+/// each lands in the buffer's first elements and leaves the rest as it was; `wait_mut` writes
+/// in place; a short buffer and a read-only pool block are typed errors.
+fn download_into_kept_buffers() -> R {
+    let dev = dev0()?;
+    let s = dev.stream()?;
+    let (mut rng, seed) = rng();
+    let cap = 100_000usize;
+    let mut mirror: Vec<u32> = (0..cap).map(|_| rng.random::<u32>() | 1).collect();
+    let mut buf = PinnedBuffer::from_slice(&dev, &mirror, HostAlloc::DEFAULT)?;
+    for n in [cap, 3, 77_777, 0, 1, cap] {
+        let data: Vec<u32> = (0..n).map(|_| rng.random::<u32>() | 2).collect();
+        let mut d = DeviceBuffer::<u32>::new(&dev, n)?;
+        s.copy_h2d(&data[..], &mut d)?;
+        s.spin(Duration::from_millis(5))?;
+        let mut dl = s.download_into(&d, buf)?;
+        ensure(dl.len() == n, || format!("len {} for {n}", dl.len()))?;
+        same(&format!("{n} into a kept buffer"), dl.wait()?, &data, seed)?;
+        if let Some(first) = dl.wait_mut()?.first_mut() {
+            *first = 7;
+        }
+        buf = dl.into_buffer()?;
+        mirror[..n].copy_from_slice(&data);
+        if n > 0 {
+            mirror[0] = 7;
+        }
+        ensure(buf.len() == cap, || format!("buffer length {}", buf.len()))?;
+        same(
+            &format!("the whole buffer after {n}"),
+            buf.as_slice()?,
+            &mirror,
+            seed,
+        )?;
+    }
+    // Too short: refused before anything is queued.
+    let d = DeviceBuffer::<u32>::new(&dev, 10)?;
+    let short = PinnedBuffer::<u32>::new(&dev, 9, HostAlloc::DEFAULT)?;
+    let r = s.download_into(&d, short);
+    ensure(
+        matches!(
+            r,
+            Err(Error::LengthMismatch {
+                src: 10,
+                dst: 9,
+                ..
+            })
+        ),
+        || format!("short buffer: {r:?}"),
+    )?;
+    // A read-only registered pool block is never a destination.
+    let ro = PinnedPool::new(
+        &dev,
+        PoolConfig {
+            backing: PoolBacking::Register {
+                threads: 2,
+                huge_pages: false,
+                flags: HostRegister::READ_ONLY,
+            },
+            ..PoolConfig::default()
+        },
+    )?;
+    let r = s.download_into(&d, ro.alloc::<u32>(10)?);
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+        format!("read-only block: {r:?}")
+    })?;
+    // A block from a pool, longer than the source.
+    let (bytes, seed) = random_bytes(4 * 1000);
+    let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+    let mut d = DeviceBuffer::<u32>::new(&dev, 1000)?;
+    s.copy_h2d(&words[..], &mut d)?;
+    let pool = PinnedPool::new(&dev, PoolConfig::default())?;
+    let dl = s.download_into(&d, pool.alloc::<u32>(1500)?)?;
+    same("into a longer pool block", dl.wait()?, &words, seed)
+}
+
+/// A download waits for a kernel's write on another stream, and a later write waits for the
+/// download's read.
+fn download_ordered_with_writes() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let (mut rng, seed) = rng();
+    let n = 4 << 20;
+    let mut d = DeviceBuffer::<u32>::new(&dev, n)?;
+    for round in 0..3 {
+        let v = rng.random::<u32>() | 1;
+        a.spin(Duration::from_millis(30))?;
+        kernels::fill(&a, &mut d, v)?;
+        let dl = b.download(&d)?;
+        // Written again on `a` before the download has run: that write waits for the read.
+        let w = !v;
+        kernels::fill(&a, &mut d, w)?;
+        let got = dl.wait()?;
+        ensure(got.iter().all(|&x| x == v), || {
+            let bad = got.iter().position(|&x| x != v).unwrap_or(0);
+            format!(
+                "round {round}: element {bad} is {:#x}, want {v:#x} (the later write is {w:#x}; seed {seed})",
+                got[bad]
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// `to_vec` of buffers and both kinds of views returns fresh data written on another stream
+/// behind a kernel (ordered after that write), and an empty view gives an empty vector.
+fn to_vec_buffers_and_views() -> R {
+    let dev = dev0()?;
+    let (a, b) = (dev.stream()?, dev.stream()?);
+    let n = 300_007;
+    let (bytes, seed) = random_bytes(n * 4);
+    let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+    let src = PinnedBuffer::from_slice(&dev, &data, HostAlloc::DEFAULT)?;
+    let mut d = DeviceBuffer::<f32>::new(&dev, n)?;
+    b.memset(&mut d, 0xEE)?;
+    a.spin(Duration::from_millis(50))?;
+    a.copy_h2d(&src, &mut d)?;
+    let bits = |v: &[f32]| bytemuck::cast_slice::<f32, u8>(v).to_vec();
+    same("DeviceBuffer::to_vec", &bits(&d.to_vec(&b)?), &bytes, seed)?;
+    let (lo, hi) = (17, n - 5);
+    same(
+        "DeviceView::to_vec",
+        &bits(&d.slice(lo..hi)?.to_vec(&b)?),
+        &bytes[lo * 4..hi * 4],
+        seed,
+    )?;
+    ensure(d.slice(9..9)?.to_vec(&b)?.is_empty(), || {
+        "empty view".into()
+    })?;
+    // A write queued on `a` behind a kernel, read through a writable view on `b`.
+    let v = f32::from_bits(rng().0.random::<u32>() | 1);
+    a.spin(Duration::from_millis(50))?;
+    kernels::fill(&a, &mut d.slice_mut(lo..)?, v)?;
+    let got = d.slice_mut(..)?.to_vec(&b)?;
+    same(
+        "before the filled range",
+        &bits(&got[..lo]),
+        &bytes[..lo * 4],
+        seed,
+    )?;
+    ensure(got[lo..].iter().all(|x| x.to_bits() == v.to_bits()), || {
+        "to_vec read before the fill on another stream".into()
+    })?;
+    let mut small = DeviceBuffer::<u64>::new(&dev, 3)?;
+    kernels::fill(&a, &mut small, 0x0123_4567_89ab_cdef)?;
+    ensure(small.to_vec(&b)? == [0x0123_4567_89ab_cdef; 3], || {
+        "u64".into()
     })
 }

@@ -13,8 +13,8 @@ use common::{ensure, random_bytes, rng, same, R};
 use libtest_mimic::{Arguments, Trial};
 use pinstream::bytemuck::{self, Pod};
 use pinstream::{
-    Device, DeviceBuffer, Downloads, Error, FileSource, Packer, Stager, StagerConfig, Stream,
-    Uploads,
+    Device, DeviceBuffer, Downloads, Error, FileSource, PackedArena, Packer, Stager, StagerConfig,
+    Stream, Uploads,
 };
 use rand::{Rng, RngCore};
 
@@ -49,6 +49,14 @@ fn main() {
     gpu(
         "packed/foreign_handle_refused",
         packed_foreign_handle_refused,
+    );
+    gpu(
+        "packed/arena_reuse_and_growth",
+        packed_arena_reuse_and_growth,
+    );
+    gpu(
+        "packed/arena_handles_and_errors",
+        packed_arena_handles_and_errors,
     );
     gpu("file/offsets", file_offsets);
     gpu("file/short_and_missing", file_short_and_missing);
@@ -438,6 +446,205 @@ fn packed_foreign_handle_refused() -> R {
         matches!(batch.get(hl), Err(Error::InvalidArgument { .. })),
         || "a handle pushed after the upload must be refused".into(),
     )
+}
+
+/// Fresh random f32 tensors of the given lengths, and i64 labels (never all zero).
+fn tensors(lens: &[usize]) -> (Vec<Vec<f32>>, Vec<i64>, u64) {
+    let (mut rng, seed) = rng();
+    let floats = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random::<f32>() + 0.5).collect())
+        .collect();
+    let labels = (0..lens.len().max(1))
+        .map(|_| rng.random_range(1..i64::MAX))
+        .collect();
+    (floats, labels, seed)
+}
+
+/// One arena filled by four calls of different sizes. Call 1's views are read by copies queued
+/// on another stream behind a kernel, so they run after call 2 has returned: call 2's upload
+/// must wait for them (the copies see call 1's data, not call 2's). A smaller batch reuses the
+/// arena in place; a larger one grows it; every batch's data is checked.
+fn packed_arena_reuse_and_growth() -> R {
+    let dev = dev0()?;
+    let (up, readers) = (dev.stream()?, dev.stream()?);
+    let stager = Stager::new(&dev, config(4, 256, 8))?;
+    let mut arena = PackedArena::new();
+    ensure(arena.capacity() == 0 && arena.device().is_none(), || {
+        "a new arena allocates nothing".into()
+    })?;
+
+    // Call 1: 300 tensors of 1000 floats and the labels.
+    let (floats1, labels1, seed1) = tensors(&[1000; 300]);
+    let mut packer = Packer::new();
+    let h1: Vec<_> = floats1
+        .iter()
+        .map(|f| packer.push(f))
+        .collect::<Result<_, _>>()?;
+    let hl1 = packer.push(&labels1)?;
+    // Allocated first: nothing that might wait for the device runs once the readers are queued.
+    let mut copies: Vec<DeviceBuffer<f32>> = h1
+        .iter()
+        .map(|h| DeviceBuffer::<f32>::new(&dev, h.len()))
+        .collect::<Result<_, _>>()?;
+    let mut labels_copy = DeviceBuffer::<i64>::new(&dev, labels1.len())?;
+    let (cap1, base1) = {
+        let batch = stager.upload_packed_into(&up, &packer, &mut arena)?;
+        ensure(batch.bytes() == packer.bytes(), || "batch bytes".into())?;
+        // The readers start only after a kernel: their copies run after call 2 has been queued.
+        readers.spin(Duration::from_millis(200))?;
+        for (h, c) in h1.iter().zip(copies.iter_mut()) {
+            readers.copy_d2d(&batch.get(*h)?, c)?;
+        }
+        readers.copy_d2d(&batch.get(hl1)?, &mut labels_copy)?;
+        (batch.capacity(), batch.get(h1[0])?.as_device_ptr() as usize)
+    };
+    ensure(cap1 >= packer.bytes(), || "capacity below the batch".into())?;
+    ensure(arena.capacity() == cap1, || "capacity".into())?;
+    drop(packer);
+
+    // Call 2: smaller (fits), different data over the same bytes.
+    let (floats2, labels2, seed2) = tensors(&[700, 1, 4099, 250_000]);
+    let mut packer = Packer::new();
+    let h2: Vec<_> = floats2
+        .iter()
+        .map(|f| packer.push(f))
+        .collect::<Result<_, _>>()?;
+    let hl2 = packer.push(&labels2)?;
+    let started = Instant::now();
+    {
+        let batch = stager.upload_packed_into(&up, &packer, &mut arena)?;
+        ensure(started.elapsed() < Duration::from_millis(150), || {
+            format!(
+                "upload_packed_into blocked the host for {:?} (should only order the GPU)",
+                started.elapsed()
+            )
+        })?;
+        ensure(batch.capacity() == cap1, || "reused arena grew".into())?;
+        ensure(batch.get(h2[0])?.as_device_ptr() as usize == base1, || {
+            "a batch that fits was not put in the same arena".into()
+        })?;
+        check_arena_batch(&up, &batch, &h2, &floats2, hl2, &labels2, seed2, "call 2")?;
+    }
+    // Call 1's copies ran after call 2 was queued, and still saw call 1's data.
+    for (i, (c, f)) in copies.iter().zip(&floats1).enumerate() {
+        let mut back = vec![0f32; f.len()];
+        up.copy_d2h(c, &mut back[..])?.wait()?;
+        same(
+            &format!("call 1 tensor {i}, read behind call 2"),
+            &back,
+            f,
+            seed1,
+        )?;
+    }
+    let mut back = vec![0i64; labels1.len()];
+    up.copy_d2h(&labels_copy, &mut back[..])?.wait()?;
+    same("call 1 labels, read behind call 2", &back, &labels1, seed1)?;
+    drop(packer);
+
+    // Call 3: larger than the arena: it grows (to the batch plus an eighth), data checked.
+    let (floats3, labels3, seed3) = tensors(&[100_000; 5]);
+    let mut packer = Packer::new();
+    let h3: Vec<_> = floats3
+        .iter()
+        .map(|f| packer.push(f))
+        .collect::<Result<_, _>>()?;
+    let hl3 = packer.push(&labels3)?;
+    ensure(packer.bytes() > cap1, || "call 3 must not fit".into())?;
+    {
+        // The previous contents are still read on `readers`: growing frees them after that.
+        readers.spin(Duration::from_millis(50))?;
+        let batch = stager.upload_packed_into(&readers, &packer, &mut arena)?;
+        let cap = batch.capacity();
+        ensure(
+            cap >= packer.bytes() && cap <= packer.bytes() + packer.bytes() / 8,
+            || format!("grown to {cap} for {} bytes", packer.bytes()),
+        )?;
+        check_arena_batch(&up, &batch, &h3, &floats3, hl3, &labels3, seed3, "call 3")?;
+    }
+    let cap3 = arena.capacity();
+    drop(packer);
+
+    // Call 4: small again on the grown arena, on the first stream.
+    let (floats4, labels4, seed4) = tensors(&[3, 5, 8]);
+    let mut packer = Packer::new();
+    let h4: Vec<_> = floats4
+        .iter()
+        .map(|f| packer.push(f))
+        .collect::<Result<_, _>>()?;
+    let hl4 = packer.push(&labels4)?;
+    let batch = stager.upload_packed_into(&up, &packer, &mut arena)?;
+    check_arena_batch(&up, &batch, &h4, &floats4, hl4, &labels4, seed4, "call 4")?;
+    ensure(batch.capacity() == cap3, || {
+        "a small batch shrank or grew the arena".into()
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_arena_batch(
+    stream: &Stream,
+    batch: &pinstream::ArenaBatch<'_>,
+    handles: &[pinstream::Packed<f32>],
+    floats: &[Vec<f32>],
+    hl: pinstream::Packed<i64>,
+    labels: &[i64],
+    seed: u64,
+    what: &str,
+) -> R {
+    for (i, (h, f)) in handles.iter().zip(floats).enumerate() {
+        let v = batch.get(*h)?;
+        ensure(v.as_device_ptr() as usize % 256 == 0, || "alignment".into())?;
+        same(&format!("{what}: tensor {i}"), &v.to_vec(stream)?, f, seed)?;
+    }
+    same(
+        &format!("{what}: labels"),
+        &batch.get(hl)?.to_vec(stream)?,
+        labels,
+        seed,
+    )
+}
+
+/// Handles of another packer, or pushed after the upload, are refused by an arena batch even
+/// where the arena is long enough to hold them; an empty packer uploads nothing.
+fn packed_arena_handles_and_errors() -> R {
+    let dev = dev0()?;
+    let stream = dev.stream()?;
+    let stager = Stager::new(&dev, config(2, 64, 2))?;
+    let mut arena = PackedArena::with_capacity(&stream, 1 << 20)?;
+    ensure(arena.capacity() == 1 << 20, || "with_capacity".into())?;
+    let (mut rng, seed) = rng();
+    let a: Vec<u32> = (0..100).map(|_| rng.random::<u32>() | 1).collect();
+    let b: Vec<u32> = (0..10).map(|_| rng.random::<u32>() | 1).collect();
+    let mut pa = Packer::new();
+    let ha = pa.push(&a)?;
+    let mut pb = Packer::new();
+    let hb = pb.push(&b)?;
+    let batch = stager.upload_packed_into(&stream, &pb, &mut arena)?;
+    ensure(
+        matches!(batch.get(ha), Err(Error::InvalidArgument { .. })),
+        || "a handle from another packer must be refused".into(),
+    )?;
+    same(
+        "the batch's slice",
+        &batch.get(hb)?.to_vec(&stream)?,
+        &b,
+        seed,
+    )?;
+    let late = vec![3u32; 1000];
+    let hl = pb.push(&late)?;
+    ensure(
+        matches!(batch.get(hl), Err(Error::InvalidArgument { .. })),
+        || "a handle pushed after the upload must be refused, even inside the arena".into(),
+    )?;
+    // The views' borrows end here: the arena can be filled again.
+    let empty = Packer::new();
+    let batch = stager.upload_packed_into(&stream, &empty, &mut arena)?;
+    ensure(batch.bytes() == 0 && batch.as_view()?.is_empty(), || {
+        "an empty batch".into()
+    })?;
+    ensure(arena.capacity() == 1 << 20, || {
+        "an empty batch changed the arena".into()
+    })
 }
 
 fn temp_file(bytes: &[u8]) -> std::io::Result<std::path::PathBuf> {

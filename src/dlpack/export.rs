@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::memory::sealed::{DeviceMem, HostMem};
 use crate::memory::tracker::{self, Access};
 use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer};
+use crate::staging::{Packed, PackedBatch};
 use crate::stream::Stream;
 
 /// Who consumes an exported tensor.
@@ -145,12 +146,15 @@ impl Tensor {
         })
     }
 
-    /// A one-dimensional tensor of a whole device buffer (`kDLCUDA`). A shared buffer
-    /// (`Arc<DeviceBuffer<T>>`) stays usable by pinstream while exported: its uses and the
-    /// consumer's are ordered at the handover and at the release, not in between.
+    /// A one-dimensional tensor of a whole device buffer (`kDLCUDA`). A shared buffer (an
+    /// `Arc<DeviceBuffer<T>>` with other owners) stays usable by pinstream while exported, so
+    /// its tensor is read-only (the consumer may not write what pinstream may be reading; the
+    /// legacy struct, which cannot say so, refuses it); pinstream's uses and the consumer's
+    /// are ordered at the handover and at the release.
     pub fn from_device<T: Element>(buf: impl Into<Arc<DeviceBuffer<T>>>) -> Result<Tensor> {
         check_element::<T>("dlpack::Tensor::from_device")?;
-        let buf = buf.into();
+        let mut buf = buf.into();
+        let shared = Arc::get_mut(&mut buf).is_none();
         let r = buf.device_region();
         let parts = TensorParts {
             data: r.ptr,
@@ -160,14 +164,46 @@ impl Tensor {
             len: r.len,
             owner: Box::new(DeviceOwner(buf)),
         };
-        Tensor::from_parts(parts, KDL_CUDA)
+        let t = Tensor::from_parts(parts, KDL_CUDA)?;
+        Ok(if shared { t.read_only() } else { t })
+    }
+
+    /// A one-dimensional tensor of one slice of a packed upload
+    /// ([`Stager::upload_packed`](crate::Stager::upload_packed)): the arena stays alive until
+    /// every tensor exported from it is released (each holds the `Arc`). Read-only when the
+    /// `Arc` has other owners, as for [`from_device`](Self::from_device) (they could read the
+    /// same slice).
+    pub fn from_packed<T: Element>(
+        batch: impl Into<Arc<PackedBatch>>,
+        handle: Packed<T>,
+    ) -> Result<Tensor> {
+        check_element::<T>("dlpack::Tensor::from_packed")?;
+        let mut batch = batch.into();
+        let shared = Arc::get_mut(&mut batch).is_none();
+        let (ptr, len) = {
+            let v = batch.get(handle)?;
+            (v.as_device_ptr(), v.len())
+        };
+        let parts = TensorParts {
+            data: ptr.cast_mut().cast(),
+            device: batch.arena().device(),
+            dtype: T::DTYPE,
+            elem: std::mem::size_of::<T>(),
+            len,
+            owner: Box::new(PackedOwner(batch)),
+        };
+        let t = Tensor::from_parts(parts, KDL_CUDA)?;
+        Ok(if shared { t.read_only() } else { t })
     }
 
     /// A one-dimensional tensor of a whole pinned buffer (`kDLCUDAHost`). The handover waits
     /// on the host for the GPU's uses of it (host consumers read it at once).
+    ///
+    /// Read-only when the `Arc` has other owners, as for [`from_device`](Self::from_device).
     pub fn from_pinned<T: Element>(buf: impl Into<Arc<PinnedBuffer<T>>>) -> Result<Tensor> {
         check_element::<T>("dlpack::Tensor::from_pinned")?;
-        let buf = buf.into();
+        let mut buf = buf.into();
+        let shared = Arc::get_mut(&mut buf).is_none();
         let r = buf.host_region();
         let parts = TensorParts {
             data: r.ptr,
@@ -177,7 +213,8 @@ impl Tensor {
             len: r.len,
             owner: Box::new(PinnedOwner(buf)),
         };
-        Tensor::from_parts(parts, KDL_CUDA_HOST)
+        let t = Tensor::from_parts(parts, KDL_CUDA_HOST)?;
+        Ok(if shared { t.read_only() } else { t })
     }
 
     /// The elements of `range` (of the whole memory) as a one-dimensional tensor.
@@ -550,6 +587,29 @@ impl<T: Element> Owner for PinnedOwner<T> {
             None => true,
         };
         if !ok {
+            std::mem::forget(self.0.clone());
+        }
+    }
+}
+
+struct PackedOwner(Arc<PackedBatch>);
+
+impl Owner for PackedOwner {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        match consumer {
+            Some(s) => self
+                .0
+                .arena()
+                .device_region()
+                .tracker
+                .record_use(s, Access::Write),
+            None => Ok(()),
+        }
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        let arena = self.0.arena();
+        let r = arena.device_region();
+        if !release_tracked(r.tracker, r.device, arena.byte_len(), consumer) {
             std::mem::forget(self.0.clone());
         }
     }

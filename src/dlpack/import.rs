@@ -71,9 +71,10 @@ impl Imported {
     ///
     /// `p` is a `DLManagedTensorVersioned` as DLPack defines it, owned by the caller, which
     /// passes that ownership here (it must not use `p` or call its deleter afterwards); its
-    /// data is valid as the tensor describes it until the deleter is called, and is not
-    /// written by anyone else while this value lives unless ordered with pinstream's work
-    /// through stream order or events.
+    /// data is valid as the tensor describes it until the deleter is called; while this value
+    /// lives, nobody else writes the data, and nobody else reads it while pinstream may write
+    /// it (through `device_mut` / `host_mut`), unless ordered with pinstream's work through
+    /// stream order or events. (pinstream's own exports of shared buffers are read-only.)
     pub unsafe fn from_versioned(p: *mut DLManagedTensorVersioned) -> Result<Imported> {
         let p = NonNull::new(p).ok_or_else(|| Error::invalid(OP, "a null tensor"))?;
         // SAFETY: the caller's contract: a live tensor; the version comes first in every
@@ -333,20 +334,29 @@ impl Imported {
     }
 
     fn host_kind(&self, op: &'static str) -> Result<HostKind> {
-        match self.device.device_type {
-            KDL_CUDA_HOST => Ok(HostKind::Pinned),
-            KDL_CPU if self.len == 0 => Ok(HostKind::Pageable),
-            // A CPU tensor may be page-locked (`pin_memory()` tensors are `kDLCPU`). When the
-            // runtime cannot say (no device), the pageable path is the safe one: its copies
-            // are over before they return.
-            KDL_CPU => Ok(match pointer_kind(self.data) {
-                Ok(PointerKind::Pinned) => HostKind::Pinned,
-                _ => HostKind::Pageable,
-            }),
-            other => Err(Error::invalid(
+        if !matches!(self.device.device_type, KDL_CPU | KDL_CUDA_HOST) {
+            return Err(Error::invalid(
                 op,
-                format!("device type {other} is not host memory"),
+                format!("device type {} is not host memory", self.device.device_type),
+            ));
+        }
+        if self.len == 0 {
+            return Ok(HostKind::Pageable);
+        }
+        // What the runtime says the address is: a CPU tensor may be page-locked
+        // (`pin_memory()` tensors are `kDLCPU`), and a tensor that calls device memory host
+        // memory is refused (the host would read it). When the runtime cannot say (no
+        // device), the pageable path is the safe one: its copies are over before they return.
+        match pointer_kind(self.data) {
+            Ok(PointerKind::Pinned) => Ok(HostKind::Pinned),
+            Ok(PointerKind::Device(d)) => Err(Error::invalid(
+                op,
+                format!(
+                    "the tensor says host memory, but {:p} is device memory of device {d}",
+                    self.data
+                ),
             )),
+            _ => Ok(HostKind::Pageable),
         }
     }
 

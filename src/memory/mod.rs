@@ -15,6 +15,8 @@ pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};
+// Owned downloads and `to_vec` (issue 20).
+pub use download::{Download, DownloadTarget};
 
 use std::os::raw::c_void;
 
@@ -65,6 +67,8 @@ pub(crate) mod pool;
 mod registered;
 pub(crate) mod ring;
 pub(crate) mod tracker;
+
+mod download;
 
 /// What kind of host memory a copy reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

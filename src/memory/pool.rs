@@ -162,6 +162,9 @@ fn validate(config: &PoolConfig) -> Result<()> {
 struct Block {
     /// The first byte: page-aligned.
     ptr: *mut u8,
+    /// What the allocator returned (`ptr`, or below it when `cudaHostAlloc` gave an address
+    /// that had to be moved up to a page boundary): what is freed.
+    base: *mut u8,
     /// The class it was allocated for: what it may serve and what the stats count.
     size: usize,
     /// The length of the allocation (or mapping): `size`, or more with huge pages.
@@ -486,36 +489,49 @@ impl Drop for Inner {
     }
 }
 
-/// `cudaHostAlloc(size, flags)` on `device`, zeroed.
+/// `cudaHostAlloc(size, flags)` on `device`, zeroed. The runtime may place a small
+/// allocation off a page boundary; then it asks again for a page more and moves the start up.
 fn host_alloc(device: &Device, size: usize, flags: HostAlloc) -> Result<Block> {
     device.make_current()?;
-    let mut base = std::ptr::null_mut::<c_void>();
-    check_alloc(
-        // SAFETY: `base` is a valid out-pointer; the flags are valid cudaHostAlloc flags.
-        unsafe { sys::cudaHostAlloc(&mut base, size, flags.bits()) },
-        "cudaHostAlloc",
-        size,
-    )?;
-    if base.is_null() || base as usize % BLOCK_ALIGN != 0 {
-        if !base.is_null() {
-            // SAFETY: allocated just above, never shared, freed once.
-            unsafe {
-                let _ = sys::cudaFreeHost(base);
-            }
+    let alloc = |bytes: usize| -> Result<*mut c_void> {
+        let mut base = std::ptr::null_mut::<c_void>();
+        check_alloc(
+            // SAFETY: `base` is a valid out-pointer; the flags are valid cudaHostAlloc flags.
+            unsafe { sys::cudaHostAlloc(&mut base, bytes, flags.bits()) },
+            "cudaHostAlloc",
+            bytes,
+        )?;
+        if base.is_null() {
+            return Err(Error::invalid(
+                "PinnedPool::alloc",
+                "cudaHostAlloc returned null",
+            ));
         }
-        return Err(Error::invalid(
-            "PinnedPool::alloc",
-            format!("cudaHostAlloc returned {base:p}, which is not page-aligned"),
-        ));
+        Ok(base)
+    };
+    let mut base = alloc(size)?;
+    let mut mapped = size;
+    if base as usize % BLOCK_ALIGN != 0 {
+        // SAFETY: allocated just above, never shared, freed once.
+        unsafe {
+            let _ = sys::cudaFreeHost(base);
+        }
+        mapped = size
+            .checked_add(BLOCK_ALIGN)
+            .ok_or_else(|| Error::invalid("PinnedPool::alloc", format!("{size} bytes overflow")))?;
+        base = alloc(mapped)?;
     }
-    let ptr = base.cast::<u8>();
-    // SAFETY: `ptr..ptr + size` is the allocation, not yet shared with anyone or any copy;
-    // zeroing makes every byte initialised.
+    let offset = (BLOCK_ALIGN - base as usize % BLOCK_ALIGN) % BLOCK_ALIGN;
+    // Inside the allocation: `mapped` is `size + BLOCK_ALIGN` whenever `offset > 0`.
+    let ptr = base.cast::<u8>().wrapping_add(offset);
+    // SAFETY: `ptr..ptr + size` lies in the allocation, not yet shared with anyone or any
+    // copy; zeroing makes every byte initialised.
     unsafe { std::ptr::write_bytes(ptr, 0, size) };
     Ok(Block {
         ptr,
+        base: base.cast(),
         size,
-        mapped: size,
+        mapped,
         tracker: Tracker::new(),
     })
 }
@@ -562,6 +578,7 @@ fn register(
         ptr,
         size,
         mapped: len,
+        base: ptr,
         tracker: Tracker::new(),
     })
 }
@@ -728,9 +745,9 @@ fn free_block(device: &Device, backing: PoolBacking, block: Block) -> Result<()>
     match backing {
         PoolBacking::HostAlloc(_) => {
             crate::error::check(
-                // SAFETY: `ptr` came from cudaHostAlloc and is freed once, after the GPU's last
+                // SAFETY: `base` came from cudaHostAlloc and is freed once, after the GPU's last
                 // use (waited above); no `PoolBlock` holds it.
-                unsafe { sys::cudaFreeHost(block.ptr.cast()) },
+                unsafe { sys::cudaFreeHost(block.base.cast()) },
                 "cudaFreeHost",
             )
             .inspect(|()| super::live::pinned_freed(block.mapped, false))

@@ -65,13 +65,12 @@ pub use source::{LoadError, Source};
 
 use crate::dlpack::{Element, Tensor, TensorParts};
 use crate::error::{Error, Result};
-use crate::event::Event;
 use crate::kernels::{Layout, OutputElement, Spec};
 use crate::memory::{DeviceView, PinnedPool, PoolStats};
 use crate::staging::Stager;
 use crate::stream::Stream;
 use batch::PinnedSupply;
-use export::{Exports, Lease, LeaseOwner};
+use export::{Exports, Lease, LeaseOwner, Stand};
 use feeder::Feeder;
 use pipeline::{Msg, Pipeline, Plan};
 use slot::Slot;
@@ -119,7 +118,7 @@ pub struct Prefetcher<O: OutputElement, E: Pod + Send + 'static = i64> {
     pipe: Pipeline<E, Box<Slot<O, E>>>,
     pool: PinnedPool,
     device_bytes: Arc<AtomicUsize>,
-    exports: Arc<Exports>,
+    exports: Arc<Exports<Box<Slot<O, E>>>>,
     /// An error found while giving a slot back from `Drop`, reported by the next `next()`.
     pending: Option<Error>,
     finished: bool,
@@ -229,21 +228,35 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         if self.finished {
             return None;
         }
-        if self.exports.circulating() == 0 {
-            // Every slot is held by a DLPack consumer: waiting could be for ever.
-            return Some(Err(Error::invalid(
-                "Prefetcher::next",
-                format!(
-                    "all {} slots are held by batches handed over through DLPack whose \
-                     consumers have not released them (depth {} + export_spares {}); release \
-                     one and call next() again",
-                    self.exports.depth + self.exports.spares.load(Ordering::Acquire),
-                    self.exports.depth,
-                    self.exports.limit
-                ),
-            )));
-        }
-        match self.pipe.recv() {
+        let msg = if self.exports.circulating() == 0 {
+            // Every slot is held by a DLPack consumer: no batch can come before a release.
+            // The end of the epoch or an error still can (the feeder sends them without a
+            // slot): wait for a message as long as the feeder is not stuck on a loaded batch.
+            loop {
+                if let Some(m) = self.pipe.recv_timeout(std::time::Duration::ZERO) {
+                    break m;
+                }
+                if self.pipe.starved() && self.exports.circulating() == 0 {
+                    return Some(Err(Error::invalid(
+                        "Prefetcher::next",
+                        format!(
+                            "all {} slots are held by batches handed over through DLPack \
+                             whose consumers have not released them (depth {} + \
+                             export_spares {}); release one and call next() again",
+                            self.exports.total(),
+                            self.exports.depth,
+                            self.exports.limit
+                        ),
+                    )));
+                }
+                if let Some(m) = self.pipe.recv_timeout(std::time::Duration::from_millis(2)) {
+                    break m;
+                }
+            }
+        } else {
+            self.pipe.recv()
+        };
+        match msg {
             Msg::Ready(slot) => {
                 if let Err(e) = self.consumer.wait(&slot.ready) {
                     self.finished = true;
@@ -320,9 +333,12 @@ fn mark_released<O: Pod, E: Pod>(
         consumer.synchronize()?;
         report = Some(e);
     }
-    slot.also.clear();
+    // The last batch's release events were waited for by the fill of this one: reuse them.
+    let done = std::mem::take(&mut slot.also);
+    slot.spare_events.extend(done);
     for s in slot.take_users() {
-        match Event::new(&s.device()).and_then(|ev| s.record(&ev).map(|()| ev)) {
+        let ev = Slot::<O, E>::release_event(&mut slot.spare_events, &s.device());
+        match ev.and_then(|ev| s.record(&ev).map(|()| ev)) {
             Ok(ev) => slot.also.push(ev),
             Err(e) => {
                 s.synchronize()?;
@@ -481,16 +497,17 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
             }
         };
         // A spare takes the slot's place in the feeder's circle while it is away.
-        if p.exports.claim_spare() {
-            match Slot::new(&device, p.device_bytes.clone()) {
+        match p.exports.on_export() {
+            Stand::Parked(spare) => p.pipe.give_back(spare),
+            Stand::New => match Slot::new(&device, p.device_bytes.clone()) {
                 Ok(spare) => p.pipe.give_back(Box::new(spare)),
                 Err(e) => {
-                    p.exports.spares.fetch_sub(1, Ordering::AcqRel);
+                    p.exports.spare_failed();
                     p.pending.get_or_insert(e);
                 }
-            }
+            },
+            Stand::Nothing => {}
         }
-        p.exports.held.fetch_add(1, Ordering::AcqRel);
         let lease = Arc::new(Lease::new(
             slot,
             device,

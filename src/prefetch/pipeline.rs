@@ -9,6 +9,7 @@
 //! returns, and a feeder that dies is an error, not an end), the feeder's on the queue or on a
 //! free slot (both woken by shutdown), the loaders' on the queue.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -45,6 +46,8 @@ pub(crate) struct Pipeline<E, S> {
     /// when their consumer releases them; emptied (closing the channel) when the pipeline
     /// stops.
     free: Returner<S>,
+    /// Set while the feeder holds a loaded batch and waits for a free slot.
+    starved: Arc<AtomicBool>,
     feeder: Option<JoinHandle<()>>,
     loaders: Loaders<E>,
 }
@@ -70,16 +73,19 @@ impl<E: Pod + Send + 'static, S: Send + 'static> Pipeline<E, S> {
             plan.pinned,
         )?;
         let queue = loaders.queue().clone();
+        let starved = Arc::new(AtomicBool::new(false));
+        let feeder_starved = starved.clone();
         let mut me = Pipeline {
             ready: ready_rx,
             free: Arc::new(Mutex::new(Some(free_tx))),
+            starved,
             feeder: None,
             loaders,
         };
         let h = std::thread::Builder::new()
             .name(format!("pinstream-feeder-{}", plan.shard))
             .spawn(move || {
-                let ran = quietly(|| feed(&queue, &free_rx, &ready_tx, fill));
+                let ran = quietly(|| feed(&queue, &free_rx, &ready_tx, &feeder_starved, fill));
                 if let Err(m) = ran {
                     let _ = ready_tx.send(Msg::Failed(Error::invalid(
                         "Prefetcher",
@@ -104,6 +110,21 @@ impl<E, S> Pipeline<E, S> {
                 "the feeder thread stopped without a result",
             ))
         })
+    }
+
+    /// Whether the feeder holds a loaded batch and waits for a free slot: with every slot
+    /// held elsewhere, nothing comes before a slot does.
+    pub(crate) fn starved(&self) -> bool {
+        self.starved.load(Ordering::Acquire)
+    }
+
+    /// The next message if one comes within `bound`.
+    pub(crate) fn recv_timeout(&self, bound: std::time::Duration) -> Option<Msg<S>> {
+        match self.ready.recv_timeout(bound) {
+            Ok(m) => Some(m),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => Some(self.recv()),
+        }
     }
 
     /// Gives a slot back to the feeder. Once the feeder has stopped the slot is dropped here.
@@ -162,8 +183,13 @@ pub(crate) fn give_back<S>(r: &Returner<S>, slot: S) {
 /// The feeder's loop: takes local index 0, 1, 2, ... from the queue, fills a free slot with
 /// each batch and sends it on; at the end or an error it says so, stops the loaders and
 /// returns.
-fn feed<E, S, F>(queue: &Queue<E>, free: &Receiver<S>, ready: &Sender<Msg<S>>, mut fill: F)
-where
+fn feed<E, S, F>(
+    queue: &Queue<E>,
+    free: &Receiver<S>,
+    ready: &Sender<Msg<S>>,
+    starved: &AtomicBool,
+    mut fill: F,
+) where
     F: FnMut(&mut S, u64, &HostBatch<E>) -> Result<()>,
 {
     let finish = |m: Msg<S>| {
@@ -180,7 +206,10 @@ where
             Loaded::Failed(e) => return finish(Msg::Failed(e)),
         };
         // A free slot (the consumer has given it back), or the prefetcher is gone.
-        let Ok(mut slot) = free.recv() else {
+        starved.store(true, Ordering::Release);
+        let got = free.recv();
+        starved.store(false, Ordering::Release);
+        let Ok(mut slot) = got else {
             drop_quietly(batch);
             return;
         };

@@ -27,6 +27,9 @@ pub(crate) struct Slot<O: Pod, E: Pod> {
     /// Events recorded on those streams (and on DLPack consumers' streams) when the batch was
     /// given back: the refill waits for them as for `release`.
     pub(crate) also: Vec<Event>,
+    /// Events of `also` from earlier batches, already waited for by the fill that followed:
+    /// recorded again rather than created anew (creating one takes the context's lock).
+    pub(crate) spare_events: Vec<Event>,
     pub(crate) bufs: Option<Buffers<O, E>>,
     pub(crate) spec: Spec,
     pub(crate) index: u64,
@@ -55,6 +58,7 @@ impl<O: Pod, E: Pod> Slot<O, E> {
             release: Event::new(device)?,
             users: Mutex::new(Vec::new()),
             also: Vec::new(),
+            spare_events: Vec::new(),
             bufs: Some(Buffers {
                 input: DeviceBuffer::new(device, 0)?,
                 output: DeviceBuffer::new(device, 0)?,
@@ -77,6 +81,14 @@ impl<O: Pod, E: Pod> Slot<O, E> {
     /// The streams named by `record_stream`, taken (locked only for the moment).
     pub(crate) fn take_users(&self) -> Vec<Stream> {
         std::mem::take(&mut *self.users.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// An event for one more release: a spare one when there is one of `device`, else new.
+    pub(crate) fn release_event(spare: &mut Vec<Event>, device: &Device) -> Result<Event> {
+        match spare.iter().rposition(|e| e.device() == *device) {
+            Some(i) => Ok(spare.swap_remove(i)),
+            None => Event::new(device),
+        }
     }
 
     /// Makes the slot's stream wait for every release of its last batch.

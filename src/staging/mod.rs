@@ -32,7 +32,7 @@ mod packed;
 pub(crate) mod plan;
 
 pub use file::FileSource;
-pub use packed::{Packed, PackedBatch, Packer};
+pub use packed::{ArenaBatch, Packed, PackedArena, PackedBatch, Packer};
 
 use std::marker::PhantomData;
 

@@ -1,0 +1,881 @@
+//! DLPack and foreign memory (issue 20): export → import round trips of every dtype and
+//! layout, deleters from other threads, the consumer's stream ordering both ways, prefetched
+//! batches handed over (the slot comes back only at the release; a consumer that never
+//! releases gets an error, not a hang), `record_stream` against a racing refill, and
+//! `ForeignBuffer` over memory pinstream did not allocate. CPU trials run everywhere (imports
+//! of host tensors); GPU trials are ignored without a GPU.
+
+mod common;
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{ensure, random_bytes, same, within, R};
+use libtest_mimic::{Arguments, Failed, Trial};
+use pinstream::dlpack::abi::{
+    DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor,
+    FLAG_READ_ONLY, KDL_CPU, KDL_CUDA, KDL_CUDA_HOST,
+};
+use pinstream::dlpack::{Element, Imported, Tensor};
+use pinstream::kernels::{cpu, Normalize, Spec};
+use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
+use pinstream::{
+    bf16, f16, sys, Device, DeviceBuffer, Error, ForeignBuffer, HostAlloc, PinnedBuffer, Pod,
+    Stream,
+};
+
+fn main() {
+    let mut args = Arguments::from_args();
+    // Several trials time the host against spins on the GPU: one at a time, so that another
+    // trial's allocations (which may wait for the device) do not blur them.
+    args.test_threads.get_or_insert(1);
+    let no_gpu = !pinstream::available();
+    let cpu_trials = vec![
+        Trial::test("host/import_cpu_tensor", import_cpu_tensor),
+        Trial::test("host/import_refusals_call_the_deleter", import_refusals),
+        Trial::test("host/legacy_import", legacy_import),
+    ];
+    let gpu = vec![
+        Trial::test("gpu/roundtrip/f32", roundtrip::<f32>),
+        Trial::test("gpu/roundtrip/f16", roundtrip::<f16>),
+        Trial::test("gpu/roundtrip/bf16", roundtrip::<bf16>),
+        Trial::test("gpu/roundtrip/u8", roundtrip::<u8>),
+        Trial::test("gpu/roundtrip/i8", roundtrip::<i8>),
+        Trial::test("gpu/roundtrip/i32", roundtrip::<i32>),
+        Trial::test("gpu/roundtrip/i64", roundtrip::<i64>),
+        Trial::test("gpu/pinned_host_export_is_an_upload_source", pinned_export),
+        Trial::test("gpu/packed_tensors_share_the_arena", packed_export),
+        Trial::test("gpu/consumer_waits_on_the_gpu", consumer_waits_on_gpu),
+        Trial::test(
+            "gpu/deleter_on_another_thread_orders_the_free",
+            deleter_other_thread,
+        ),
+        Trial::test(
+            "gpu/no_stream_release_waits_for_the_device",
+            no_stream_release,
+        ),
+        Trial::test("gpu/destination_checks", destination_checks),
+        Trial::test(
+            "gpu/batch/slot_held_until_release",
+            batch_held_until_release,
+        ),
+        Trial::test("gpu/batch/never_released_is_an_error", batch_never_released),
+        Trial::test(
+            "gpu/batch/record_stream_beats_the_refill",
+            batch_record_stream,
+        ),
+        Trial::test("gpu/foreign/buffer_from_raw", foreign_from_raw),
+        Trial::test("gpu/foreign/view_record_stream", view_record_stream),
+    ]
+    .into_iter()
+    .map(|t| t.with_ignored_flag(no_gpu));
+    libtest_mimic::run(&args, cpu_trials.into_iter().chain(gpu).collect()).exit();
+}
+
+fn random<T: Pod>(n: usize) -> (Vec<T>, u64) {
+    let (bytes, seed) = random_bytes(n * std::mem::size_of::<T>());
+    (bytemuck::pod_collect_to_vec(&bytes), seed)
+}
+
+fn as_bytes<T: Pod>(v: &[T]) -> &[u8] {
+    bytemuck::cast_slice(v)
+}
+
+// ---------------------------------------------------------------------------------------
+// A producer written the way another library would: a C struct and a counting deleter.
+
+static DELETED: AtomicUsize = AtomicUsize::new(0);
+
+#[repr(C)]
+struct Foreign {
+    managed: DLManagedTensorVersioned,
+    shape: Vec<i64>,
+    strides: Option<Vec<i64>>,
+    data: Vec<u8>,
+    counter: Arc<AtomicUsize>,
+}
+
+unsafe extern "C" fn foreign_deleter(p: *mut DLManagedTensorVersioned) {
+    // SAFETY: made by `foreign` below; called once.
+    let b = unsafe { Box::from_raw(p.cast::<Foreign>()) };
+    b.counter.fetch_add(1, Ordering::SeqCst);
+    DELETED.fetch_add(1, Ordering::SeqCst);
+}
+
+fn foreign(
+    data: Vec<u8>,
+    dtype: DLDataType,
+    shape: Vec<i64>,
+    strides: Option<Vec<i64>>,
+    flags: u64,
+    major: u32,
+) -> (*mut DLManagedTensorVersioned, Arc<AtomicUsize>) {
+    let counter = Arc::new(AtomicUsize::new(0));
+    let mut b = Box::new(Foreign {
+        managed: DLManagedTensorVersioned {
+            version: DLPackVersion { major, minor: 0 },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(foreign_deleter),
+            flags,
+            dl_tensor: DLTensor {
+                data: std::ptr::null_mut(),
+                device: DLDevice {
+                    device_type: KDL_CPU,
+                    device_id: 0,
+                },
+                ndim: shape.len() as i32,
+                dtype,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+        },
+        shape,
+        strides,
+        data,
+        counter: counter.clone(),
+    });
+    b.managed.dl_tensor.data = b.data.as_mut_ptr().cast();
+    b.managed.dl_tensor.shape = b.shape.as_mut_ptr();
+    if let Some(s) = b.strides.as_mut() {
+        b.managed.dl_tensor.strides = s.as_mut_ptr();
+    }
+    (Box::into_raw(b).cast(), counter)
+}
+
+/// A CPU tensor is a host source: its bytes, its shape, one deleter call on drop.
+fn import_cpu_tensor() -> R {
+    let (v, seed) = random::<f32>(6 * 7);
+    let (p, deleted) = foreign(as_bytes(&v).to_vec(), f32::DTYPE, vec![6, 7], None, 0, 1);
+    // SAFETY: a live tensor made above; ownership passes.
+    let t = unsafe { Imported::from_versioned(p)? };
+    ensure(
+        t.shape() == [6, 7] && t.strides() == [7, 1] && t.len() == 42,
+        || format!("metadata {t:?}"),
+    )?;
+    ensure(t.is_contiguous() && !t.is_read_only(), || format!("{t:?}"))?;
+    let h = t.host::<f32>()?;
+    same("host view", as_bytes(h.as_slice()?), as_bytes(&v), seed)?;
+    // Wrong type: a typed error that names both.
+    let e = t.host::<i32>().unwrap_err();
+    ensure(e.to_string().contains("f32"), || format!("{e}"))?;
+    ensure(deleted.load(Ordering::SeqCst) == 0, || {
+        "deleted early".into()
+    })?;
+    drop(t);
+    ensure(deleted.load(Ordering::SeqCst) == 1, || {
+        "the deleter was not called exactly once".into()
+    })
+}
+
+/// Every malformed tensor is refused with a typed error, and its deleter is called (the
+/// tensor is given back, not leaked); views refuse what does not fit.
+fn import_refusals() -> R {
+    let d = f32::DTYPE;
+    type Case = (&'static str, Vec<i64>, Option<Vec<i64>>, u32, DLDataType);
+    let cases: Vec<Case> = vec![
+        ("major version 2", vec![4], None, 2, d),
+        ("negative size", vec![-1, 4], None, 1, d),
+        ("overflowing shape", vec![i64::MAX, i64::MAX], None, 1, d),
+        (
+            "zero lanes",
+            vec![4],
+            None,
+            1,
+            DLDataType {
+                code: 2,
+                bits: 32,
+                lanes: 0,
+            },
+        ),
+    ];
+    for (what, shape, strides, major, dtype) in cases {
+        let (p, deleted) = foreign(vec![1u8; 16], dtype, shape, strides, 0, major);
+        // SAFETY: a live tensor; ownership passes.
+        let r = unsafe { Imported::from_versioned(p) };
+        ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+            format!("{what}: {r:?}")
+        })?;
+        ensure(deleted.load(Ordering::SeqCst) == 1, || {
+            format!("{what}: deleter calls {}", deleted.load(Ordering::SeqCst))
+        })?;
+    }
+    // A transposed (non-contiguous) tensor imports, but its views are refused.
+    let (p, _) = foreign(vec![3u8; 24], d, vec![2, 3], Some(vec![1, 2]), 0, 1);
+    // SAFETY: as above.
+    let t = unsafe { Imported::from_versioned(p)? };
+    ensure(!t.is_contiguous(), || {
+        "transposed reads as contiguous".into()
+    })?;
+    ensure(t.host::<f32>().is_err(), || "a strided host view".into())?;
+    // Read-only: a source, never a destination.
+    let (p, _) = foreign(vec![3u8; 16], d, vec![4], None, FLAG_READ_ONLY, 1);
+    // SAFETY: as above.
+    let mut t = unsafe { Imported::from_versioned(p)? };
+    ensure(t.host::<f32>().is_ok(), || {
+        "read-only source refused".into()
+    })?;
+    ensure(t.host_mut::<f32>().is_err(), || {
+        "read-only destination".into()
+    })?;
+    // A null pointer is refused without a call.
+    // SAFETY: null is checked first.
+    let r = unsafe { Imported::from_versioned(std::ptr::null_mut()) };
+    ensure(r.is_err(), || "null accepted".into())
+}
+
+#[repr(C)]
+struct LegacyForeign {
+    managed: DLManagedTensor,
+    shape: [i64; 1],
+    data: Vec<i32>,
+}
+
+unsafe extern "C" fn legacy_deleter(p: *mut DLManagedTensor) {
+    // SAFETY: made by `legacy_import`; called once.
+    drop(unsafe { Box::from_raw(p.cast::<LegacyForeign>()) });
+    DELETED.fetch_add(1000, Ordering::SeqCst);
+}
+
+fn legacy_import() -> R {
+    let (v, seed) = random::<i32>(10);
+    let mut b = Box::new(LegacyForeign {
+        managed: DLManagedTensor {
+            dl_tensor: DLTensor {
+                data: std::ptr::null_mut(),
+                device: DLDevice {
+                    device_type: KDL_CPU,
+                    device_id: 0,
+                },
+                ndim: 1,
+                dtype: i32::DTYPE,
+                shape: std::ptr::null_mut(),
+                strides: std::ptr::null_mut(),
+                byte_offset: 0,
+            },
+            manager_ctx: std::ptr::null_mut(),
+            deleter: Some(legacy_deleter),
+        },
+        shape: [10],
+        data: v.clone(),
+    });
+    b.managed.dl_tensor.data = b.data.as_mut_ptr().cast();
+    b.managed.dl_tensor.shape = b.shape.as_mut_ptr();
+    let before = DELETED.load(Ordering::SeqCst);
+    // SAFETY: a live legacy tensor; ownership passes.
+    let t = unsafe { Imported::from_legacy(Box::into_raw(b).cast())? };
+    same("legacy", t.host::<i32>()?.as_slice()?, &v, seed)?;
+    drop(t);
+    ensure(DELETED.load(Ordering::SeqCst) - before >= 1000, || {
+        "legacy deleter not called".into()
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU trials.
+
+fn upload<T: Pod>(s: &Stream, v: &[T]) -> Result<DeviceBuffer<T>, Failed> {
+    let mut d = DeviceBuffer::<T>::new(&s.device(), v.len())?;
+    s.copy_h2d(v, &mut d)?.wait()?;
+    Ok(d)
+}
+
+fn download<T: Pod, D: pinstream::DeviceSlice<T> + ?Sized>(
+    s: &Stream,
+    d: &D,
+    n: usize,
+) -> Result<Vec<T>, Failed> {
+    let mut out = vec![T::zeroed(); n];
+    // Poison: the copy must overwrite every byte.
+    bytemuck::cast_slice_mut::<T, u8>(&mut out).fill(0xA5);
+    s.copy_d2h(d, &mut out[..])?.wait()?;
+    Ok(out)
+}
+
+/// Export → import of one dtype: 1-D, reshaped, a slice, a transposed view (refused by the
+/// contiguous views, metadata intact), versioned and legacy; the memory is freed once the
+/// consumer releases it.
+fn roundtrip<T: Element>() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (rows, cols) = (37usize, 53usize);
+    let (v, seed) = random::<T>(rows * cols);
+
+    // Whole, reshaped, versioned.
+    let buf = Arc::new(upload(&s, &v)?);
+    let weak = Arc::downgrade(&buf);
+    let t = Tensor::from_device(buf)?.reshape(&[rows, cols])?;
+    ensure(
+        t.shape() == [rows as i64, cols as i64] && t.strides() == [cols as i64, 1],
+        || format!("{t:?}"),
+    )?;
+    let raw = t.into_versioned(Some(&s))?;
+    // SAFETY: a tensor pinstream just handed over; ownership passes.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(
+        imp.device().device_type == KDL_CUDA && imp.dtype() == T::DTYPE,
+        || format!("{imp:?}"),
+    )?;
+    let got = download(&s, &imp.device_view::<T>()?, v.len())?;
+    same("versioned", as_bytes(&got), as_bytes(&v), seed)?;
+    ensure(weak.upgrade().is_some(), || "freed while imported".into())?;
+    drop(imp);
+    ensure(weak.upgrade().is_none(), || {
+        "not freed at the release".into()
+    })?;
+
+    // A slice, legacy.
+    let t = Tensor::from_device(upload(&s, &v)?)?.slice(cols..3 * cols)?;
+    let raw = t.into_legacy(Some(&s))?;
+    // SAFETY: as above.
+    let imp = unsafe { Imported::from_legacy(raw)? };
+    let got = download(&s, &imp.device_view::<T>()?, 2 * cols)?;
+    same(
+        "legacy slice",
+        as_bytes(&got),
+        as_bytes(&v[cols..3 * cols]),
+        seed,
+    )?;
+    drop(imp);
+
+    // Transposed: metadata travels; contiguous views refuse it.
+    let t = Tensor::from_device(upload(&s, &v)?)?.with_strides(&[cols, rows], &[1, cols])?;
+    // SAFETY: as above.
+    let mut imp = unsafe { Imported::from_versioned(t.into_versioned(Some(&s))?)? };
+    ensure(
+        imp.shape() == [cols as i64, rows as i64] && imp.strides() == [1, cols as i64],
+        || format!("{imp:?}"),
+    )?;
+    ensure(imp.device_mut::<T>().is_err(), || {
+        "transposed destination".into()
+    })?;
+    drop(imp);
+
+    // Out-of-bounds strides are refused at export.
+    let t = Tensor::from_device(upload(&s, &v)?)?;
+    ensure(
+        t.with_strides(&[rows, cols], &[cols + 1, 1]).is_err(),
+        || "strides past the end accepted".into(),
+    )?;
+    // Never handed over: dropping the tensor gives the buffer back.
+    let buf = Arc::new(upload(&s, &v)?);
+    let weak = Arc::downgrade(&buf);
+    drop(Tensor::from_device(buf)?.reshape(&[cols, rows])?);
+    ensure(weak.upgrade().is_none(), || {
+        "an unused export kept its buffer".into()
+    })
+}
+
+/// A pinned buffer exports as `kDLCUDAHost` and imports as a page-locked upload source.
+fn pinned_export() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (v, seed) = random::<u8>(1 << 20);
+    let pinned = PinnedBuffer::from_slice(&dev, &v, HostAlloc::DEFAULT)?;
+    let raw = Tensor::from_pinned(pinned)?.into_versioned(Some(&s))?;
+    // SAFETY: handed over just above.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(imp.device().device_type == KDL_CUDA_HOST, || {
+        format!("{imp:?}")
+    })?;
+    let h = imp.host::<u8>()?;
+    ensure(h.kind() == pinstream::HostKind::Pinned, || format!("{h:?}"))?;
+    let mut d = DeviceBuffer::<u8>::new(&dev, v.len())?;
+    s.copy_h2d(&h, &mut d)?.wait()?;
+    let got = download(&s, &d, v.len())?;
+    same("pinned source", &got, &v, seed)?;
+    // The stager takes it as a slice.
+    let stager = pinstream::Stager::new(&dev, pinstream::StagerConfig::default())?;
+    let mut d2 = DeviceBuffer::<u8>::new(&dev, v.len())?;
+    stager.upload(&s, h.as_slice()?, &mut d2)?;
+    same("stager from import", &download(&s, &d2, v.len())?, &v, seed)
+}
+
+/// Tensors of a packed upload share its arena: each round-trips, and the arena lives until
+/// the last is released.
+fn packed_export() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let stager = pinstream::Stager::new(&dev, pinstream::StagerConfig::default())?;
+    let (a, seed) = random::<f32>(1000);
+    let (b, _) = random::<i64>(77);
+    let (c, _) = random::<u8>(4093);
+    let mut packer = pinstream::Packer::new();
+    let (ha, hb, hc) = (packer.push(&a)?, packer.push(&b)?, packer.push(&c)?);
+    let batch = Arc::new(stager.upload_packed(&s, &packer)?);
+    let weak = Arc::downgrade(&batch);
+    let ta = Tensor::from_packed(batch.clone(), ha)?.reshape(&[10, 100])?;
+    let tb = Tensor::from_packed(batch.clone(), hb)?;
+    let tc = Tensor::from_packed(batch, hc)?;
+    // The arena is shared by the three: each is read-only, and the legacy struct refuses it.
+    ensure(tc.flags() & FLAG_READ_ONLY != 0, || {
+        "a shared slice is writable".into()
+    })?;
+    // SAFETY: each handed over just above.
+    let (ia, ib, ic) = unsafe {
+        (
+            Imported::from_versioned(ta.into_versioned(Some(&s))?)?,
+            Imported::from_versioned(tb.into_versioned(Some(&s))?)?,
+            Imported::from_versioned(tc.into_versioned(None)?)?,
+        )
+    };
+    same(
+        "packed f32",
+        as_bytes(&download(&s, &ia.device_view::<f32>()?, 1000)?),
+        as_bytes(&a),
+        seed,
+    )?;
+    same(
+        "packed i64",
+        &download(&s, &ib.device_view::<i64>()?, 77)?,
+        &b,
+        seed,
+    )?;
+    same(
+        "packed u8",
+        &download(&s, &ic.device_view::<u8>()?, 4093)?,
+        &c,
+        seed,
+    )?;
+    drop((ia, ib));
+    ensure(weak.upgrade().is_some(), || {
+        "arena freed with a tensor left".into()
+    })?;
+    drop(ic);
+    ensure(weak.upgrade().is_none(), || {
+        "arena kept after the last release".into()
+    })
+}
+
+/// The consumer's stream waits for the producer's last write on the GPU: a slow fill on the
+/// producer's stream, then the handover and an immediate copy on the consumer's stream, which
+/// must see the fill; the host does not block for the fill.
+fn consumer_waits_on_gpu() -> R {
+    let dev = Device::get(0)?;
+    let producer = dev.stream()?;
+    let consumer = dev.stream()?;
+    let n = 1 << 20;
+    let (v, seed) = random::<u32>(n);
+    let mut d = upload(&producer, &vec![7u32; n])?;
+    // Allocations may wait for the device: make them before the spin.
+    let src = PinnedBuffer::from_slice(&dev, &v, HostAlloc::DEFAULT)?;
+    let mut out = DeviceBuffer::<u32>::new(&dev, n)?;
+    producer.spin(Duration::from_millis(300))?;
+    let pending = producer.copy_h2d(&src, &mut d)?;
+    let t0 = Instant::now();
+    let raw = Tensor::from_device(d)?.into_versioned(Some(&consumer))?;
+    // SAFETY: handed over just above.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    // Ordered by the handover's wait alone: `imp`'s tracker is fresh.
+    consumer.copy_d2d(&imp.device_view::<u32>()?, &mut out)?;
+    let queued = t0.elapsed();
+    let got = download(&consumer, &out, n)?;
+    drop(pending);
+    same("consumer copy after the handover", &got, &v, seed)?;
+    ensure(queued < Duration::from_millis(150), || {
+        format!("the handover blocked the host for {queued:?}")
+    })
+}
+
+/// The deleter runs on another thread while the consumer's stream still uses the memory: the
+/// free (stream-ordered here, so nothing on the host waits for it) is ordered after an event
+/// recorded on the consumer's stream at the release, so the consumer's slow copy reads the
+/// data, not the poison written into the memory's next allocation.
+fn deleter_other_thread() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let consumer = dev.stream()?;
+    let n = 1 << 22;
+    let (v, seed) = random::<u8>(n);
+    let mut d = DeviceBuffer::<u8>::new_async(&s, n)?;
+    s.copy_h2d(&v[..], &mut d)?.wait()?;
+    let raw = Tensor::from_device(d)?.into_versioned(Some(&consumer))?;
+    // SAFETY: handed over just above.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    let ptr = imp.data_ptr() as usize;
+    // Allocations may wait for the device: make them before the spin.
+    let mut out = DeviceBuffer::<u8>::new(&dev, n)?;
+    // The consumer queues a slow read of the memory through the raw pointer (as another
+    // library would, outside pinstream's trackers), then releases the tensor at once.
+    consumer.spin(Duration::from_millis(300))?;
+    // SAFETY: test code standing in for a foreign library: a d2d copy from the exported
+    // memory on the consumer's stream.
+    let err = unsafe {
+        sys::cudaMemcpyAsync(
+            out.as_device_mut_ptr().cast(),
+            ptr as *const c_void,
+            n,
+            sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+            consumer.as_raw(),
+        )
+    };
+    ensure(err == sys::cudaError::cudaSuccess, || format!("{err:?}"))?;
+    // Drop the import (which calls the producer's deleter) on another thread.
+    std::thread::spawn(move || drop(imp))
+        .join()
+        .map_err(|_| "deleter thread panicked")?;
+    // The pool hands the freed memory out again on the same stream: poison it there.
+    let mut junk = DeviceBuffer::<u8>::new_async(&s, n)?;
+    s.memset(&mut junk, 0x5A)?;
+    s.synchronize()?;
+    let got = download(&consumer, &out, n)?;
+    same("consumer read across the release", &got, &v, seed)
+}
+
+/// Handed over with no stream (`-1`): the release waits for the whole device.
+fn no_stream_release() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let other = dev.stream()?;
+    let (v, _) = random::<u8>(4096);
+    let raw = Tensor::from_device(upload(&s, &v)?)?.into_versioned(None)?;
+    other.spin(Duration::from_millis(200))?;
+    let t0 = Instant::now();
+    // SAFETY: handed over just above; we stand in for the consumer and call the deleter.
+    unsafe {
+        let del = (*raw).deleter.ok_or("no deleter")?;
+        del(raw);
+    }
+    let took = t0.elapsed();
+    ensure(took >= Duration::from_millis(120), || {
+        format!("released after {took:?} while the device was busy")
+    })
+}
+
+/// Imported CUDA tensors as destinations are checked: element type, read-only, host memory.
+fn destination_checks() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (v, _) = random::<f32>(1000);
+    let raw = Tensor::from_device(upload(&s, &v)?)?.into_versioned(Some(&s))?;
+    // SAFETY: handed over just above.
+    let mut imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(imp.device_mut::<f16>().is_err(), || {
+        "f16 view of f32".into()
+    })?;
+    ensure(imp.host::<f32>().is_err(), || {
+        "host view of device memory".into()
+    })?;
+    // As a destination: an upload straight into it.
+    let (w, seed2) = random::<f32>(1000);
+    s.copy_h2d(&w[..], &mut imp.device_mut::<f32>()?)?.wait()?;
+    same(
+        "upload into an import",
+        as_bytes(&download(&s, &imp.device_view::<f32>()?, 1000)?),
+        as_bytes(&w),
+        seed2,
+    )?;
+    drop(imp);
+    // Read-only export: the import refuses to write.
+    let raw = Tensor::from_device(upload(&s, &w)?)?
+        .read_only()
+        .into_versioned(Some(&s))?;
+    // SAFETY: as above.
+    let mut imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(imp.device_mut::<f32>().is_err(), || {
+        "read-only destination".into()
+    })?;
+    // ... and the legacy struct cannot carry the flag.
+    let t = Tensor::from_device(upload(&s, &w)?)?.read_only();
+    ensure(t.into_legacy(Some(&s)).is_err(), || {
+        "read-only legacy".into()
+    })
+}
+
+const N: usize = 4;
+const HW: usize = 24;
+
+fn batch_bytes(seed: u64, i: u64) -> Vec<u8> {
+    (0..N * 3 * HW * HW)
+        .map(|k| ((k as u64).wrapping_mul(2654435761) ^ i.wrapping_mul(0x9E37) ^ seed) as u8)
+        .collect()
+}
+
+fn source(seed: u64, end: u64) -> Source<i64> {
+    Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        b.spec = Spec::uniform(N, 3, HW, HW, Normalize::imagenet())?;
+        let px = b.pageable();
+        px.clear();
+        px.extend(batch_bytes(seed, i));
+        b.extras.clear();
+        b.extras.extend((0..N as i64).map(|k| i as i64 * 100 + k));
+        Ok(true)
+    })
+}
+
+fn check_batch(got: &[f32], seed: u64, i: u64) -> R {
+    let spec = Spec::uniform(N, 3, HW, HW, Normalize::imagenet())?;
+    let exact = cpu::normalize_exact(&batch_bytes(seed, i), &spec, None)?;
+    let worst = cpu::worst_error(got, &exact, 0.0)?;
+    ensure(worst.is_none_or(|w| w.units <= 1.0), || {
+        format!("batch {i}: {worst:?} (seed {seed})")
+    })
+}
+
+/// An exported batch keeps its slot: the prefetcher goes on through several refills (on
+/// spare and remaining slots) while the exported pixels stay batch 0's; the release brings
+/// the slot back.
+fn batch_held_until_release() -> R {
+    within("batch_held_until_release", Duration::from_secs(60), || {
+        let dev = Device::get(0)?;
+        let s = dev.stream()?;
+        let seed = rand::random::<u64>();
+        let config = PrefetchConfig {
+            depth: 2,
+            export_spares: 0,
+            ..PrefetchConfig::default()
+        };
+        let mut p = Prefetcher::<f32, i64>::new(&s, source(seed, 12), config)?;
+        let b0 = p.next().ok_or("no batch 0")??;
+        let (px, ex) = b0.into_dlpack()?;
+        ensure(px.shape() == [N as i64, 3, HW as i64, HW as i64], || {
+            format!("pixel shape {:?}", px.shape())
+        })?;
+        ensure(ex.shape() == [N as i64], || {
+            format!("extras {:?}", ex.shape())
+        })?;
+        // SAFETY: handed over just above.
+        let pixels = unsafe { Imported::from_versioned(px.into_versioned(Some(&s))?)? };
+        // SAFETY: as above.
+        let extras = unsafe { Imported::from_versioned(ex.into_versioned(Some(&s))?)? };
+        // One slot left in circulation: batches 1..6 go through it.
+        for i in 1..6u64 {
+            let b = p.next().ok_or("ended early")??;
+            let v = download(&s, &b.pixels()?, N * 3 * HW * HW)?;
+            check_batch(&v, seed, i)?;
+        }
+        let v = download(&s, &pixels.device_view::<f32>()?, N * 3 * HW * HW)?;
+        check_batch(&v, seed, 0)?;
+        let e = download(&s, &extras.device_view::<i64>()?, N)?;
+        ensure(e == [0, 1, 2, 3], || format!("extras {e:?}"))?;
+        drop(pixels);
+        drop(extras);
+        // Back to two slots; the rest of the epoch is intact.
+        let mut i = 6u64;
+        while let Some(b) = p.next() {
+            let b = b?;
+            check_batch(&download(&s, &b.pixels()?, N * 3 * HW * HW)?, seed, i)?;
+            i += 1;
+        }
+        ensure(i == 12, || format!("{i} batches of 12"))
+    })
+}
+
+/// A consumer that never releases: after depth + spares batches are held, `next()` is an
+/// error at once (not a hang); a release makes it go on; dropping the prefetcher with
+/// tensors still held does not hang, and releasing them afterwards is fine.
+fn batch_never_released() -> R {
+    within("batch_never_released", Duration::from_secs(60), || {
+        let dev = Device::get(0)?;
+        let s = dev.stream()?;
+        let seed = rand::random::<u64>();
+        let config = PrefetchConfig {
+            depth: 2,
+            export_spares: 1,
+            ..PrefetchConfig::default()
+        };
+        let mut p = Prefetcher::<f32, i64>::new(&s, source(seed, 40), config)?;
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let b = p.next().ok_or("ended")??;
+            let (px, ex) = b.into_dlpack()?;
+            held.push((px.into_versioned(Some(&s))?, ex.into_versioned(Some(&s))?));
+        }
+        let t0 = Instant::now();
+        match p.next() {
+            Some(Err(Error::InvalidArgument { .. })) => {}
+            other => {
+                return Err(format!(
+                    "4th next with 3 held: {:?}",
+                    other.map(|r| r.map(|b| b.index()))
+                )
+                .into())
+            }
+        }
+        ensure(t0.elapsed() < Duration::from_secs(1), || {
+            "the refusal waited".into()
+        })?;
+        // Release one batch (both tensors): next() works again and in order.
+        let (a, b) = held.remove(0);
+        // SAFETY: handed over above; we are the consumer, calling each deleter once.
+        unsafe {
+            ((*a).deleter.ok_or("no deleter")?)(a);
+            ((*b).deleter.ok_or("no deleter")?)(b);
+        }
+        let b = p.next().ok_or("ended")??;
+        ensure(b.index() == 3, || {
+            format!("index {} after the refusal", b.index())
+        })?;
+        check_batch(&download(&s, &b.pixels()?, N * 3 * HW * HW)?, seed, 3)?;
+        drop(b);
+        drop(p);
+        // The prefetcher is gone; the held batches' deleters still work (on another thread).
+        let raw: Vec<(usize, usize)> = held
+            .into_iter()
+            .map(|(a, b)| (a as usize, b as usize))
+            .collect();
+        std::thread::spawn(move || {
+            for (a, b) in raw {
+                for t in [a, b] {
+                    let t = t as *mut DLManagedTensorVersioned;
+                    // SAFETY: as above.
+                    unsafe {
+                        if let Some(d) = (*t).deleter {
+                            d(t)
+                        }
+                    }
+                }
+            }
+        })
+        .join()
+        .map_err(|_| "deleter thread panicked")?;
+        Ok(())
+    })
+}
+
+/// `record_stream` with a depth of 1 (every next() refills the one slot): a foreign stream
+/// reads each batch slowly (a spin, then a copy) and the batch is dropped at once; the refill
+/// must wait for the foreign read, so every copy holds its own batch.
+fn batch_record_stream() -> R {
+    within("batch_record_stream", Duration::from_secs(60), || {
+        let dev = Device::get(0)?;
+        let s = dev.stream()?;
+        let foreign = dev.stream()?;
+        let seed = rand::random::<u64>();
+        let end = 6u64;
+        let config = PrefetchConfig {
+            depth: 1,
+            ..PrefetchConfig::default()
+        };
+        let mut p = Prefetcher::<f32, i64>::new(&s, source(seed, end), config)?;
+        let len = N * 3 * HW * HW;
+        let mut copies = Vec::new();
+        while let Some(b) = p.next() {
+            let b = b?;
+            b.record_stream(&foreign)?;
+            foreign.spin(Duration::from_millis(40))?;
+            let mut out = DeviceBuffer::<f32>::new(&dev, len)?;
+            // A raw copy: outside pinstream's trackers, as another library's kernel would be.
+            // SAFETY: both are live device allocations of `len` f32; the batch's memory is
+            // kept by `record_stream` until the foreign stream passes this copy.
+            let err = unsafe {
+                sys::cudaMemcpyAsync(
+                    out.as_device_mut_ptr().cast(),
+                    b.pixels()?.as_device_ptr().cast(),
+                    len * 4,
+                    sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+                    foreign.as_raw(),
+                )
+            };
+            ensure(err == sys::cudaError::cudaSuccess, || format!("{err:?}"))?;
+            copies.push(out);
+        }
+        foreign.synchronize()?;
+        for (i, out) in copies.iter().enumerate() {
+            check_batch(&download(&s, out, len)?, seed, i as u64)?;
+        }
+        ensure(copies.len() as u64 == end, || {
+            format!("{} batches", copies.len())
+        })
+    })
+}
+
+/// `ForeignBuffer` over raw `cudaMalloc` memory: upload, normalize and download through it;
+/// bad pointers are typed errors; `release_to` hands it back without a host wait.
+fn foreign_from_raw() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let n = 3 * 64 * 64;
+    dev.make_current()?;
+    let mut raw: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer.
+    let err = unsafe { sys::cudaMalloc(&mut raw, n) };
+    ensure(err == sys::cudaError::cudaSuccess, || format!("{err:?}"))?;
+    let mut out_raw: *mut c_void = std::ptr::null_mut();
+    // SAFETY: as above.
+    let err = unsafe { sys::cudaMalloc(&mut out_raw, n * 4) };
+    ensure(err == sys::cudaError::cudaSuccess, || format!("{err:?}"))?;
+    let (v, seed) = random::<u8>(n);
+    {
+        // SAFETY: `raw` holds n bytes until the cudaFree below, after the buffers are gone.
+        let mut input = unsafe { ForeignBuffer::from_raw(&dev, raw.cast::<u8>(), n)? };
+        // SAFETY: as above, n f32.
+        let mut output = unsafe { ForeignBuffer::from_raw(&dev, out_raw.cast::<f32>(), n)? };
+        s.copy_h2d(&v[..], &mut input)?.wait()?;
+        let spec = Spec::uniform(1, 3, 64, 64, Normalize::imagenet())?;
+        pinstream::kernels::normalize::<f32, _, _>(&s, &input, &spec, &mut output, None)?;
+        let got = download(&s, &output, n)?;
+        let exact = cpu::normalize_exact(&v, &spec, None)?;
+        let worst = cpu::worst_error(&got, &exact, 0.0)?;
+        ensure(worst.is_none_or(|w| w.units <= 1.0), || {
+            format!("normalize into foreign memory: {worst:?} (seed {seed})")
+        })?;
+        output.release_to(&s)?;
+        drop(input);
+    }
+    // Refusals: host memory, misalignment, null, overflow.
+    let host = [1u32; 16];
+    // SAFETY: each is refused before any use (that is what is tested).
+    unsafe {
+        let r = ForeignBuffer::from_raw(&dev, host.as_ptr().cast_mut(), 16);
+        ensure(r.is_err(), || "pageable host memory accepted".into())?;
+        let r = ForeignBuffer::from_raw(&dev, raw.cast::<u8>().add(1).cast::<u32>(), 4);
+        ensure(r.is_err(), || "misaligned pointer accepted".into())?;
+        let r = ForeignBuffer::<u8>::from_raw(&dev, std::ptr::null_mut(), 4);
+        ensure(r.is_err(), || "null accepted".into())?;
+        let r = ForeignBuffer::<u64>::from_raw(&dev, raw.cast(), usize::MAX / 4);
+        ensure(r.is_err(), || "overflowing length accepted".into())?;
+    }
+    s.synchronize()?;
+    // SAFETY: the owner's frees, once, after every use.
+    unsafe {
+        let _ = sys::cudaFree(raw);
+        let _ = sys::cudaFree(out_raw);
+    }
+    Ok(())
+}
+
+/// `record_stream` on a view: a foreign stream's slow read of a buffer delays the buffer's
+/// next write through pinstream (on another stream) until it has passed.
+fn view_record_stream() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let foreign = dev.stream()?;
+    let n = 1 << 20;
+    let (v, seed) = random::<u8>(n);
+    let mut d = upload(&s, &v)?;
+    let mut out = DeviceBuffer::<u8>::new(&dev, n)?;
+    foreign.wait(&{
+        let e = pinstream::Event::new(&dev)?;
+        s.record(&e)?;
+        e
+    })?;
+    foreign.spin(Duration::from_millis(200))?;
+    // SAFETY: both live device allocations of n bytes; `record_stream` below keeps `d`'s next
+    // write behind this copy.
+    let err = unsafe {
+        sys::cudaMemcpyAsync(
+            out.as_device_mut_ptr().cast(),
+            d.as_device_ptr().cast(),
+            n,
+            sys::cudaMemcpyKind::cudaMemcpyDeviceToDevice,
+            foreign.as_raw(),
+        )
+    };
+    ensure(err == sys::cudaError::cudaSuccess, || format!("{err:?}"))?;
+    d.slice(..)?.record_stream(&foreign)?;
+    // Overwrite on the producer's stream: must wait for the foreign read.
+    s.memset(&mut d, 0xEE)?;
+    foreign.synchronize()?;
+    same(
+        "foreign read before the overwrite",
+        &download(&s, &out, n)?,
+        &v,
+        seed,
+    )
+}
