@@ -210,6 +210,14 @@ impl Device {
             .collect())
     }
 
+    /// The device of `ordinal`, known to exist (another library's context is on it).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn existing(ordinal: usize) -> Device {
+        Device {
+            ordinal: i32::try_from(ordinal).unwrap_or(i32::MAX),
+        }
+    }
+
     /// The device's ordinal.
     pub fn ordinal(&self) -> usize {
         self.ordinal as usize

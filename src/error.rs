@@ -27,6 +27,17 @@ impl CudaError {
         }
     }
 
+    /// An error of the CUDA driver API (a `CUresult`, as cudarc reports it), with the driver's
+    /// name and description.
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn from_driver(code: i32, name: &'static str, message: &'static str) -> Self {
+        CudaError {
+            code,
+            name,
+            message,
+        }
+    }
+
     /// The numeric `cudaError_t` value.
     pub fn code(&self) -> i32 {
         self.code

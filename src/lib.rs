@@ -30,6 +30,8 @@ pub mod sys;
 
 mod affinity;
 mod copy;
+#[cfg(feature = "cudarc")]
+pub mod cudarc;
 mod device;
 pub mod dlpack;
 mod error;

@@ -1,5 +1,6 @@
 //! `Stream`: an ordered queue of GPU work on one device; non-blocking by default.
 
+use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -51,6 +52,10 @@ struct Inner {
     /// The small per-launch tables of kernels (the normalize sample table). Held locked from
     /// upload to launch, which serialises table launches on the stream.
     tables: Mutex<Tables>,
+    /// What keeps a borrowed stream alive (the other library's owner, e.g. a cudarc
+    /// `Arc<CudaStream>`): dropped last, after the drop above has synchronized what it must.
+    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))] // held, read only by the feature
+    keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 /// Memory for the small per-launch tables of kernels, reused launch after launch.
@@ -132,6 +137,7 @@ impl Stream {
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 tables: Mutex::new(Tables::default()),
+                keep: None,
             }),
         })
     }
@@ -168,6 +174,21 @@ impl Stream {
                  own stream (or the legacy default stream) instead",
             ));
         }
+        // SAFETY: the caller's contract is `borrowed`'s.
+        unsafe { Stream::borrowed(device, raw, None) }
+    }
+
+    /// [`from_raw`](Self::from_raw) that also holds `keep` (what keeps `raw` alive) until the
+    /// last clone drops. The caller refuses `cudaStreamPerThread`.
+    ///
+    /// # Safety
+    ///
+    /// As `from_raw`; holding `keep` may be what keeps `raw` live.
+    pub(crate) unsafe fn borrowed(
+        device: &Device,
+        raw: sys::cudaStream_t,
+        keep: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Result<Stream> {
         device.make_current()?;
         let mut priority = 0;
         check(
@@ -197,6 +218,7 @@ impl Stream {
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
                 tables: Mutex::new(Tables::default()),
+                keep,
             }),
         })
     }
@@ -204,6 +226,12 @@ impl Stream {
     /// Whether pinstream created the stream (rather than [`from_raw`](Self::from_raw)).
     pub fn is_owned(&self) -> bool {
         self.inner.owned
+    }
+
+    /// What keeps a borrowed stream alive, if the stream holds it (`Stream::from_cudarc`).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn keep(&self) -> Option<&Arc<dyn Any + Send + Sync>> {
+        self.inner.keep.as_ref()
     }
 
     /// The device the stream runs on.

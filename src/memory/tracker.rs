@@ -24,6 +24,50 @@ use crate::stream::Stream;
 #[derive(Debug, Default)]
 pub struct Tracker {
     state: Mutex<State>,
+    /// For memory another library orders too: what follows each use (see [`Mirror`]).
+    #[cfg(feature = "cudarc")]
+    mirror: Option<Mirror>,
+}
+
+/// Another library's view of the same memory, kept up to date use by use: after every operation
+/// pinstream queues on the memory, `stream` waits for it and `event` (the other library's
+/// "last use" event, if it keeps one) is recorded there again — after a wait for its previous
+/// record, so that it still stands for every use it stood for. The other library's later work
+/// on the memory, on any stream, and its free wait for `event` (or come after on `stream`):
+/// nothing is left to do when the memory is given back, so a view leaked with `mem::forget`
+/// is as safe as one dropped.
+#[cfg(feature = "cudarc")]
+#[derive(Debug)]
+pub(crate) struct Mirror {
+    /// The stream the memory was lent on (the other library's).
+    pub(crate) stream: Stream,
+    /// The other library's event (borrowed: see `Event::from_raw`).
+    pub(crate) event: Option<Event>,
+}
+
+#[cfg(feature = "cudarc")]
+impl Mirror {
+    /// Makes the mirror follow `event`, just recorded on `on` after a use.
+    fn follow(&self, on: &Stream, event: &Event) -> Result<()> {
+        // Two mirrors of one event (views of two halves of a slice, on two threads) must not
+        // interleave their wait and record: the second record would stand only for its own
+        // use. One lock for all mirrors: a few microseconds, rarely contended.
+        static FOLLOW: Mutex<()> = Mutex::new(());
+        let _one_at_a_time = crate::sync::lock(&FOLLOW);
+        if let Some(theirs) = &self.event {
+            self.stream.wait(theirs)?;
+        }
+        if on.id() != self.stream.id() {
+            self.stream.wait(event)?;
+        }
+        if let Some(theirs) = &self.event {
+            self.stream.record(theirs)?;
+        }
+        if on.device() != self.stream.device() {
+            on.enter()?;
+        }
+        Ok(())
+    }
 }
 
 /// One queued use: the event recorded after it and the `Stream::id` of the stream it was queued
@@ -76,6 +120,40 @@ pub(crate) enum Access {
 impl Tracker {
     pub(crate) fn new() -> Tracker {
         Tracker::default()
+    }
+
+    /// A tracker whose every recorded use `mirror` follows.
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn mirrored(mirror: Mirror) -> Tracker {
+        Tracker {
+            state: Mutex::default(),
+            mirror: Some(mirror),
+        }
+    }
+
+    /// Refuses every later use with `err`: the GPU's use of the memory can no longer be known
+    /// (the owner then leaks it).
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn poison(&self, err: Error) {
+        self.lock().poisoned.get_or_insert(err);
+    }
+
+    /// Makes later work on `stream` wait for the uses an `access` conflicts with (a read: the
+    /// last write; a write: every use), without recording anything.
+    #[cfg(feature = "cudarc")]
+    pub(crate) fn wait_for(&self, stream: &Stream, access: Access) -> Result<()> {
+        let events: Vec<Arc<Event>> = {
+            let st = self.lock();
+            st.check()?;
+            match access {
+                Access::Read => st.write.iter().map(|u| u.event.clone()).collect(),
+                Access::Write => st.all().map(|u| u.event.clone()).collect(),
+            }
+        };
+        for ev in events {
+            stream.wait(&*ev)?;
+        }
+        Ok(())
     }
 
     fn lock(&self) -> Guard<'_> {
@@ -248,6 +326,23 @@ pub(crate) fn ordered_rw<R>(
                 }
                 g.reads.push(new.clone());
             }
+        }
+    }
+    // Memory another library orders too: its stream and event follow this use at once.
+    #[cfg(feature = "cudarc")]
+    for (t, _) in &sorted {
+        let Some(m) = &t.mirror else { continue };
+        if let Err(e) = m.follow(stream, &event) {
+            // The other library might not wait for this use: wait for it here (then there is
+            // nothing to wait for). If even that fails, nobody can know when the memory is
+            // free again: poison the trackers.
+            if let Err(wait) = stream.synchronize() {
+                for (g, _) in &mut guards {
+                    g.poisoned = Some(wait.clone());
+                }
+            }
+            let _ = stream.enter();
+            return Err(e);
         }
     }
     Ok((out, event))
