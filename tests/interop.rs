@@ -16,7 +16,10 @@ use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
 use pinstream::{sys, Device, DeviceBuffer, Event, Stager, StagerConfig, Stream};
 
 fn main() {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // The event trials time the host against spins on the GPU: one at a time, so that another
+    // trial's allocations (which may wait for the device) do not blur them.
+    args.test_threads.get_or_insert(1);
     let no_gpu = !pinstream::available();
     let trials = vec![
         Trial::test("foreign/stream_borrowed", stream_borrowed),
