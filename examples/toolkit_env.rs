@@ -1,0 +1,18 @@
+//! Prints the env file the build script wrote for the CUDA toolkit pinstream was built with:
+//! `CUDA_HOME`, `CUDA_PATH`, `NVCC`, `PATH`, `LD_LIBRARY_PATH`, ... for the build scripts of
+//! crates that look for a toolkit themselves (cudarc, candle-core's `cuda` feature). Use it as
+//!
+//!     eval "$(cargo run -q --example toolkit_env)"
+//!
+//! or source the file it names on its first line. See "Sharing the toolkit" in the README.
+
+fn main() {
+    let path = env!("PINSTREAM_TOOLKIT_ENV");
+    match std::fs::read_to_string(path) {
+        Ok(text) if !path.is_empty() => print!("# {path}\n{text}"),
+        Ok(_) | Err(_) => {
+            eprintln!("no toolkit env file at `{path}`: rebuild pinstream (cargo clean -p pinstream)");
+            std::process::exit(1);
+        }
+    }
+}
