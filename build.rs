@@ -109,7 +109,10 @@ fn share_toolkit(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String
             let _ = std::os::unix::fs::symlink(versioned.file_name().unwrap_or_default(), &plain);
         }
         // <cache>/cuda-.../nvidia/cu13 -> <cache>/cuda-.../env.sh
-        let top = tk.root.ends_with(toolkit::PYPI_TOOLKIT_SUBDIR).then(|| tk.root.ancestors().nth(2));
+        let top = tk
+            .root
+            .ends_with(toolkit::PYPI_TOOLKIT_SUBDIR)
+            .then(|| tk.root.ancestors().nth(2));
         if let Some(top) = top.flatten() {
             let shared = top.join(toolkit::ENV_FILE_NAME);
             match write_atomically(&shared, &script) {
@@ -118,7 +121,10 @@ fn share_toolkit(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String
             }
         }
     }
-    println!("cargo::rustc-env=PINSTREAM_TOOLKIT_ENV={}", env_file.display());
+    println!(
+        "cargo::rustc-env=PINSTREAM_TOOLKIT_ENV={}",
+        env_file.display()
+    );
     for (key, value) in toolkit::link_metadata(tk, cudart, &env_file) {
         println!("cargo::metadata={key}={value}");
     }
