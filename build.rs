@@ -39,6 +39,7 @@ fn main() {
     if env_nonempty("DOCS_RS").is_some() {
         // docs.rs has no CUDA: document against the committed snapshot of the bindings (13.0).
         println!("cargo::rustc-cfg=pinstream_docs");
+        println!("cargo::rustc-env=PINSTREAM_TOOLKIT_ENV=");
         emit_runtime_version(13000);
         return;
     }
@@ -65,6 +66,7 @@ fn build() -> Result<(), String> {
         .and_then(|text| toolkit::parse_cudart_version(&text))
         .ok_or_else(|| format!("pinstream: no CUDART_VERSION in {}", header.display()))?;
     emit_runtime_version(cudart);
+    share_toolkit(&tk, cudart, &out_dir)?;
 
     let clang_args = load_libclang(&out_dir, cache.as_deref(), no_provision)?;
     generate_bindings(&tk, &clang_args, &out_dir)?;
@@ -88,6 +90,60 @@ fn emit_runtime_version(cudart: u32) {
     if toolkit::has_batch_copies(cudart) {
         println!("cargo::rustc-cfg=pinstream_cuda_batch");
     }
+}
+
+/// Makes the toolkit usable by other crates' builds: `libcudart.so` in a provisioned toolkit
+/// (the wheel has only `libcudart.so.13`; candle-kernels links `-lcudart`), the env file (in
+/// `OUT_DIR`, and next to a provisioned toolkit where it stays), and the `links` metadata
+/// (`DEP_PINSTREAM_CUDA_ROOT` ... for dependents' build scripts). `PINSTREAM_TOOLKIT_ENV` tells
+/// the crate's own targets (`examples/toolkit_env.rs`) where the env file is.
+fn share_toolkit(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String> {
+    let script = toolkit::env_script(tk, cudart);
+    let mut env_file = out_dir.join(toolkit::ENV_FILE_NAME);
+    write_atomically(&env_file, &script)?;
+    if tk.source == Source::Provisioned {
+        let versioned = tk.lib.join(format!("libcudart.so.{}", cudart / 1000));
+        let plain = tk.lib.join("libcudart.so");
+        if versioned.is_file() && plain.symlink_metadata().is_err() {
+            // Two builds may race here: the loser's EEXIST is fine.
+            let _ = std::os::unix::fs::symlink(versioned.file_name().unwrap_or_default(), &plain);
+        }
+        // <cache>/cuda-.../nvidia/cu13 -> <cache>/cuda-.../env.sh
+        let top = tk
+            .root
+            .ends_with(toolkit::PYPI_TOOLKIT_SUBDIR)
+            .then(|| tk.root.ancestors().nth(2));
+        if let Some(top) = top.flatten() {
+            let shared = top.join(toolkit::ENV_FILE_NAME);
+            match write_atomically(&shared, &script) {
+                Ok(()) => env_file = shared,
+                Err(e) => println!("cargo::warning={e}"),
+            }
+        }
+    }
+    println!(
+        "cargo::rustc-env=PINSTREAM_TOOLKIT_ENV={}",
+        env_file.display()
+    );
+    for (key, value) in toolkit::link_metadata(tk, cudart, &env_file) {
+        println!("cargo::metadata={key}={value}");
+    }
+    Ok(())
+}
+
+/// Writes `path` through a temporary file and a rename, so that a reader (or a second build
+/// writing the same bytes) never sees half a file.
+fn write_atomically(path: &Path, text: &str) -> Result<(), String> {
+    if std::fs::read_to_string(path).is_ok_and(|old| old == text) {
+        return Ok(());
+    }
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("cannot write {}: {e}", path.display())
+        })
 }
 
 /// Where to provision `cache_name` / `target_name`, and whether that is in the cache: the per-user

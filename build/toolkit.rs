@@ -7,28 +7,38 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
 /// The PyPI packages of the toolkit that is provisioned when none is found. nvvm must match nvcc,
-/// or ptxas fails with "Unsupported .version".
+/// or ptxas fails with "Unsupported .version". CCCL (`nv/target`, `cuda/std`, cub, thrust: 3 MB)
+/// is not needed by pinstream's kernels but by most others' (candle's), which can build with this
+/// toolkit through its env file (`ENV_FILE_NAME`).
 pub const CUDA_PINS: &[&str] = &[
     "nvidia-cuda-nvcc==13.0.88",
     "nvidia-cuda-runtime==13.0.96",
     "nvidia-cuda-crt==13.0.88",
     "nvidia-nvvm==13.0.88",
+    "nvidia-cuda-cccl==13.0.85",
 ];
 /// The PyPI wheel that carries libclang for bindgen.
 pub const LIBCLANG_PIN: &str = "libclang==18.1.1";
 /// Folder names in the per-user cache (`cache_dir`) where the two are provisioned, keyed by
 /// version: a new pin gets a new folder, never a half-updated old one.
-pub const CACHE_CUDA_NAME: &str = "cuda-13.0.88";
+pub const CACHE_CUDA_NAME: &str = "cuda-13.0.88-cccl-13.0.85";
 /// The same for the libclang wheel.
 pub const CACHE_LIBCLANG_NAME: &str = "libclang-18.1.1";
 /// Folder names under the cargo target dir: where builds before the per-user cache put them
 /// (still looked for, so existing checkouts do not download again), and where a build puts
 /// them when there is no usable cache folder.
-pub const CUDA_DIR_NAME: &str = "pinstream-cuda-13.0.88";
+pub const CUDA_DIR_NAME: &str = "pinstream-cuda-13.0.88-cccl-13.0.85";
 pub const LIBCLANG_DIR_NAME: &str = "pinstream-libclang-18.1.1";
 /// Inside a provisioned folder, where the toolkit root and libclang live.
 pub const PYPI_TOOLKIT_SUBDIR: &str = "nvidia/cu13";
 pub const PYPI_LIBCLANG_SUBDIR: &str = "clang/native";
+/// The shell file, next to a provisioned toolkit's `nvidia/` folder (and in the build's
+/// `OUT_DIR` for any toolkit), that points other crates' build scripts at the toolkit.
+pub const ENV_FILE_NAME: &str = "env.sh";
+/// The compute capability the env file gives `CUDA_COMPUTE_CAP` where that is unset and there is
+/// no `nvidia-smi` to ask (candle-kernels and bindgen_cuda build for one architecture): PTX for
+/// 8.0 runs on every GPU since the A100, compiled at load time.
+pub const ENV_DEFAULT_COMPUTE_CAP: &str = "80";
 
 /// Machine code for these architectures where the toolkit has them, PTX for the newest of them
 /// (override: `PINSTREAM_CUDA_ARCH`): T4 (75), A100 (80), A10 / RTX 30 (86), L4 / RTX 40 (89),
@@ -481,4 +491,65 @@ pub fn no_libclang_message(load_error: &str, provision_error: Option<&str>) -> S
          LIBCLANG_PATH=DIR/{PYPI_LIBCLANG_SUBDIR}"
     ));
     msg
+}
+
+/// `value` quoted for a POSIX shell.
+pub fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
+}
+
+/// The `links` metadata the build script emits (`cargo::metadata=KEY=VALUE`), which the build
+/// scripts of crates that depend on pinstream read as `DEP_PINSTREAM_CUDA_<KEY>`.
+pub fn link_metadata(tk: &Toolkit, cudart: u32, env_file: &Path) -> Vec<(&'static str, String)> {
+    let mut out = vec![
+        ("root", tk.root.display().to_string()),
+        ("include", tk.include.display().to_string()),
+        ("lib", tk.lib.display().to_string()),
+        ("nvcc", tk.nvcc.display().to_string()),
+        ("version", cudart.to_string()),
+        ("env", env_file.display().to_string()),
+    ];
+    // CUDA 13 keeps CCCL in include/cccl (nvcc adds it by itself; other compilers need it).
+    let cccl = tk.include.join("cccl");
+    if cccl.is_dir() {
+        out.push(("cccl_include", cccl.display().to_string()));
+    }
+    out
+}
+
+/// The text of the env file for `tk`: the variables other crates' build scripts read to find a
+/// toolkit (cudarc: `CUDA_HOME`/`CUDA_PATH`/`CUDA_ROOT`/`CUDA_TOOLKIT_ROOT_DIR` and `nvcc` on
+/// `PATH` or `CUDARC_CUDA_VERSION`; candle-kernels' cudaforge: `NVCC`/`CUDA_HOME` and
+/// `CUDA_COMPUTE_CAP` or `nvidia-smi`; bindgen_cuda: `CUDA_PATH`/`nvcc` on `PATH`), and the
+/// library path for running what they build. Only a function of the toolkit, so that builds
+/// that write it at once write the same bytes.
+pub fn env_script(tk: &Toolkit, cudart: u32) -> String {
+    let q = |p: &Path| shell_quote(&p.display().to_string());
+    let (major, minor) = (cudart / 1000, (cudart % 1000) / 10);
+    let root = q(&tk.root);
+    let bin = q(&tk.root.join("bin"));
+    let lib = q(&tk.lib);
+    format!(
+        "# Written by pinstream's build script: the CUDA {major}.{minor} toolkit it built with \
+         ({source}).\n\
+         # Source it (`. FILE`) before building crates that look for a toolkit themselves (cudarc,\n\
+         # candle-core's `cuda` feature, bindgen_cuda).\n\
+         export CUDA_HOME={root}\n\
+         export CUDA_PATH={root}\n\
+         export CUDA_ROOT={root}\n\
+         export CUDA_TOOLKIT_ROOT_DIR={root}\n\
+         export NVCC={nvcc}\n\
+         export CUDARC_CUDA_VERSION={major}0{minor}0\n\
+         export PATH={bin}\"${{PATH:+:$PATH}}\"\n\
+         export LIBRARY_PATH={lib}\"${{LIBRARY_PATH:+:$LIBRARY_PATH}}\"\n\
+         export LD_LIBRARY_PATH={lib}\"${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\"\n\
+         # One architecture for crates that build for one: the GPU's where nvidia-smi can say,\n\
+         # else {cap} (PTX that every GPU since the A100 compiles at load time). Set it to yours.\n\
+         if [ -z \"${{CUDA_COMPUTE_CAP:-}}\" ] && ! command -v nvidia-smi >/dev/null 2>&1; then\n\
+         \x20   export CUDA_COMPUTE_CAP={cap}\n\
+         fi\n",
+        source = tk.source.describe(),
+        nvcc = q(&tk.nvcc),
+        cap = ENV_DEFAULT_COMPUTE_CAP,
+    )
 }

@@ -52,6 +52,10 @@ fn main() {
         ),
         t("toolkit/cudart_version_and_gates", cudart_version_and_gates),
         t(
+            "toolkit/env_file_and_link_metadata",
+            env_file_and_link_metadata,
+        ),
+        t(
             "toolkit/failure_messages_say_what_to_do",
             failure_messages_say_what_to_do,
         ),
@@ -137,6 +141,64 @@ fn candidates_in_documented_order() -> R {
     ensure(c.len() == 1 && c[0].0 == Source::UsrLocalCuda, || {
         format!("{c:?}")
     })
+}
+
+/// The env file sources in a POSIX shell and points every variable other crates' builds read at
+/// the toolkit, quoting included; the `links` metadata names its parts.
+fn env_file_and_link_metadata() -> R {
+    let dir = scratch("env file");
+    let root = dir.join("it's cu13");
+    touch(&root.join("bin/nvcc"));
+    touch(&root.join("include/cuda_runtime_api.h"));
+    touch(&root.join("lib/libcudart_static.a"));
+    let tk = toolkit::toolkit_at(Source::Provisioned, &root).map_err(|e| e.to_string())?;
+    let file = dir.join(toolkit::ENV_FILE_NAME);
+    std::fs::write(&file, toolkit::env_script(&tk, 13000)).expect("write");
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(
+            ". \"$1\" && printf '%s\\n' \"$CUDA_HOME\" \"$CUDA_PATH\" \"$CUDA_ROOT\" \"$NVCC\" \
+             \"$CUDARC_CUDA_VERSION\" \"${PATH%%:*}\" \"${LD_LIBRARY_PATH%%:*}\" \"$CUDA_COMPUTE_CAP\"",
+        )
+        .arg("sh")
+        .arg(&file)
+        .env("PATH", "/usr/bin:/bin")
+        .env("LD_LIBRARY_PATH", "/x")
+        .env("CUDA_COMPUTE_CAP", "75")
+        .output()
+        .expect("sh");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = text.lines().collect();
+    let r = root.display().to_string();
+    let want = [
+        r.clone(),
+        r.clone(),
+        r.clone(),
+        format!("{r}/bin/nvcc"),
+        "13000".into(),
+        format!("{r}/bin"),
+        format!("{r}/lib"),
+        "75".into(), // a CUDA_COMPUTE_CAP the user set stays
+    ];
+    ensure(out.status.success() && lines == want, || {
+        format!(
+            "{:?}\n{text}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let meta = toolkit::link_metadata(&tk, 13000, &file);
+    let keys: Vec<&str> = meta.iter().map(|(k, _)| *k).collect();
+    ensure(
+        keys == ["root", "include", "lib", "nvcc", "version", "env"],
+        || format!("{meta:?}"),
+    )?;
+    std::fs::create_dir_all(root.join("include/cccl")).expect("mkdir");
+    let meta = toolkit::link_metadata(&tk, 13000, &file);
+    ensure(
+        meta.last().is_some_and(|(k, _)| *k == "cccl_include"),
+        || format!("{meta:?}"),
+    )
 }
 
 fn toolkit_at_checks_each_part() -> R {
@@ -333,11 +395,14 @@ fn provision_tmp_names() -> R {
             format!("{other} taken for a temporary folder")
         })?;
     }
-    // Cache folders are keyed by the pinned versions.
-    let nvcc_pin = toolkit::CUDA_PINS[0].rsplit("==").next().ok_or("pin")?;
-    ensure(toolkit::CACHE_CUDA_NAME.ends_with(nvcc_pin), || {
-        format!("{} vs {nvcc_pin}", toolkit::CACHE_CUDA_NAME)
-    })?;
+    // Cache folders are keyed by the pinned versions: nvcc's, and CCCL's (added later).
+    let pin = |i: usize| toolkit::CUDA_PINS[i].rsplit("==").next().ok_or("pin");
+    let (nvcc_pin, cccl_pin) = (pin(0)?, pin(toolkit::CUDA_PINS.len() - 1)?);
+    let want = format!("cuda-{nvcc_pin}-cccl-{cccl_pin}");
+    ensure(
+        toolkit::CACHE_CUDA_NAME == want && toolkit::CUDA_PINS.last().unwrap().contains("cccl"),
+        || format!("{} vs {want}", toolkit::CACHE_CUDA_NAME),
+    )?;
     let clang_pin = toolkit::LIBCLANG_PIN.rsplit("==").next().ok_or("pin")?;
     ensure(toolkit::CACHE_LIBCLANG_NAME.ends_with(clang_pin), || {
         format!("{} vs {clang_pin}", toolkit::CACHE_LIBCLANG_NAME)
