@@ -190,7 +190,7 @@ impl Tensor {
             dtype: T::DTYPE,
             elem: std::mem::size_of::<T>(),
             len,
-            owner: Box::new(PackedOwner(batch)),
+            owner: Box::new(DeviceOwner(batch)),
         };
         let t = Tensor::from_parts(parts, KDL_CUDA)?;
         Ok(if shared { t.read_only() } else { t })
@@ -551,19 +551,38 @@ fn release_tracked(
     }
 }
 
-struct DeviceOwner<T: Element>(Arc<DeviceBuffer<T>>);
+/// Device memory an exported tensor keeps alive: a buffer, or a packed upload's arena.
+trait DeviceHeld: Send + Sync + 'static {
+    /// The memory's tracker, device and size in bytes.
+    fn held(&self) -> (&tracker::Tracker, Device, usize);
+}
 
-impl<T: Element> Owner for DeviceOwner<T> {
+impl<T: Element> DeviceHeld for DeviceBuffer<T> {
+    fn held(&self) -> (&tracker::Tracker, Device, usize) {
+        let r = self.device_region();
+        (r.tracker, r.device, self.byte_len())
+    }
+}
+
+impl DeviceHeld for PackedBatch {
+    fn held(&self) -> (&tracker::Tracker, Device, usize) {
+        self.arena().held()
+    }
+}
+
+struct DeviceOwner<H: DeviceHeld>(Arc<H>);
+
+impl<H: DeviceHeld> Owner for DeviceOwner<H> {
     fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
         match consumer {
-            Some(s) => self.0.device_region().tracker.record_use(s, Access::Write),
+            Some(s) => self.0.held().0.record_use(s, Access::Write),
             None => Ok(()),
         }
     }
     fn release(&self, consumer: Consumer<'_>) {
-        let r = self.0.device_region();
-        if !release_tracked(r.tracker, r.device, self.0.byte_len(), consumer) {
-            // Keep the buffer alive for ever rather than free it under the consumer.
+        let (t, device, bytes) = self.0.held();
+        if !release_tracked(t, device, bytes, consumer) {
+            // Keep the memory alive for ever rather than free it under the consumer.
             std::mem::forget(self.0.clone());
         }
     }
@@ -587,29 +606,6 @@ impl<T: Element> Owner for PinnedOwner<T> {
             None => true,
         };
         if !ok {
-            std::mem::forget(self.0.clone());
-        }
-    }
-}
-
-struct PackedOwner(Arc<PackedBatch>);
-
-impl Owner for PackedOwner {
-    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
-        match consumer {
-            Some(s) => self
-                .0
-                .arena()
-                .device_region()
-                .tracker
-                .record_use(s, Access::Write),
-            None => Ok(()),
-        }
-    }
-    fn release(&self, consumer: Consumer<'_>) {
-        let arena = self.0.arena();
-        let r = arena.device_region();
-        if !release_tracked(r.tracker, r.device, arena.byte_len(), consumer) {
             std::mem::forget(self.0.clone());
         }
     }

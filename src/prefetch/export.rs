@@ -14,6 +14,7 @@ use crate::dlpack::Owner;
 use crate::error::Result;
 use crate::event::Event;
 use crate::stream::Stream;
+use crate::sync::lock;
 
 /// How many slots the consumers of exported batches hold, how many spares stand in, and the
 /// spares parked while fewer batches are held than spares exist (so that `depth` slots
@@ -56,8 +57,7 @@ impl<S> Exports<S> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Counts<S>> {
-        // Only whole values are stored under the lock: a panic elsewhere leaves it consistent.
-        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.counts)
     }
 
     /// Slots the feeder and the consumer can still use: 0 means `next()` could only wait
@@ -170,10 +170,6 @@ impl<S: Leased> Lease<S> {
             exports,
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<S: Leased> Drop for Lease<S> {

@@ -453,7 +453,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
     pub fn record_stream(&self, stream: &Stream) -> Result<()> {
         let slot = self.slot()?;
         stream.wait(&slot.ready)?;
-        let mut users = slot.users.lock().unwrap_or_else(|e| e.into_inner());
+        let mut users = crate::sync::lock(&slot.users);
         if !users.iter().any(|u| u.id() == stream.id()) {
             users.push(stream.clone());
         }

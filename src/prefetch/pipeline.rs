@@ -20,7 +20,7 @@ use super::batch::PinnedSupply;
 use super::loaders::{Loaded, Loaders, Queue, Window};
 use super::{HostBatch, LoaderStats, Source};
 use crate::error::{Error, Result};
-use crate::sync::{drop_quietly, quietly};
+use crate::sync::{drop_quietly, lock, quietly};
 
 /// What the feeder sends the consumer.
 pub(crate) enum Msg<S> {
@@ -164,11 +164,6 @@ impl<E, S> Drop for Pipeline<E, S> {
 
 /// The sending side of the feeder's free slots, `None` once the pipeline has stopped.
 pub(crate) type Returner<S> = Arc<Mutex<Option<Sender<S>>>>;
-
-fn lock<S>(r: &Returner<S>) -> std::sync::MutexGuard<'_, Option<Sender<S>>> {
-    // Only whole values are stored under the lock: a panic elsewhere leaves it consistent.
-    r.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Sends `slot` back to the feeder; once the pipeline has stopped, drops it here (after the
 /// lock is released: a slot's `Drop` may wait for the GPU).

@@ -80,7 +80,7 @@ impl<O: Pod, E: Pod> Slot<O, E> {
 
     /// The streams named by `record_stream`, taken (locked only for the moment).
     pub(crate) fn take_users(&self) -> Vec<Stream> {
-        std::mem::take(&mut *self.users.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *crate::sync::lock(&self.users))
     }
 
     /// An event for one more release: a spare one when there is one of `device`, else new.
