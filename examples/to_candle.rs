@@ -2,6 +2,7 @@
 //! runs on candle's stream, and each batch's pixels are copied device to device into memory
 //! candle owns. Build: README, "Sharing the toolkit with cudarc / candle".
 use candle_core::{op::BackpropOp, CudaStorage, Device, Storage, Tensor};
+use pinstream::cudarc::lend;
 use pinstream::kernels::{Layout, Normalize, Sample, Spec};
 use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
 
@@ -12,10 +13,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let candle = Device::new_cuda_with_stream(0)?;
     let cuda = candle.as_cuda_device()?.clone();
     let cu_stream = cuda.cuda_stream();
-    let dev = pinstream::Device::get(0)?;
-    // SAFETY: cudarc made this stream in device 0's primary context (`CudaContext::new`), and
-    // `cuda` holds it until the end of main, after `stream` and the prefetcher are dropped.
-    let stream = unsafe { pinstream::Stream::from_raw(&dev, cu_stream.cu_stream() as _)? };
+    // candle's stream, for pinstream: the prefetcher's batches are ready on it.
+    let stream = pinstream::Stream::from_cudarc(&cu_stream)?;
     let source = Source::new(|i, b: &mut HostBatch<i64>| {
         b.spec = Spec {
             channels: 3,
@@ -33,13 +32,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let batch = batch?;
         let pixels = batch.pixels()?;
         let mut owned = cuda.alloc_zeros::<f32>(pixels.len())?;
-        // SAFETY: `pixels` is `len` f32 of device memory of the same context, live while `batch`
-        // is; the slice over it is only read, by a copy on the stream the batch is ready on
-        // (dropping `batch` later records on it), and is leaked after it: never freed by cudarc.
-        let view =
-            unsafe { cu_stream.upgrade_device_ptr(pixels.as_device_ptr() as u64, pixels.len()) };
-        cuda.memcpy_dtod(&view, &mut owned)?;
-        view.leak();
+        // The batch's pixels lent to cudarc (zero copy) and copied into memory candle owns.
+        lend(&pixels, &stream, |px| cuda.memcpy_dtod(&px, &mut owned))??;
         let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(owned, cuda.clone()));
         let dims = batch.dims().ok_or("the batch has no spec")?.to_vec();
         let t = Tensor::from_storage(storage, dims, BackpropOp::none(), false);

@@ -55,8 +55,11 @@
 //!   memory must then be queued on the stream it was lent on (cudarc's own rule).
 //! - Only the primary context is shared with the runtime: a stream or slice of another context
 //!   is refused (`Error::InvalidArgument`), as is one of another device (`Error::WrongDevice`).
-//! - The `cuda-13000` bindings are selected; a crate of yours that depends on cudarc must select
-//!   the same CUDA version feature.
+//! - Feature `cudarc` selects cudarc's `cuda-13000` bindings; where another crate of the build
+//!   selects cudarc's version (candle: `cuda-version-from-build-system`), enable `cudarc-any`
+//!   instead, which leaves it to that crate (cudarc takes exactly one version feature). Either
+//!   way cudarc loads libcuda at run time unless another crate asks it to link
+//!   (`fallback-dynamic-loading`).
 
 use std::any::Any;
 use std::marker::PhantomData;

@@ -211,7 +211,7 @@ impl Device {
     }
 
     /// The device of `ordinal`, known to exist (another library's context is on it).
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn existing(ordinal: usize) -> Device {
         Device {
             ordinal: i32::try_from(ordinal).unwrap_or(i32::MAX),

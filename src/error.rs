@@ -29,7 +29,7 @@ impl CudaError {
 
     /// An error of the CUDA driver API (a `CUresult`, as cudarc reports it), with the driver's
     /// name and description.
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn from_driver(code: i32, name: &'static str, message: &'static str) -> Self {
         CudaError {
             code,

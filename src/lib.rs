@@ -30,7 +30,7 @@ pub mod sys;
 
 mod affinity;
 mod copy;
-#[cfg(feature = "cudarc")]
+#[cfg(feature = "cudarc-any")]
 pub mod cudarc;
 mod device;
 pub mod dlpack;

@@ -54,7 +54,8 @@ struct Inner {
     tables: Mutex<Tables>,
     /// What keeps a borrowed stream alive (the other library's owner, e.g. a cudarc
     /// `Arc<CudaStream>`): dropped last, after the drop above has synchronized what it must.
-    #[cfg_attr(not(feature = "cudarc"), allow(dead_code))] // held, read only by the feature
+    #[cfg_attr(not(feature = "cudarc-any"), allow(dead_code))]
+    // held, read only by the feature
     keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -229,7 +230,7 @@ impl Stream {
     }
 
     /// What keeps a borrowed stream alive, if the stream holds it (`Stream::from_cudarc`).
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn keep(&self) -> Option<&Arc<dyn Any + Send + Sync>> {
         self.inner.keep.as_ref()
     }

@@ -25,7 +25,7 @@ use crate::stream::Stream;
 pub struct Tracker {
     state: Mutex<State>,
     /// For memory another library orders too: what follows each use (see [`Mirror`]).
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     mirror: Option<Mirror>,
 }
 
@@ -36,7 +36,7 @@ pub struct Tracker {
 /// on the memory, on any stream, and its free wait for `event` (or come after on `stream`):
 /// nothing is left to do when the memory is given back, so a view leaked with `mem::forget`
 /// is as safe as one dropped.
-#[cfg(feature = "cudarc")]
+#[cfg(feature = "cudarc-any")]
 #[derive(Debug)]
 pub(crate) struct Mirror {
     /// The stream the memory was lent on (the other library's).
@@ -45,7 +45,7 @@ pub(crate) struct Mirror {
     pub(crate) event: Option<Event>,
 }
 
-#[cfg(feature = "cudarc")]
+#[cfg(feature = "cudarc-any")]
 impl Mirror {
     /// Makes the mirror follow `event`, just recorded on `on` after a use.
     fn follow(&self, on: &Stream, event: &Event) -> Result<()> {
@@ -123,7 +123,7 @@ impl Tracker {
     }
 
     /// A tracker whose every recorded use `mirror` follows.
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn mirrored(mirror: Mirror) -> Tracker {
         Tracker {
             state: Mutex::default(),
@@ -133,14 +133,14 @@ impl Tracker {
 
     /// Refuses every later use with `err`: the GPU's use of the memory can no longer be known
     /// (the owner then leaks it).
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn poison(&self, err: Error) {
         self.lock().poisoned.get_or_insert(err);
     }
 
     /// Makes later work on `stream` wait for the uses an `access` conflicts with (a read: the
     /// last write; a write: every use), without recording anything.
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     pub(crate) fn wait_for(&self, stream: &Stream, access: Access) -> Result<()> {
         let events: Vec<Arc<Event>> = {
             let st = self.lock();
@@ -329,7 +329,7 @@ pub(crate) fn ordered_rw<R>(
         }
     }
     // Memory another library orders too: its stream and event follow this use at once.
-    #[cfg(feature = "cudarc")]
+    #[cfg(feature = "cudarc-any")]
     for (t, _) in &sorted {
         let Some(m) = &t.mirror else { continue };
         if let Err(e) = m.follow(stream, &event) {
