@@ -18,7 +18,7 @@ use pinstream::dlpack::abi::{
     DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLPackVersion, DLTensor,
     FLAG_READ_ONLY, KDL_CPU, KDL_CUDA, KDL_CUDA_HOST,
 };
-use pinstream::dlpack::{Element, Imported, Tensor};
+use pinstream::dlpack::{Element, Imported, Part, Tensor};
 use pinstream::kernels::{cpu, Normalize, Spec};
 use pinstream::prefetch::{HostBatch, PrefetchConfig, Prefetcher, Source};
 use pinstream::{
@@ -47,6 +47,8 @@ fn main() {
         Trial::test("gpu/roundtrip/i64", roundtrip::<i64>),
         Trial::test("gpu/pinned_host_export_is_an_upload_source", pinned_export),
         Trial::test("gpu/packed_tensors_share_the_arena", packed_export),
+        Trial::test("gpu/split/disjoint_writable_parts", split_parts),
+        Trial::test("gpu/split/refusals", split_refusals),
         Trial::test("gpu/consumer_waits_on_the_gpu", consumer_waits_on_gpu),
         Trial::test(
             "gpu/deleter_on_another_thread_orders_the_free",
@@ -446,6 +448,137 @@ fn packed_export() -> R {
     drop(ic);
     ensure(weak.upgrade().is_none(), || {
         "arena kept after the last release".into()
+    })
+}
+
+/// One uniquely owned byte buffer split into typed tensors: each is writable, has its shape
+/// and its bytes; writing one leaves its neighbours alone; the buffer lives until the last
+/// part is released (parts handed over, parts dropped unused, in any order).
+fn split_parts() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (v, seed) = random::<u8>(16 << 10);
+    let buf = Arc::new(upload(&s, &v)?);
+    let weak = Arc::downgrade(&buf);
+    let parts = [
+        Part::of::<f32>(0, &[10, 100]),
+        Part::of::<i64>(4096, &[77]),
+        Part::of::<u8>(4712, &[5, 7]),
+        Part::of::<bf16>(4748, &[3, 2, 2]),
+        Part::of::<f64>(8192, &[0]), // empty: fine anywhere
+        Part::of::<u16>(9000, &[]),  // a scalar
+    ];
+    let mut ts = Tensor::from_device(buf)?.split(&parts)?;
+    ensure(ts.len() == parts.len(), || format!("{} parts", ts.len()))?;
+    for (t, p) in ts.iter().zip(&parts) {
+        let want: Vec<i64> = p.shape.iter().map(|&n| n as i64).collect();
+        ensure(
+            t.flags() & FLAG_READ_ONLY == 0 && t.shape() == want && t.dtype() == p.dtype,
+            || format!("{t:?} for {p:?}"),
+        )?;
+    }
+    let unused = ts.pop().ok_or("no scalar")?; // dropped below, never handed over
+    let mut imported = Vec::new();
+    for t in ts {
+        // SAFETY: handed over just above.
+        imported.push(unsafe { Imported::from_versioned(t.into_versioned(Some(&s))?)? });
+    }
+    same(
+        "f32 part",
+        as_bytes(&download(&s, &imported[0].device_view::<f32>()?, 1000)?),
+        &v[..4000],
+        seed,
+    )?;
+    same(
+        "i64 part",
+        as_bytes(&download(&s, &imported[1].device_view::<i64>()?, 77)?),
+        &v[4096..4096 + 616],
+        seed,
+    )?;
+    same(
+        "u8 part",
+        &download(&s, &imported[2].device_view::<u8>()?, 35)?,
+        &v[4712..4747],
+        seed,
+    )?;
+    // Writing the u8 part changes its 35 bytes and nothing around them.
+    let fresh: Vec<u8> = v[4712..4747].iter().map(|b| !b).collect();
+    s.copy_h2d(&fresh[..], &mut imported[2].device_mut::<u8>()?)?
+        .wait()?;
+    same(
+        "bf16 neighbour",
+        as_bytes(&download(&s, &imported[3].device_view::<bf16>()?, 12)?),
+        &v[4748..4772],
+        seed,
+    )?;
+    same(
+        "written part",
+        &download(&s, &imported[2].device_view::<u8>()?, 35)?,
+        &fresh,
+        seed,
+    )?;
+    drop(unused);
+    let last = imported.pop();
+    drop(imported);
+    ensure(weak.upgrade().is_some(), || {
+        "freed with a part still held".into()
+    })?;
+    drop(last);
+    ensure(weak.upgrade().is_none(), || {
+        "kept after the last part".into()
+    })
+}
+
+/// Splits that would alias, reach outside, misalign or name no whole bytes are refused, and
+/// the buffer goes back; a shared buffer's parts are read-only; a batch's pixels cannot be
+/// split (its slot comes back once).
+fn split_refusals() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (v, _) = random::<u8>(4096);
+    let bad: [(&str, Vec<Part>); 5] = [
+        (
+            "overlap",
+            vec![Part::of::<f32>(0, &[16]), Part::of::<u8>(63, &[2])],
+        ),
+        ("outside", vec![Part::of::<u8>(4000, &[97])]),
+        ("overflow", vec![Part::of::<u64>(8, &[usize::MAX / 4, 3])]),
+        ("misaligned", vec![Part::of::<f32>(2, &[4])]),
+        (
+            "nibbles",
+            vec![Part {
+                offset: 0,
+                dtype: DLDataType {
+                    code: 1,
+                    bits: 4,
+                    lanes: 1,
+                },
+                shape: vec![8],
+            }],
+        ),
+    ];
+    for (what, parts) in bad {
+        let buf = Arc::new(upload(&s, &v)?);
+        let weak = Arc::downgrade(&buf);
+        let r = Tensor::from_device(buf)?.split(&parts);
+        ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+            format!("{what}: {r:?}")
+        })?;
+        ensure(weak.upgrade().is_none(), || format!("{what}: buffer kept"))?;
+    }
+    let buf = Arc::new(upload(&s, &v)?);
+    let keep = buf.clone();
+    let ts = Tensor::from_device(buf)?.split(&[Part::of::<u8>(0, &[8])])?;
+    ensure(ts[0].flags() & FLAG_READ_ONLY != 0, || {
+        "a shared buffer's part is writable".into()
+    })?;
+    drop((ts, keep));
+    let seed = rand::random::<u64>();
+    let mut p = Prefetcher::<f32, i64>::new(&s, source(seed, 2), PrefetchConfig::default())?;
+    let (px, _ex) = p.next().ok_or("no batch")??.into_dlpack()?;
+    let r = px.split(&[Part::of::<f32>(0, &[4])]);
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+        format!("batch split: {r:?}")
     })
 }
 

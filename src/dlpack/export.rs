@@ -35,6 +35,49 @@ pub(crate) trait Owner: Send + Sync + 'static {
     /// When the consumer releases the tensor (any thread, exactly once): orders the memory's
     /// next use or free after the consumer's work. Dropping `self` afterwards gives it back.
     fn release(&self, consumer: Consumer<'_>);
+    /// Whether several tensors may share this owner ([`Tensor::split`]): `release` may then
+    /// run once per tensor, and the memory goes back when the last one drops the owner.
+    fn shareable(&self) -> bool {
+        false
+    }
+}
+
+/// One owner shared by the tensors of a [`Tensor::split`].
+struct Shared(Arc<dyn Owner>);
+
+impl Owner for Shared {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        self.0.sync(consumer)
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        self.0.release(consumer)
+    }
+    fn shareable(&self) -> bool {
+        true
+    }
+}
+
+/// One tensor cut from a larger one by [`Tensor::split`]: where it starts (in bytes from the
+/// larger tensor's first element), its element type and its shape (compact, row-major).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Part {
+    /// Byte offset from the source tensor's first element.
+    pub offset: usize,
+    /// Element type (any DLPack type of whole bytes: `bits * lanes` a multiple of 8).
+    pub dtype: DLDataType,
+    /// Sizes; the part covers their product of elements.
+    pub shape: Vec<usize>,
+}
+
+impl Part {
+    /// A part of element type `T`.
+    pub fn of<T: super::Element>(offset: usize, shape: &[usize]) -> Part {
+        Part {
+            offset,
+            dtype: T::DTYPE,
+            shape: shape.to_vec(),
+        }
+    }
 }
 
 /// The parts of a tensor a crate module builds (a prefetcher's batch).
@@ -298,6 +341,108 @@ impl Tensor {
             .map(|&n| to_i64(op, n))
             .collect::<Result<_>>()?;
         Ok(self)
+    }
+
+    /// Cuts the tensor's memory into disjoint tensors that share its owner (the memory goes
+    /// back when the last of them is released or dropped): many weights of one upload, many
+    /// arrays of one packed batch, each its own consumer tensor. Each part is writable when the
+    /// source was. The source's shape and strides do not matter, only its memory
+    /// (`[data, data + len * element size)`).
+    ///
+    /// Errors (`Error::InvalidArgument`, the tensor dropped): a part outside the memory, parts
+    /// that overlap, a dtype that is not whole bytes, a part whose address is not a multiple
+    /// of its element size, a source from a prefetched batch (a slot comes back once).
+    pub fn split(mut self, parts: &[Part]) -> Result<Vec<Tensor>> {
+        const OP: &str = "dlpack::Tensor::split";
+        let owner = self
+            .owner
+            .take()
+            .ok_or_else(|| Error::invalid(OP, "already handed over"))?;
+        // Given back (the source dropped) if anything below is refused.
+        let owner: Arc<dyn Owner> = Arc::from(owner);
+        if !owner.shareable() {
+            return Err(Error::invalid(
+                OP,
+                "this tensor's memory (a prefetched batch) cannot be split",
+            ));
+        }
+        let bytes = self
+            .len
+            .checked_mul(self.elem)
+            .ok_or_else(|| Error::invalid(OP, "the tensor's size overflows"))?;
+        let mut spans = Vec::with_capacity(parts.len());
+        let mut out = Vec::with_capacity(parts.len());
+        for (i, p) in parts.iter().enumerate() {
+            let d = p.dtype;
+            let bits = u64::from(d.bits) * u64::from(d.lanes);
+            if bits == 0 || bits % 8 != 0 {
+                return Err(Error::invalid(
+                    OP,
+                    format!("part {i}: the type {} is not whole bytes", dtype_name(d)),
+                ));
+            }
+            let elem = (bits / 8) as usize; // at most 255 * 65535 / 8
+            let mut count = 1usize;
+            for &n in &p.shape {
+                count = count
+                    .checked_mul(n)
+                    .ok_or_else(|| Error::invalid(OP, format!("part {i}: the shape overflows")))?;
+            }
+            let len = count
+                .checked_mul(elem)
+                .ok_or_else(|| Error::invalid(OP, format!("part {i}: the size overflows")))?;
+            let end = p
+                .offset
+                .checked_add(len)
+                .filter(|&e| e <= bytes)
+                .ok_or_else(|| {
+                    Error::invalid(
+                        OP,
+                        format!(
+                            "part {i}: bytes {}..+{len} are outside the tensor's {bytes}",
+                            p.offset
+                        ),
+                    )
+                })?;
+            let addr = (self.data as usize).wrapping_add(p.offset);
+            if len > 0 && addr % (1usize << elem.trailing_zeros().min(4)) != 0 {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "part {i}: offset {} is not aligned for {}",
+                        p.offset,
+                        dtype_name(d)
+                    ),
+                ));
+            }
+            if len > 0 {
+                spans.push((p.offset, end, i));
+            }
+            let shape: Vec<usize> = p.shape.clone();
+            let mut t = Tensor {
+                data: self.data.cast::<u8>().wrapping_add(p.offset).cast(),
+                device: self.device,
+                dtype: d,
+                elem,
+                len: count,
+                shape: Vec::new(),
+                strides: Vec::new(),
+                flags: self.flags,
+                owner: Some(Box::new(Shared(owner.clone()))),
+            };
+            t = t.reshape(&shape)?;
+            out.push(t);
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(Error::invalid(
+                    OP,
+                    format!("parts {} and {} overlap", w[0].2, w[1].2),
+                ));
+            }
+        }
+        Ok(out)
     }
 
     /// Marks it read-only (`DLPACK_FLAG_BITMASK_READ_ONLY`; the legacy struct has no flags).
@@ -586,6 +731,9 @@ impl<H: DeviceHeld> Owner for DeviceOwner<H> {
             std::mem::forget(self.0.clone());
         }
     }
+    fn shareable(&self) -> bool {
+        true
+    }
 }
 
 struct PinnedOwner<T: Element>(Arc<PinnedBuffer<T>>);
@@ -608,5 +756,8 @@ impl<T: Element> Owner for PinnedOwner<T> {
         if !ok {
             std::mem::forget(self.0.clone());
         }
+    }
+    fn shareable(&self) -> bool {
+        true
     }
 }

@@ -31,7 +31,7 @@ pub(crate) mod export;
 mod import;
 
 pub(crate) use export::{Owner, TensorParts};
-pub use export::{Refused, Tensor};
+pub use export::{Part, Refused, Tensor};
 pub use import::{HostTensor, Imported};
 
 use abi::{DLDataType, KDL_BFLOAT, KDL_FLOAT, KDL_INT, KDL_UINT};
