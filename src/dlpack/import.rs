@@ -235,6 +235,10 @@ impl Imported {
 
     /// Whether it is compact row-major (C order): the layout the views need.
     pub fn is_contiguous(&self) -> bool {
+        // No elements: nothing to lay out (producers give such tensors any strides).
+        if self.shape.contains(&0) {
+            return true;
+        }
         let mut expect = 1i64;
         for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
             if n != 1 && s != expect {
