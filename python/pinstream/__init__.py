@@ -12,7 +12,15 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 """
 
 from . import errors
-from ._native import Tensor, __version__, device_count, device_name, stream_handle, synchronize
+from ._native import (
+    Prefetcher,
+    Tensor,
+    __version__,
+    device_count,
+    device_name,
+    stream_handle,
+    synchronize,
+)
 from . import _native
 from .errors import (
     CudaError,
@@ -26,6 +34,9 @@ from .errors import (
 
 __all__ = [
     "Tensor",
+    "Prefetcher",
+    "prefetch",
+    "IMAGENET",
     "upload",
     "upload_many",
     "download",
@@ -124,3 +135,57 @@ def download(x):
         except TypeError as e:
             raise InvalidArgumentError(f"pinstream.download: numpy has no {dtype}") from e
     return numpy.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+
+#: ImageNet's mean and std on the 0..255 scale of uint8 images (RGB), for ``normalize=``.
+IMAGENET = ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))
+
+
+def _dtype_name(dtype):
+    """``"float16"`` from ``torch.float16``, ``numpy.float16`` or the string."""
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        import numpy
+
+        return numpy.dtype(dtype).name
+    except (ImportError, TypeError) as e:
+        raise InvalidArgumentError(f"pinstream: dtype {dtype!r}") from e
+
+
+def prefetch(
+    iterable,
+    device=0,
+    depth=2,
+    normalize=None,
+    dtype="float32",
+    layout="nchw",
+    input_layout="nchw",
+    loader_threads=2,
+):
+    """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
+
+    Each item is a uint8 image batch (``[N, C, H, W]``, or ``[N, H, W, C]`` with
+    ``input_layout="nhwc"``; numpy, a torch CPU tensor, anything with ``__dlpack__``) or a
+    tuple ``(images, labels, *rest)``: a ``DataLoader`` with ``pin_memory=False``, a generator.
+    A background thread pulls the items (holding the GIL only to pull them; the arrays are not
+    copied), pinstream's staging engine uploads them outside the GIL, and one fused kernel
+    normalizes (``normalize=(mean, std)`` on the 0..255 scale, e.g. ``pinstream.IMAGENET``),
+    casts to ``dtype`` (float32, float16, bfloat16, uint8) and lays out (``layout``) each batch,
+    ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is passed through as it is.
+    Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch`` gives torch tensors)."""
+    mean, std = normalize if normalize is not None else (None, None)
+    return _native.prefetch(
+        iterable,
+        _device(device),
+        depth,
+        None if mean is None else [float(m) for m in mean],
+        None if std is None else [float(s) for s in std],
+        _dtype_name(dtype),
+        layout,
+        input_layout,
+        loader_threads,
+    )

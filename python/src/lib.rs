@@ -8,6 +8,7 @@
 mod capsule;
 mod context;
 mod errors;
+mod prefetch;
 mod source;
 mod tensor;
 
@@ -24,6 +25,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor::upload, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload_many, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::download, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch::prefetch, m)?)?;
     m.add_class::<tensor::Tensor>()?;
+    m.add_class::<prefetch::PyPrefetcher>()?;
     Ok(())
 }

@@ -13,7 +13,7 @@ use crate::errors::{invalid, OrPy};
 
 /// What the host memory is held by while it is read.
 enum Held {
-    Dlpack(Imported),
+    Dlpack(Box<Imported>),
     Buffer(PyUntypedBuffer),
 }
 
@@ -59,7 +59,7 @@ pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
         // Checked now, so that the error comes before anything is allocated.
         imp.host_bytes().py_err()?;
         return Ok(Host {
-            held: Held::Dlpack(imp),
+            held: Held::Dlpack(Box::new(imp)),
             dtype,
             shape,
         });

@@ -38,9 +38,13 @@ fn run() -> Result<bool, String> {
     // target/<profile>/deps/pytest-<hash>
     let deps = exe.parent().ok_or("no deps folder")?;
     let profile = deps.parent().ok_or("no profile folder")?;
-    let lib = [profile.join("lib_native.so"), deps.join("lib_native.so")]
+    // `cargo test` writes the extension to deps/ (it uplifts it to the profile folder only
+    // for `cargo build`): take the newer.
+    let lib = [deps.join("lib_native.so"), profile.join("lib_native.so")]
         .into_iter()
-        .find(|p| p.exists())
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
         .ok_or_else(|| format!("no lib_native.so under {}", profile.display()))?;
 
     let site = profile.join("python-test");
@@ -59,7 +63,7 @@ fn run() -> Result<bool, String> {
     let tools = profile.join("python-test-tools");
     let mut path = vec![site.clone()];
     if !has_modules(&python, &[], &["pytest", "numpy"]) {
-        if !has_modules(&python, &[tools.clone()], &["pytest", "numpy"]) {
+        if !has_modules(&python, std::slice::from_ref(&tools), &["pytest", "numpy"]) {
             eprintln!(
                 "pytest: installing pytest and numpy into {}",
                 tools.display()

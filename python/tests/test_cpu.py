@@ -66,3 +66,14 @@ def test_sources_without_protocols_are_refused():
     with pytest.raises(pinstream.InvalidArgumentError, match="not C-contiguous"):
         pinstream.upload(memoryview(bytearray(64)).cast("B", (8, 8))[::2])
     assert array.array("f", [1.0]).itemsize == 4
+
+
+def test_prefetch_argument_errors_come_first():
+    with pytest.raises(pinstream.InvalidArgumentError, match="dtype"):
+        pinstream.prefetch([], dtype="float64")
+    with pytest.raises(pinstream.InvalidArgumentError, match="nchw"):
+        pinstream.prefetch([], layout="chwn")
+    with pytest.raises(pinstream.InvalidArgumentError, match="mean and std"):
+        pinstream.prefetch([], normalize=((1, 2, 3), None))
+    with pytest.raises(TypeError):
+        pinstream.prefetch(42)
