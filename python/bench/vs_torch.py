@@ -1,0 +1,247 @@
+"""pinstream's Python package against PyTorch, side by side in one run on one GPU.
+
+    python3 python/bench/vs_torch.py [--quick] [--only upload,many,prefetch]
+
+Uploads of 4 MiB - 1 GiB from pageable memory (``.to('cuda')``, ``.to(non_blocking=True)``,
+``pin_memory().to(non_blocking=True)``, TensorDict's ``to(non_blocking_pin=True,
+num_threads=8)`` where installed, and pinned H2D as the ceiling), 1000 x 4 KB tensors, and the
+prefetch loop of 256 x 3x224x224 uint8 batches at 0.5 / 2 / 8 ms steps (DataLoader with
+pin_memory=True and 4 workers + an APEX-style data_prefetcher, against pinstream.torch.prefetch
+over the same DataLoader without pin_memory, and over a plain generator). Events and host clocks,
+warm-up, medians; every result checked.
+"""
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+import pinstream
+import pinstream.torch as pt
+
+DEV = torch.device("cuda:0")
+
+
+def median_ms(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def row(name, ms, nbytes=None, ref=None):
+    gbps = f"{nbytes / ms / 1e6:8.2f} GB/s" if nbytes else " " * 13
+    ratio = f"  x{ref / ms:6.2f}" if ref else ""
+    print(f"  {name:<44} {ms:9.3f} ms {gbps}{ratio}", flush=True)
+
+
+def bench_upload(quick):
+    print("\n## uploads from pageable memory (ratio: pinstream / peer; >1 = pinstream faster)")
+    try:
+        from tensordict import TensorDict
+    except ImportError:
+        TensorDict = None
+    sizes = [4 << 20, 64 << 20, 256 << 20] + ([] if quick else [1 << 30])
+    for n in sizes:
+        reps = 20 if n <= 64 << 20 else 7
+        x = torch.from_numpy(np.random.default_rng().integers(0, 256, n, dtype=np.uint8))
+        pinned = x.pin_memory()
+        print(f"- {n >> 20} MiB")
+        ps = median_ms(lambda: pt.upload(x), reps)
+        # The result: every byte.
+        assert torch.equal(pt.upload(x).cpu(), x)
+        ceiling = median_ms(lambda: pinned.to(DEV, non_blocking=True), reps)
+        peers = {
+            ".to('cuda')": lambda: x.to(DEV),
+            ".to(non_blocking=True)": lambda: x.to(DEV, non_blocking=True),
+            "pin_memory().to(non_blocking=True)": lambda: x.pin_memory().to(DEV, non_blocking=True),
+        }
+        if TensorDict is not None:
+            td = TensorDict({"x": x}, batch_size=[])
+            peers["TensorDict.to(non_blocking_pin, 8 threads)"] = lambda: td.to(
+                DEV, non_blocking_pin=True, num_threads=8
+            )
+        row("pinstream.torch.upload", ps, n)
+        row("pinned H2D (the ceiling)", ceiling, n)
+        print(f"    pinstream / pinned H2D bandwidth: {ceiling / ps:.2f}")
+        for name, fn in peers.items():
+            ms = median_ms(fn, reps)
+            row(name, ms, n)
+            print(f"    pinstream is x{ms / ps:.2f}")
+    # The Python layer's cost per call: a 4 KiB upload (the staging engine's direct path).
+    small = torch.arange(1024, dtype=torch.float32)
+    t = median_ms(lambda: [pinstream.upload(small) for _ in range(100)], 20) / 100
+    print(f"- 4 KiB pinstream.upload (pinstream.Tensor, no torch): {t * 1e3:.1f} us per call")
+    t = median_ms(lambda: [pt.upload(small) for _ in range(100)], 20) / 100
+    print(f"- 4 KiB pinstream.torch.upload (+ torch.from_dlpack): {t * 1e3:.1f} us per call")
+
+
+def bench_many():
+    print("\n## 1000 tensors of 4 KB")
+    xs = [torch.randn(1024) for _ in range(1000)]
+
+    def loop():
+        return [x.to(DEV, non_blocking=True) for x in xs]
+
+    ys = pt.upload_many(xs)
+    assert all(torch.equal(y.cpu(), x) for x, y in zip(xs, ys))
+    a = median_ms(loop, 20)
+    b = median_ms(lambda: pt.upload_many(xs), 20)
+    c = median_ms(lambda: pinstream.upload_many(xs), 20)
+    ts = pinstream.upload_many(xs)
+    d = median_ms(lambda: [torch.from_dlpack(t) for t in pinstream.upload_many(xs)], 20) - c
+    row(".to(non_blocking=True) loop + sync", a)
+    row("pinstream.torch.upload_many", b, None, a)
+    row("  of which pinstream.upload_many (no torch)", c, None, a)
+    row("  of which 1000 torch.from_dlpack", d)
+    del ts
+
+
+class ApexPrefetcher:
+    """The data_prefetcher pattern of NVIDIA APEX's ImageNet example (written here): the next
+    batch copied on a side stream with non_blocking, normalized there, waited for by the
+    consumer's stream."""
+
+    def __init__(self, loader, mean, std):
+        self.loader = iter(loader)
+        self.stream = torch.cuda.Stream()
+        self.mean = torch.tensor(mean, device=DEV).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=DEV).view(1, 3, 1, 1)
+        self.preload()
+
+    def preload(self):
+        try:
+            self.next_input, self.next_target = next(self.loader)
+        except StopIteration:
+            self.next_input = None
+            return
+        with torch.cuda.stream(self.stream):
+            self.next_input = self.next_input.to(DEV, non_blocking=True)
+            self.next_target = self.next_target.to(DEV, non_blocking=True)
+            self.next_input = self.next_input.float().sub_(self.mean).div_(self.std)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        torch.cuda.current_stream().wait_stream(self.stream)
+        x, y = self.next_input, self.next_target
+        if x is None:
+            raise StopIteration
+        x.record_stream(torch.cuda.current_stream())
+        y.record_stream(torch.cuda.current_stream())
+        self.preload()
+        return x, y
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """256-image batches of fixed random uint8 pixels (the decode is not what is measured)."""
+
+    def __init__(self, n_batches, n=256):
+        self.data = torch.from_numpy(
+            np.random.default_rng(1).integers(0, 256, (4, n, 3, 224, 224), dtype=np.uint8)
+        )
+        self.n_batches = n_batches
+
+    def __len__(self):
+        return self.n_batches
+
+    def __getitem__(self, i):
+        return self.data[i % 4], torch.arange(256) + 256 * i
+
+
+def spin_cycles_per_ms():
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(50_000_000)
+    torch.cuda.synchronize()
+    return 50_000_000 / ((time.perf_counter() - t0) * 1e3)
+
+
+def run_loop(batches, step_cycles, check):
+    """Times a training loop: each batch's mean checked on the GPU, then a `step` of GPU work."""
+    torch.cuda.synchronize()
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    ch0 = os.times()
+    n = 0
+    sums = []
+    for x, y in batches:
+        sums.append(x[:, :, :2, :2].float().sum())
+        if step_cycles:
+            torch.cuda._sleep(step_cycles)
+        n += 1
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ch1 = os.times()
+    cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (
+        ch0.children_user + ch0.children_system
+    )
+    if check:
+        check(sums)
+    return wall / n * 1e3, cpu / n * 1e3
+
+
+def bench_prefetch(quick):
+    print("\n## prefetch: 256 x 3x224x224 uint8 batches, normalized to float32 (ms per batch, CPU ms per batch)")
+    per_ms = spin_cycles_per_ms()
+    mean, std = pinstream.IMAGENET
+    n_batches = 40 if quick else 100
+    ds = Synthetic(n_batches)
+    want = [((ds[i][0][:, :, :2, :2].double() - torch.tensor(mean).view(1, 3, 1, 1).double())
+             / torch.tensor(std).view(1, 3, 1, 1).double()).sum().item() for i in range(4)]
+
+    def check(sums):
+        for i, s in enumerate(sums):
+            got = s.item()
+            assert abs(got - want[i % 4]) <= 1e-3 * abs(want[i % 4]) + 1e-2, (i, got, want[i % 4])
+
+    def loader(pin):
+        return torch.utils.data.DataLoader(
+            ds, batch_size=None, num_workers=4, pin_memory=pin, persistent_workers=False
+        )
+
+    gen_data = [ds[i] for i in range(4)]
+
+    def generator():
+        for i in range(n_batches):
+            yield gen_data[i % 4][0], gen_data[i % 4][1]
+
+    for step in [0.5, 2.0, 8.0]:
+        cycles = int(step * per_ms)
+        ideal = step
+        print(f"- step {step} ms of GPU work per batch")
+        apex = run_loop(ApexPrefetcher(loader(True), mean, std), cycles, check)
+        ours_dl = run_loop(pt.prefetch(loader(False), normalize=pinstream.IMAGENET), cycles, check)
+        ours_gen = run_loop(pt.prefetch(generator(), normalize=pinstream.IMAGENET), cycles, check)
+        print(f"    DataLoader(pin_memory, 4 workers) + APEX prefetcher: {apex[0]:7.2f} ms, CPU {apex[1]:7.2f} ms")
+        print(f"    pinstream.torch.prefetch(DataLoader, 4 workers):   {ours_dl[0]:7.2f} ms, CPU {ours_dl[1]:7.2f} ms  x{apex[0] / ours_dl[0]:.2f}  /ideal {ours_dl[0] / ideal:.2f}")
+        print(f"    pinstream.torch.prefetch(generator):               {ours_gen[0]:7.2f} ms, CPU {ours_gen[1]:7.2f} ms  x{apex[0] / ours_gen[0]:.2f}  /ideal {ours_gen[0] / ideal:.2f}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="upload,many,prefetch")
+    a = ap.parse_args()
+    print(f"# pinstream {pinstream.__version__} vs torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
+    only = a.only.split(",")
+    if "upload" in only:
+        bench_upload(a.quick)
+    if "many" in only:
+        bench_many()
+    if "prefetch" in only:
+        bench_prefetch(a.quick)
+
+
+if __name__ == "__main__":
+    main()
