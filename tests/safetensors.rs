@@ -472,8 +472,13 @@ fn model_each_mode() -> R {
                     )
                 })?;
                 // No synchronize: reads on `reader` must wait for the upload by themselves.
-                check_all(&w, &f, &stager, &reader)
-                    .map_err(|e| format!("{mode:?}, {} (pad {pad}): {e}", dir.display()))?;
+                check_all(&w, &f, &stager, &reader).map_err(|e| {
+                    format!(
+                        "{mode:?}, {} (pad {pad}): {}",
+                        dir.display(),
+                        e.message().unwrap_or("failed")
+                    )
+                })?;
                 report.push(format!(
                     "{}: {mode:?} ok (direct: {}), {} MB",
                     dir.display(),
