@@ -101,7 +101,7 @@ fn write_file(
     seed: u64,
 ) -> Written {
     let mut specs = specs;
-    specs.sort_by(|a, b| b.dtype.bits().cmp(&a.dtype.bits()));
+    specs.sort_by_key(|s| std::cmp::Reverse(s.dtype.bits()));
     let mut at = 0;
     let mut tensors = Vec::new();
     for s in specs {
