@@ -66,7 +66,8 @@ const BLOCK: u64 = 4096;
 pub enum Direct {
     /// `O_DIRECT` where the data region is large (at least [`AUTO_DIRECT_MIN_BYTES`]) and less
     /// than half of it is in the page cache (`mmap` + `mincore`, sampled on large files), else
-    /// the page cache. Where the filesystem refuses `O_DIRECT` (tmpfs), the page cache.
+    /// the page cache. Where the filesystem refuses `O_DIRECT` (tmpfs), at open or at the first
+    /// read, the page cache.
     #[default]
     Auto,
     /// Always through the page cache (`pread`).
@@ -230,20 +231,27 @@ fn load_checked(
         None
     };
     let mut arena = DeviceBuffer::<u8>::new_async(stream, total)?;
-    match &direct {
+    let mut used_direct = false;
+    if let Some(d) = &direct {
         // From the block below the data region, into the whole arena: the head margin gets the
         // header's last bytes.
-        Some(d) => stager.upload_file(stream, d, header.data_start() - pad as u64, &mut arena)?,
-        None => {
-            let mut region = arena.slice_mut(pad..)?;
-            stager.upload_file(stream, &file, header.data_start(), &mut region)?
+        match stager.upload_file(stream, d, header.data_start() - pad as u64, &mut arena) {
+            Ok(()) => used_direct = true,
+            // A filesystem that opened with O_DIRECT but refuses its reads: Auto reads the whole
+            // region again through the page cache (the arena's tracker orders the two uploads).
+            Err(Error::Io { .. }) if options.direct == Direct::Auto => {}
+            Err(e) => return Err(e),
         }
+    }
+    if !used_direct {
+        let mut region = arena.slice_mut(pad..)?;
+        stager.upload_file(stream, &file, header.data_start(), &mut region)?;
     }
     Ok(Weights {
         arena,
         pad,
         header,
-        direct: direct.is_some(),
+        direct: used_direct,
     })
 }
 
