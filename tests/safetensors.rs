@@ -129,6 +129,8 @@ fn write_file(
             json.push(b' ');
         }
     }
+    // The order the header reports: by offset, empty tensors at one offset by name.
+    tensors.sort_by(|a, b| (a.3.start, a.3.end, &a.0).cmp(&(b.3.start, b.3.end, &b.0)));
     let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&json);
     let data_start = bytes.len();
@@ -683,6 +685,7 @@ fn write_raw(
     }
     entries.push(r#""__metadata__":{"made_by":"pinstream tests"}"#.into());
     let json = format!("{{{}}}", entries.join(","));
+    out.sort_by(|a, b| (a.3.start, a.3.end, &a.0).cmp(&(b.3.start, b.3.end, &b.0)));
     let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(json.as_bytes());
     let data_start = bytes.len();

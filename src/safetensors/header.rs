@@ -188,7 +188,7 @@ impl TensorInfo {
 }
 
 /// A parsed and checked safetensors header: every tensor, sorted by offset (the order of the
-/// data region), and the `__metadata__` strings.
+/// data region; empty tensors at the same offset by name), and the `__metadata__` strings.
 ///
 /// Checks, following the reference implementation (huggingface/safetensors): the length prefix
 /// is at most [`MAX_HEADER_BYTES`] and fits in the file; the header is UTF-8 JSON, an object;
@@ -465,9 +465,11 @@ fn check(path: &str, raw: Raw, n: u64, file_len: u64) -> Result<Header> {
             range,
         });
     }
-    // Sorted by offset (a stable sort: empty tensors at the same offset keep the file's order),
+    // Sorted by offset (ties, which only empty tensors can have without overlapping, by name),
     // they must tile the data region.
-    tensors.sort_by_key(|t| (t.range.start, t.range.end));
+    tensors.sort_by(|a, b| {
+        (a.range.start, a.range.end, &a.name).cmp(&(b.range.start, b.range.end, &b.name))
+    });
     let mut expected = 0usize;
     let mut previous: Option<&str> = None;
     for t in &tensors {
@@ -1054,12 +1056,21 @@ mod tests {
             ],
         );
         assert_refused("{}", 3, None, &["has 3 bytes"]);
-        // Empty tensors may sit anywhere between others; the same range twice may not.
-        parse(&file(
-            &format!("{{{},{},{}}}", t("a", 0, 4), t("z", 4, 4), t("b", 4, 8)),
+        // Empty tensors may sit anywhere between others (at one offset, listed by name); the
+        // same range twice may not.
+        let h = parse(&file(
+            &format!(
+                "{{{},{},{},{}}}",
+                t("z", 4, 4),
+                t("a", 0, 4),
+                t("y", 4, 4),
+                t("b", 4, 8)
+            ),
             8,
         ))
         .unwrap();
+        let names: Vec<&str> = h.tensors().iter().map(|t| t.name()).collect();
+        assert_eq!(names, ["a", "y", "z", "b"]);
         assert_refused(
             &format!("{{{},{}}}", t("a", 0, 4), t("b", 0, 4)),
             4,
