@@ -529,7 +529,13 @@ fn auto_cold_and_warm() -> R {
     ];
     let f = write_file(&dir, specs, true, &mut rng, seed);
     let direct_ok = pinstream::FileSource::open_direct(&f.path).is_ok();
+    let region = (f.data_start as u64, f.data().len() as u64);
+    let before = safetensors::resident_fraction(&f.path, region.0, region.1);
     evict(&f.path)?;
+    let evicted = safetensors::resident_fraction(&f.path, region.0, region.1);
+    ensure(before.is_some_and(|r| r > 0.9), || {
+        format!("a file just written: {before:?} resident")
+    })?;
     let cold = safetensors::load(&stager, &stream, &f.path, LoadOptions::default())?;
     check_all(&cold, &f, &stager, &stream)?;
     let cold_direct = cold.used_direct();
@@ -541,14 +547,15 @@ fn auto_cold_and_warm() -> R {
     ensure(!warm.used_direct(), || {
         "a warm file was read with O_DIRECT".into()
     })?;
-    println!("O_DIRECT possible: {direct_ok}; cold load used it: {cold_direct}");
-    // Where O_DIRECT works and eviction worked, the cold load used it.
-    if direct_ok && !cold_direct {
-        println!(
-            "note: the cold load kept the page cache (eviction may not have dropped the pages)"
-        );
-    }
-    Ok(())
+    println!(
+        "O_DIRECT possible: {direct_ok}; resident {before:?}, after eviction {evicted:?}; the \
+         cold load used O_DIRECT: {cold_direct}"
+    );
+    // Where O_DIRECT works and the pages went, the cold load must have used it.
+    ensure(
+        !(direct_ok && evicted.is_some_and(|r| r < 0.5)) || cold_direct,
+        || format!("a cold file ({evicted:?} resident) was read through the page cache"),
+    )
 }
 
 /// `/dev/shm` (tmpfs) refuses O_DIRECT: `Always` is an `Error::Io` saying so, `Auto` and `Never`

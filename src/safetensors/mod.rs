@@ -46,7 +46,7 @@ pub use header::{
     Dtype, Header, TensorInfo, KDL_COMPLEX, KDL_FLOAT8_E4M3FN, KDL_FLOAT8_E4M3FNUZ,
     KDL_FLOAT8_E5M2, KDL_FLOAT8_E5M2FNUZ, KDL_FLOAT8_E8M0FNU, MAX_HEADER_BYTES,
 };
-pub use residency::AUTO_DIRECT_MIN_BYTES;
+pub use residency::{resident_fraction, AUTO_DIRECT_MIN_BYTES};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -315,6 +315,10 @@ impl Weights {
                 ),
             ));
         }
+        if t.elements() == 0 {
+            // No element to align: a view of nothing at the arena's (aligned) start.
+            return Ok((0, 0));
+        }
         let offset = self.pad + t.data_offsets().start;
         let align = std::mem::align_of::<T>();
         if offset % align != 0 {
@@ -335,7 +339,8 @@ impl Weights {
     ///
     /// Errors (`Error::InvalidArgument`): no such tensor; a dtype other than `T`'s (`BOOL`, the
     /// `F8_*`, `F4`, `F6_*` and `C64` tensors have no `Element` type here: read them with
-    /// [`bytes_of`](Self::bytes_of)); a tensor not aligned for `T` in the file.
+    /// [`bytes_of`](Self::bytes_of)); a tensor not aligned for `T` in the file. (An empty
+    /// tensor's view has no elements wherever it lies.)
     pub fn get<T: Element>(&self, name: &str) -> Result<DeviceView<'_, T>> {
         let (offset, len) = self.typed::<T>("safetensors::Weights::get", name)?;
         self.arena.view_as(offset, len)

@@ -34,10 +34,11 @@ pub(crate) fn wants_direct(mode: Direct, resident: Option<f64>, data_len: u64) -
     }
 }
 
-/// The fraction of `[offset, offset + len)` of the file at `path` that is in the page cache:
-/// every page of a range up to 1 GiB (4 KiB pages), 1024 evenly spread windows of 1 MiB of a
-/// larger one. `None` where the file cannot be mapped (or the range is empty).
-pub(crate) fn resident_fraction(path: &Path, offset: u64, len: u64) -> Option<f64> {
+/// The fraction of `[offset, offset + len)` of the file at `path` that is in the page cache
+/// (what [`Direct::Auto`] decides by; `mmap` + `mincore`, nothing is read): every page of a
+/// range up to 1 GiB (4 KiB pages), 1024 evenly spread windows of 1 MiB of a larger one. `None`
+/// where the file cannot be mapped (or the range is empty).
+pub fn resident_fraction(path: &Path, offset: u64, len: u64) -> Option<f64> {
     if len == 0 {
         return None;
     }

@@ -62,6 +62,8 @@ struct LoadRow {
     gbps_max: f64,
     /// The warm-up load (the first in the process: it also maps the arena's device memory).
     first_seconds: f64,
+    /// Fraction of the data region in the page cache before the warm-up load (mincore).
+    resident_before: Option<f64>,
     /// Building the stager (pinned slots, threads), once per process.
     stager_ms: f64,
     threads: usize,
@@ -95,6 +97,8 @@ pub fn run(args: LoadArgs) -> Result<()> {
     let stager = Stager::new(&device, config.clone())?;
     let stager_ms = started.elapsed().as_secs_f64() * 1e3;
     let options = LoadOptions::new().direct(direct);
+    let resident_before =
+        safetensors::resident_fraction(&args.file, header.data_start(), header.data_len());
 
     let timed = |stager: &Stager| -> Result<(f64, Weights)> {
         let t = Instant::now();
@@ -155,6 +159,7 @@ pub fn run(args: LoadArgs) -> Result<()> {
         gbps_min: g.min,
         gbps_max: g.max,
         first_seconds,
+        resident_before,
         stager_ms,
         threads: config.threads,
         slot_bytes: config.slot_bytes,
@@ -236,6 +241,12 @@ fn table(row: &LoadRow, weights: &Weights, list: bool) {
         row.gbps_min,
         row.gbps_max
     );
+    if let Some(r) = row.resident_before {
+        println!(
+            "page cache: {:.0} % of the data region resident before the warm-up load",
+            r * 100.0
+        );
+    }
     match row.verified {
         Some(true) => println!("verify: ok, all {} bytes equal to the file", row.bytes),
         Some(false) => println!("verify: FAILED"),
