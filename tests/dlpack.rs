@@ -36,6 +36,7 @@ fn main() {
         Trial::test("host/import_cpu_tensor", import_cpu_tensor),
         Trial::test("host/import_refusals_call_the_deleter", import_refusals),
         Trial::test("host/legacy_import", legacy_import),
+        Trial::test("host/empty_tensor_any_strides", empty_any_strides),
     ];
     let gpu = vec![
         Trial::test("gpu/roundtrip/f32", roundtrip::<f32>),
@@ -145,6 +146,29 @@ fn foreign(
         b.managed.dl_tensor.strides = s.as_mut_ptr();
     }
     (Box::into_raw(b).cast(), counter)
+}
+
+/// A tensor with no elements is compact whatever its strides (numpy gives `[0]` strides
+/// `[0]`): an empty source, not an error.
+fn empty_any_strides() -> R {
+    let f32t = DLDataType {
+        code: 2,
+        bits: 32,
+        lanes: 1,
+    };
+    let (raw, _) = foreign(Vec::new(), f32t, vec![0], Some(vec![0]), 0, 1);
+    // SAFETY: made just above; ownership passes.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(imp.is_contiguous(), || format!("{imp:?}"))?;
+    ensure(imp.host_bytes()?.into_slice()?.is_empty(), || {
+        "bytes of nothing".into()
+    })?;
+    let (raw, _) = foreign(Vec::new(), f32t, vec![3, 0, 2], Some(vec![7, 9, 11]), 0, 1);
+    // SAFETY: as above.
+    let imp = unsafe { Imported::from_versioned(raw)? };
+    ensure(imp.is_contiguous() && imp.byte_len()? == 0, || {
+        format!("{imp:?}")
+    })
 }
 
 /// A CPU tensor is a host source: its bytes, its shape, one deleter call on drop.
@@ -458,8 +482,8 @@ fn split_parts() -> R {
     let dev = Device::get(0)?;
     let s = dev.stream()?;
     let (v, seed) = random::<u8>(16 << 10);
-    let buf = Arc::new(upload(&s, &v)?);
-    let weak = Arc::downgrade(&buf);
+    // Unshared (no other `Arc`, not even a weak one): the parts are writable.
+    let buf = upload(&s, &v)?;
     let parts = [
         Part::of::<f32>(0, &[10, 100]),
         Part::of::<i64>(4096, &[77]),
@@ -518,12 +542,23 @@ fn split_parts() -> R {
         seed,
     )?;
     drop(unused);
-    let last = imported.pop();
     drop(imported);
+    // The memory lives until the last part goes (watched through a weak reference, which
+    // makes the buffer shared, so these parts are read-only).
+    let buf = Arc::new(upload(&s, &v)?);
+    let weak = Arc::downgrade(&buf);
+    let mut ts = Tensor::from_device(buf)?.split(&parts[..3])?;
+    ensure(ts[0].flags() & FLAG_READ_ONLY != 0, || {
+        "a watched buffer's part is writable".into()
+    })?;
+    let last = ts.pop().ok_or("no part")?;
+    // SAFETY: handed over just above.
+    let held = unsafe { Imported::from_versioned(last.into_versioned(Some(&s))?)? };
+    drop(ts);
     ensure(weak.upgrade().is_some(), || {
         "freed with a part still held".into()
     })?;
-    drop(last);
+    drop(held);
     ensure(weak.upgrade().is_none(), || {
         "kept after the last part".into()
     })

@@ -23,7 +23,8 @@ use libtest_mimic::{Arguments, Failed, Trial};
 use pinstream::kernels::{Normalize, Spec};
 use pinstream::memory::PoolStats;
 use pinstream::prefetch::{
-    DryRun, HostBatch, LoadError, Pixels, PrefetchConfig, Prefetcher, Source,
+    DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher,
+    Source,
 };
 use pinstream::{
     Device, Error, FileSource, HostRegister, PinnedPool, PoolBacking, PoolConfig, Stream,
@@ -119,6 +120,7 @@ fn main() {
             "held/drop_while_iterator_blocks",
             drop_while_iterator_blocks,
         ),
+        dry("held/foreign_pixel_owners", dry_foreign_owners),
     ];
     let mut gpu = |name: &str, f: fn() -> R| {
         trials.push(Trial::test(format!("gpu/{name}"), f).with_ignored_flag(no_gpu));
@@ -139,6 +141,7 @@ fn main() {
         gpu_unfilled_and_bad_batches,
     );
     gpu("held/config_extremes_run", gpu_config_extremes_run);
+    gpu("held/foreign_pixel_owners", gpu_foreign_owners);
     // A deliberate out-of-memory: the sanitizer reports its API error (skip `deliberate_fault`).
     gpu("deliberate_fault/file_larger_than_memory", || {
         in_child("gpu_file_larger_than_memory", BOUND)
@@ -1708,5 +1711,140 @@ fn gpu_file_larger_than_memory() -> R {
     let got = p.next();
     ensure(matches!(&got, Some(Err(_))), || {
         format!("a 4 TiB batch: {:?}", got.map(|r| r.map(|b| b.index())))
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pixels owned by someone else (`Pixels::Foreign`): user code in `bytes` and `Drop`.
+
+/// An owner of batch `i`'s bytes that misbehaves as `how` says.
+struct Owner {
+    bytes: Vec<u8>,
+    how: Misbehave,
+    calls: AtomicUsize,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Misbehave {
+    Not,
+    PanicInBytes,
+    PanicInDrop,
+    /// The whole slice on the first call, half of it afterwards.
+    Shrinks,
+}
+
+impl HostBytes for Owner {
+    fn bytes(&self) -> &[u8] {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst);
+        match self.how {
+            Misbehave::PanicInBytes => panic!("an owner that panics in bytes()"),
+            Misbehave::Shrinks if n > 0 => &self.bytes[..self.bytes.len() / 2],
+            _ => &self.bytes,
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if self.how == Misbehave::PanicInDrop {
+            panic!("an owner that panics in drop");
+        }
+    }
+}
+
+/// Batch `i` of the foreign-owner source: `small(i)`'s bytes, held by an owner that panics in
+/// `bytes` at batch 3, in `Drop` at even batches, and shrinks at batch 5.
+fn foreign_source(end: u64) -> Source<i64> {
+    Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= end {
+            return Ok(false);
+        }
+        let how = match i {
+            3 => Misbehave::PanicInBytes,
+            5 => Misbehave::Shrinks,
+            i if i % 2 == 0 => Misbehave::PanicInDrop,
+            _ => Misbehave::Not,
+        };
+        b.spec = small_spec();
+        b.extras.clear();
+        b.extras.push(i as i64);
+        b.pixels = Pixels::Foreign(ForeignBytes::new(Owner {
+            bytes: (0..6).map(|k| (i + k) as u8).collect(),
+            how,
+            calls: AtomicUsize::new(0),
+        }));
+        Ok(true)
+    })
+}
+
+/// The dry run: batches 0..3 whole (the ones whose owner panics in `Drop` too), batch 3 a
+/// loader error naming the panic; nothing panics out, nothing hangs.
+fn dry_foreign_owners() -> R {
+    within("foreign pixel owners (dry)", BOUND, || {
+        let mut run = Dry::new(foreign_source(8), config(2, 2, 2))?;
+        let got = drain(&mut run)?;
+        ensure(got.indices == [0, 1, 2], || format!("{got:?}"))?;
+        ensure(
+            matches!(&got.error, Some(Error::Loader { batch: 3, message }) if message.contains("panics in bytes")),
+            || format!("{got:?}"),
+        )
+    })
+}
+
+/// The same on the GPU, and past batch 3 (a fresh prefetcher from batch 4): the shrinking
+/// owner of batch 5 is an error, never a short copy; batch 4's and 6's pixels are right.
+fn gpu_foreign_owners() -> R {
+    within("foreign pixel owners (gpu)", BOUND, || {
+        let dev = Device::get(0)?;
+        let s = dev.stream()?;
+        let check = |p: &mut Prefetcher<f32, i64>, want: &[u64]| -> Result<Option<Error>, Failed> {
+            let mut seen = Vec::new();
+            while let Some(b) = p.next() {
+                match b {
+                    Ok(b) => {
+                        let i = b.index();
+                        let mut px = vec![f32::NAN; 6];
+                        s.copy_d2h(&b.pixels()?, &mut px[..])?.wait()?;
+                        let exp: Vec<f32> = (0..6).map(|k| ((i + k) as u8) as f32).collect();
+                        ensure(px == exp, || format!("batch {i}: {px:?}"))?;
+                        seen.push(i);
+                    }
+                    Err(e) => {
+                        ensure(seen == want, || format!("{seen:?} then {e}"))?;
+                        return Ok(Some(e));
+                    }
+                }
+            }
+            ensure(seen == want, || format!("{seen:?}"))?;
+            Ok(None)
+        };
+        let mut p = Prefetcher::<f32, i64>::new(&s, foreign_source(8), config(2, 2, 2))?;
+        let e = check(&mut p, &[0, 1, 2])?;
+        ensure(matches!(e, Some(Error::Loader { batch: 3, .. })), || {
+            format!("{e:?}")
+        })?;
+        drop(p);
+        let from4 = Source::new(|i, b: &mut HostBatch<i64>| {
+            if i + 4 >= 8 {
+                return Ok(false);
+            }
+            let how = if i + 4 == 5 {
+                Misbehave::Shrinks
+            } else {
+                Misbehave::PanicInDrop
+            };
+            b.spec = small_spec();
+            b.extras.clear();
+            b.extras.push(i as i64);
+            b.pixels = Pixels::Foreign(ForeignBytes::new(Owner {
+                bytes: (0..6).map(|k| (i + k) as u8).collect(),
+                how,
+                calls: AtomicUsize::new(0),
+            }));
+            Ok(true)
+        });
+        let mut p = Prefetcher::<f32, i64>::new(&s, from4, config(1, 2, 1))?;
+        let e = check(&mut p, &[0])?;
+        ensure(e.is_some(), || "a shrinking owner was uploaded".into())
     })
 }

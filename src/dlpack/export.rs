@@ -239,6 +239,28 @@ impl Tensor {
         Ok(if shared { t.read_only() } else { t })
     }
 
+    /// A one-dimensional `u8` tensor of a packed upload's whole arena, to cut into one tensor per pushed slice with
+    /// [`split`](Self::split) at their [`offset`](Packed::offset)s: writable tensors when the
+    /// batch is not shared otherwise.
+    pub fn from_packed_batch(batch: impl Into<Arc<PackedBatch>>) -> Result<Tensor> {
+        let mut batch = batch.into();
+        let shared = Arc::get_mut(&mut batch).is_none();
+        let (ptr, len) = {
+            let v = batch.arena();
+            (v.as_device_ptr(), v.len())
+        };
+        let parts = TensorParts {
+            data: ptr.cast_mut().cast(),
+            device: batch.arena().device(),
+            dtype: u8::DTYPE,
+            elem: 1,
+            len,
+            owner: Box::new(DeviceOwner(batch)),
+        };
+        let t = Tensor::from_parts(parts, KDL_CUDA)?;
+        Ok(if shared { t.read_only() } else { t })
+    }
+
     /// A one-dimensional tensor of a whole pinned buffer (`kDLCUDAHost`). The handover waits
     /// on the host for the GPU's uses of it (host consumers read it at once).
     ///

@@ -235,6 +235,10 @@ impl Imported {
 
     /// Whether it is compact row-major (C order): the layout the views need.
     pub fn is_contiguous(&self) -> bool {
+        // No elements: nothing to lay out (producers give such tensors any strides).
+        if self.shape.contains(&0) {
+            return true;
+        }
         let mut expect = 1i64;
         for (&n, &s) in self.shape.iter().zip(&self.strides).rev() {
             if n != 1 && s != expect {
@@ -301,10 +305,26 @@ impl Imported {
                 ),
             ));
         }
+        let bytes = self.byte_len()?;
+        self.cuda_device_bytes(op, bytes)
+    }
+
+    /// Checks that `bytes` from the data pointer are device memory of the device the tensor
+    /// names.
+    fn cuda_device_bytes(&self, op: &'static str, bytes: usize) -> Result<Device> {
+        if !matches!(self.device.device_type, KDL_CUDA | KDL_CUDA_MANAGED) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "device type {} is not CUDA device memory",
+                    self.device.device_type
+                ),
+            ));
+        }
         let ordinal = usize::try_from(self.device.device_id)
             .map_err(|_| Error::invalid(op, format!("device id {}", self.device.device_id)))?;
         let device = Device::get(ordinal)?;
-        check_device_ptr(op, &device, self.data.cast::<u8>(), self.len)?;
+        check_device_ptr(op, &device, self.data.cast::<u8>(), bytes)?;
         Ok(device)
     }
 
@@ -389,6 +409,79 @@ impl Imported {
             writable: true,
             _marker: PhantomData,
         })
+    }
+}
+
+impl Imported {
+    /// The tensor's size in bytes (elements × element size).
+    pub fn byte_len(&self) -> Result<usize> {
+        let bits = u64::from(self.dtype.bits) * u64::from(self.dtype.lanes);
+        if bits == 0 || bits % 8 != 0 {
+            return Err(Error::invalid(
+                "dlpack::Imported::byte_len",
+                format!("{} is not whole bytes", dtype_name(self.dtype)),
+            ));
+        }
+        self.len
+            .checked_mul((bits / 8) as usize)
+            .ok_or_else(|| Error::invalid("dlpack::Imported::byte_len", "the size overflows"))
+    }
+
+    fn check_bytes(&self, op: &'static str, write: bool) -> Result<usize> {
+        let bytes = self.byte_len()?;
+        if !self.is_contiguous() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "shape {:?} with strides {:?} is not compact row-major",
+                    self.shape, self.strides
+                ),
+            ));
+        }
+        if write && self.is_read_only() {
+            return Err(Error::invalid(
+                op,
+                "the producer marked the tensor read-only",
+            ));
+        }
+        Ok(bytes)
+    }
+
+    /// Its host memory as bytes, whatever the element type (bool, complex, float8 ...): a
+    /// read-only copy source, as [`host`](Self::host). The tensor must be compact row-major.
+    pub fn host_bytes(&self) -> Result<HostTensor<'_, u8>> {
+        const OP: &str = "dlpack::Imported::host_bytes";
+        let len = self.check_bytes(OP, false)?;
+        let kind = self.host_kind(OP)?;
+        Ok(HostTensor {
+            ptr: self.data.cast(),
+            len,
+            kind,
+            tracker: &self.tracker,
+            writable: false,
+            _marker: PhantomData,
+        })
+    }
+
+    /// Its device memory as bytes, whatever the element type: a read-only source, as
+    /// [`device_view`](Self::device_view). The tensor must be compact row-major.
+    pub fn device_bytes(&self) -> Result<DeviceView<'_, u8>> {
+        const OP: &str = "dlpack::Imported::device_bytes";
+        let len = self.check_bytes(OP, false)?;
+        let device = self.cuda_device_bytes(OP, len)?;
+        // SAFETY: checked above: `len` bytes of device memory of `device`; the caller of
+        // `from_*` keeps it valid while `self` (and the borrow) lives; every pinstream use goes
+        // through `self.tracker`.
+        Ok(unsafe { DeviceView::from_parts(self.data.cast(), len, device, &self.tracker) })
+    }
+
+    /// Its device memory as writable bytes, as [`device_mut`](Self::device_mut).
+    pub fn device_bytes_mut(&mut self) -> Result<DeviceViewMut<'_, u8>> {
+        const OP: &str = "dlpack::Imported::device_bytes_mut";
+        let len = self.check_bytes(OP, true)?;
+        let device = self.cuda_device_bytes(OP, len)?;
+        // SAFETY: as in `device_bytes`; `&mut self` makes it the only view.
+        Ok(unsafe { DeviceViewMut::from_parts(self.data.cast(), len, device, &self.tracker) })
     }
 }
 
@@ -486,6 +579,28 @@ impl<T: Element> HostTensor<'_, T> {
         // SAFETY: `len` elements of `T` at `ptr` (checked at import: contiguous, aligned,
         // the type's size), valid while the `Imported` lives (its creator's contract);
         // pinstream's writes are over (waited above) and new ones need `&mut`.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+}
+
+impl<'a, T: Element> HostTensor<'a, T> {
+    /// As [`as_slice`](Self::as_slice), borrowing the [`Imported`] rather than the view, for a
+    /// read-only view ([`Imported::host`], [`Imported::host_bytes`]). A writable one
+    /// ([`Imported::host_mut`]) is refused (`Error::InvalidArgument`): it may still be a copy's
+    /// destination.
+    pub fn into_slice(self) -> Result<&'a [T]> {
+        if self.writable {
+            return Err(Error::invalid(
+                "dlpack::HostTensor::into_slice",
+                "a writable view (host_mut) stays borrowed as a view",
+            ));
+        }
+        self.tracker.synchronize_writes()?;
+        if self.len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: as in `as_slice`; the view is read-only and borrowed the `Imported` shared
+        // for `'a`, so nothing writes the memory through pinstream for `'a`.
         Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
     }
 }

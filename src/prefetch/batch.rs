@@ -229,6 +229,10 @@ impl<E> HostBatch<E> {
             .and_then(|()| Ok((self.spec.input_len()?, self.spec.output_len()?)))
             .map_err(|e| bad(e.to_string()))
             .and_then(|(in_len, out_len)| {
+                if let Pixels::Foreign(f) = &self.pixels {
+                    f.get()
+                        .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
+                }
                 if self.pixels.len() != in_len {
                     return Err(bad(format!(
                         "{} pixel bytes ({}), the spec describes {in_len}",

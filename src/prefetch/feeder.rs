@@ -38,6 +38,10 @@ impl Feeder {
         let pixels = &batch.pixels;
         match pixels {
             Pixels::Pageable(_) => {}
+            Pixels::Foreign(f) => {
+                f.get()
+                    .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
+            }
             Pixels::Pinned(block) => {
                 if block.device() != self.device {
                     return Err(bad(format!(
@@ -83,6 +87,14 @@ impl Feeder {
         let input = &mut b.input.slice_mut(..in_len)?;
         match pixels {
             Pixels::Pageable(v) => self.stager.upload(stream, v, input)?,
+            // Its length was checked against the spec above; one that changed since is a
+            // length mismatch of the upload, not a wrong copy.
+            Pixels::Foreign(f) => {
+                let v = f
+                    .get()
+                    .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
+                self.stager.upload(stream, v, input)?
+            }
             // One DMA on the upload stream, recorded in the block's event (the pool and
             // `pinned()` wait for it). The slot's input is never shown to the consumer, so the
             // copy needs no wait for `release`; the trackers order it after the slot's last

@@ -60,7 +60,7 @@ mod turns;
 pub use batch::HostBatch;
 pub use config::PrefetchConfig;
 pub use dry::{DryBatch, DryRun};
-pub use pixels::Pixels;
+pub use pixels::{ForeignBytes, HostBytes, Pixels};
 pub use source::{LoadError, Source};
 
 use crate::dlpack::{Element, Tensor, TensorParts};

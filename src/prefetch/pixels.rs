@@ -11,7 +11,7 @@ use crate::staging::FileSource;
 use crate::Device;
 
 /// A host batch's pixels (`spec.input_len()` bytes of u8, laid out as the spec says), in one of
-/// four places. Each costs host memory bandwidth differently on the way to the device:
+/// five places. Each costs host memory bandwidth differently on the way to the device:
 ///
 /// - [`Pageable`](Pixels::Pageable): the loader writes the bytes, the staging engine reads them
 ///   and writes them into its pinned slots, the DMA reads the slots: three passes.
@@ -25,6 +25,9 @@ use crate::Device;
 /// - [`File`](Pixels::File): the staging engine reads the range with `pread` straight into its
 ///   pinned slots, then the DMA: no loader pass at all (the page cache, or the disk with
 ///   `O_DIRECT`, supplies the bytes).
+/// - [`Foreign`](Pixels::Foreign): ordinary memory that something else owns (a numpy array or
+///   a torch CPU tensor taken through DLPack, a memory map), held by the batch until it is
+///   uploaded and read by the staging engine as `Pageable` is, with no copy into a vector first.
 #[derive(Debug)]
 pub enum Pixels {
     /// Ordinary memory, uploaded through the staging engine (a host copy into its pinned slots,
@@ -62,6 +65,75 @@ pub enum Pixels {
         /// How many bytes (`spec.input_len()`).
         len: usize,
     },
+    /// Memory another owner keeps, uploaded through the staging engine. Its `bytes` and its
+    /// `Drop` are user code: they run under `catch_unwind` (a panic is an
+    /// [`Error::Loader`](crate::Error::Loader) naming the batch, or is swallowed at the drop),
+    /// and `bytes` must give the same slice every time (a length that changes is an error,
+    /// never a wrong copy).
+    Foreign(ForeignBytes),
+}
+
+/// Host bytes that something other than pinstream owns, for [`Pixels::Foreign`].
+pub trait HostBytes: Send + Sync + 'static {
+    /// The bytes (the same slice on every call).
+    fn bytes(&self) -> &[u8];
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl HostBytes for Box<[u8]> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+impl HostBytes for Arc<[u8]> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// The owner behind [`Pixels::Foreign`]: its user code (`bytes`, `Drop`) runs under
+/// `catch_unwind`.
+pub struct ForeignBytes(Option<Box<dyn HostBytes>>);
+
+impl ForeignBytes {
+    /// Wraps an owner of host bytes.
+    pub fn new(owner: impl HostBytes) -> Self {
+        ForeignBytes(Some(Box::new(owner)))
+    }
+
+    /// The owner's bytes; its panic comes back as the message.
+    pub(crate) fn get(&self) -> std::result::Result<&[u8], String> {
+        match &self.0 {
+            Some(b) => crate::sync::quietly(|| b.bytes()),
+            None => Ok(&[]),
+        }
+    }
+}
+
+impl std::fmt::Debug for ForeignBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ForeignBytes")
+    }
+}
+
+impl Drop for ForeignBytes {
+    fn drop(&mut self) {
+        if let Some(b) = self.0.take() {
+            crate::sync::drop_quietly(b);
+        }
+    }
+}
+
+impl<H: HostBytes> From<H> for ForeignBytes {
+    fn from(h: H) -> Self {
+        ForeignBytes::new(h)
+    }
 }
 
 impl Default for Pixels {
@@ -90,6 +162,8 @@ impl Pixels {
             Pixels::Pageable(v) => v.len(),
             Pixels::Pinned(b) => b.len(),
             Pixels::Resident { len, .. } | Pixels::File { len, .. } => *len,
+            // A panicking owner counts as empty: the batch's length check then refuses it.
+            Pixels::Foreign(f) => f.get().map_or(0, <[u8]>::len),
         }
     }
 
@@ -98,13 +172,14 @@ impl Pixels {
         self.len() == 0
     }
 
-    /// `"pageable"`, `"pinned"`, `"resident"` or `"file"`.
+    /// `"pageable"`, `"pinned"`, `"resident"`, `"file"` or `"foreign"`.
     pub fn kind(&self) -> &'static str {
         match self {
             Pixels::Pageable(_) => "pageable",
             Pixels::Pinned(_) => "pinned",
             Pixels::Resident { .. } => "resident",
             Pixels::File { .. } => "file",
+            Pixels::Foreign(_) => "foreign",
         }
     }
 
@@ -131,6 +206,10 @@ impl Pixels {
             Pixels::File { file, offset, len } => file
                 .read_range("Pixels::read", *offset, *len)
                 .map(Cow::Owned),
+            Pixels::Foreign(f) => f.get().map(Cow::Borrowed).map_err(|m| Error::Panicked {
+                op: "Pixels::read",
+                message: m,
+            }),
         }
     }
 }

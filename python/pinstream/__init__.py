@@ -1,0 +1,191 @@
+"""pinstream: host <-> GPU transfers at link speed, for Python.
+
+>>> import numpy as np, pinstream, torch
+>>> t = pinstream.upload(np.ones((1024, 1024), np.float32))   # staged, GIL released
+>>> x = torch.from_dlpack(t)                                   # zero copy, ordered on the GPU
+>>> y = pinstream.download(x)                                  # numpy, only once it arrived
+
+Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
+``jax.dlpack.from_dlpack`` take them without a copy; the consumer's stream waits on the GPU).
+``pinstream.torch`` returns torch tensors directly. Every failure is a
+``pinstream.errors.PinstreamError`` of its kind.
+"""
+
+from . import errors
+from ._native import (
+    Prefetcher,
+    Tensor,
+    __version__,
+    device_count,
+    device_name,
+    stream_handle,
+    synchronize,
+)
+from . import _native
+from .errors import (
+    CudaError,
+    InvalidArgumentError,
+    IoError,
+    LoaderError,
+    NoDeviceError,
+    OutOfMemoryError,
+    PinstreamError,
+)
+
+__all__ = [
+    "Tensor",
+    "Prefetcher",
+    "prefetch",
+    "IMAGENET",
+    "upload",
+    "upload_many",
+    "download",
+    "device_count",
+    "device_name",
+    "stream_handle",
+    "synchronize",
+    "errors",
+    "PinstreamError",
+    "NoDeviceError",
+    "CudaError",
+    "OutOfMemoryError",
+    "InvalidArgumentError",
+    "IoError",
+    "LoaderError",
+]
+
+
+def _device(device):
+    """A device ordinal from an int, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``."""
+    if device is None:
+        return 0
+    if isinstance(device, bool):
+        raise InvalidArgumentError(f"pinstream: device {device!r} is not a CUDA device")
+    if isinstance(device, int):
+        return device
+    kind = getattr(device, "type", None)
+    if kind is not None:  # torch.device
+        if kind != "cuda":
+            raise InvalidArgumentError(f"pinstream: device {device!r} is not a CUDA device")
+        return device.index if device.index is not None else _current_torch_device()
+    if isinstance(device, str):
+        if device == "cuda":
+            return _current_torch_device()
+        if device.startswith("cuda:") and device[5:].isdigit():
+            return int(device[5:])
+    raise InvalidArgumentError(f"pinstream: device {device!r} is not a CUDA device")
+
+
+def _current_torch_device():
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return 0
+
+
+def _contiguous(x):
+    """numpy arrays and torch tensors in C order (a copy only where they are not)."""
+    if hasattr(x, "is_contiguous") and hasattr(x, "contiguous"):  # torch
+        return x if x.is_contiguous() else x.contiguous()
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous") and not flags.c_contiguous:
+        import numpy
+
+        return numpy.ascontiguousarray(x)
+    return x
+
+
+def upload(x, device=0):
+    """Copies a host array (numpy, a torch CPU tensor, anything with ``__dlpack__`` on the CPU
+    or the buffer protocol) to the GPU through pinstream's staging engine and returns a
+    ``pinstream.Tensor``; the source is free again when the call returns."""
+    return _native.upload(_contiguous(x), _device(device))
+
+
+def upload_many(xs, device=0):
+    """Many host arrays in one packed upload; returns one ``pinstream.Tensor`` per array."""
+    return _native.upload_many([_contiguous(x) for x in xs], _device(device))
+
+
+_NUMPY_NAMES = {"bfloat16": None}
+
+
+def download(x):
+    """Copies a CUDA array (torch, CuPy, JAX, a ``pinstream.Tensor``) to a new numpy array and
+    returns it only once the data is there: never the unfinished result a
+    ``non_blocking`` copy read too early gives."""
+    import numpy
+
+    data, dtype, shape = _native.download(x)
+    if dtype == "bfloat16":
+        try:
+            import ml_dtypes
+
+            np_dtype = ml_dtypes.bfloat16
+        except ImportError as e:
+            raise InvalidArgumentError(
+                "pinstream.download: numpy has no bfloat16 (install ml_dtypes, or use "
+                "pinstream.torch.download)"
+            ) from e
+    else:
+        try:
+            np_dtype = numpy.dtype(dtype)
+        except TypeError as e:
+            raise InvalidArgumentError(f"pinstream.download: numpy has no {dtype}") from e
+    return numpy.frombuffer(data, dtype=np_dtype).reshape(shape)
+
+
+#: ImageNet's mean and std on the 0..255 scale of uint8 images (RGB), for ``normalize=``.
+IMAGENET = ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))
+
+
+def _dtype_name(dtype):
+    """``"float16"`` from ``torch.float16``, ``numpy.float16`` or the string."""
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    try:
+        import numpy
+
+        return numpy.dtype(dtype).name
+    except (ImportError, TypeError) as e:
+        raise InvalidArgumentError(f"pinstream: dtype {dtype!r}") from e
+
+
+def prefetch(
+    iterable,
+    device=0,
+    depth=2,
+    normalize=None,
+    dtype="float32",
+    layout="nchw",
+    input_layout="nchw",
+    loader_threads=2,
+):
+    """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
+
+    Each item is a uint8 image batch (``[N, C, H, W]``, or ``[N, H, W, C]`` with
+    ``input_layout="nhwc"``; numpy, a torch CPU tensor, anything with ``__dlpack__``) or a
+    tuple ``(images, labels, *rest)``: a ``DataLoader`` with ``pin_memory=False``, a generator.
+    A background thread pulls the items (holding the GIL only to pull them; the arrays are not
+    copied), pinstream's staging engine uploads them outside the GIL, and one fused kernel
+    normalizes (``normalize=(mean, std)`` on the 0..255 scale, e.g. ``pinstream.IMAGENET``),
+    casts to ``dtype`` (float32, float16, bfloat16, uint8) and lays out (``layout``) each batch,
+    ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is passed through as it is.
+    Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch`` gives torch tensors)."""
+    mean, std = normalize if normalize is not None else (None, None)
+    return _native.prefetch(
+        iterable,
+        _device(device),
+        depth,
+        None if mean is None else [float(m) for m in mean],
+        None if std is None else [float(s) for s in std],
+        _dtype_name(dtype),
+        layout,
+        input_layout,
+        loader_threads,
+    )

@@ -1,0 +1,90 @@
+"""pinstream for PyTorch: the same calls, returning torch tensors.
+
+Device results are handed to torch through DLPack on ``torch.cuda.current_stream()``: torch's
+stream waits for pinstream's copy on the GPU, and the host does not wait.
+"""
+
+import torch
+
+import pinstream
+from pinstream import _native
+
+_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+}
+
+
+def _device(device):
+    if device is None:
+        return torch.cuda.current_device()
+    return pinstream._device(device)
+
+
+def upload(x, device=None):
+    """``x`` (a CPU tensor or array) on the GPU as a torch tensor, through pinstream's staging
+    engine: ``x.to(device, non_blocking=True)`` at link speed from pageable memory."""
+    return torch.from_dlpack(pinstream.upload(x, _device(device)))
+
+
+def upload_many(xs, device=None):
+    """Many CPU tensors in one packed upload, as torch tensors."""
+    return [torch.from_dlpack(t) for t in pinstream.upload_many(xs, _device(device))]
+
+
+def download(x):
+    """A CUDA tensor as a new CPU tensor, returned only once the data has arrived."""
+    data, dtype, shape = _native.download(x)
+    dt = _TORCH_DTYPES.get(dtype)
+    if dt is None:
+        raise pinstream.InvalidArgumentError(f"pinstream.torch.download: torch has no {dtype}")
+    if len(data) == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(data, dtype=dt).reshape(shape)
+
+
+class Prefetcher:
+    """``pinstream.Prefetcher`` giving torch tensors (on the current stream)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._inner)
+        if isinstance(item, pinstream.Tensor):
+            return torch.from_dlpack(item)
+        return tuple(torch.from_dlpack(x) if isinstance(x, pinstream.Tensor) else x for x in item)
+
+    def close(self):
+        """Stops the threads early; the tensors handed out stay valid."""
+        self._inner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def prefetch(iterable, device=None, **kwargs):
+    """``pinstream.prefetch`` giving torch tensors: APEX's ``data_prefetcher`` in one line,
+    ``for images, labels in pinstream.torch.prefetch(loader, normalize=pinstream.IMAGENET,
+    dtype=torch.float16): ...``."""
+    return Prefetcher(pinstream.prefetch(iterable, _device(device), **kwargs))

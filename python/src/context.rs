@@ -1,0 +1,86 @@
+//! One context per device, made at first use and kept for the process: the device, the stream
+//! pinstream's Python calls queue their work on, and the staging engine.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pinstream::{Device, Stager, StagerConfig, Stream};
+use pyo3::prelude::*;
+
+use crate::errors::{invalid, OrPy};
+
+/// What the calls for one device share.
+pub(crate) struct Ctx {
+    pub(crate) device: Device,
+    pub(crate) stream: Stream,
+    pub(crate) stager: Stager,
+}
+
+static CONTEXTS: OnceLock<Mutex<Vec<Option<Arc<Ctx>>>>> = OnceLock::new();
+
+/// The context of device `ordinal`, made on first use (outside the GIL: making a stager
+/// allocates pinned memory).
+pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
+    let ordinal = usize::try_from(ordinal).map_err(|_| {
+        invalid(
+            "pinstream",
+            format!("device {ordinal} is not a device ordinal"),
+        )
+    })?;
+    let table = CONTEXTS.get_or_init(|| Mutex::new(Vec::new()));
+    if let Some(c) = lock(table).get(ordinal).and_then(Clone::clone) {
+        return Ok(c);
+    }
+    let made = py
+        .detach(|| -> pinstream::Result<Ctx> {
+            let device = Device::get(ordinal)?;
+            let stream = device.stream()?;
+            let stager = Stager::new(&device, StagerConfig::from_env()?)?;
+            Ok(Ctx {
+                device,
+                stream,
+                stager,
+            })
+        })
+        .py_err()?;
+    let mut t = lock(table);
+    if t.len() <= ordinal {
+        t.resize(ordinal + 1, None);
+    }
+    // Another thread may have made one meanwhile: keep the first.
+    Ok(t[ordinal].get_or_insert_with(|| Arc::new(made)).clone())
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The table holds no invariant a panic could break half-way.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Number of CUDA devices (`NoDeviceError` where there is no driver or device).
+#[pyfunction]
+pub(crate) fn device_count(py: Python<'_>) -> PyResult<usize> {
+    py.detach(Device::count).py_err()
+}
+
+/// The device's name, e.g. `NVIDIA H100 80GB HBM3`.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+pub(crate) fn device_name(py: Python<'_>, device: i64) -> PyResult<String> {
+    let c = ctx(py, device)?;
+    py.detach(|| c.device.name()).py_err()
+}
+
+/// The raw `cudaStream_t` (as an int) of the stream pinstream's calls on `device` use: pass it
+/// to `__dlpack__(stream=...)` of producers, or wrap it with `torch.cuda.ExternalStream`.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+pub(crate) fn stream_handle(py: Python<'_>, device: i64) -> PyResult<usize> {
+    Ok(ctx(py, device)?.stream.as_raw() as usize)
+}
+
+/// Waits (GIL released) until pinstream's work queued on `device` has finished.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+pub(crate) fn synchronize(py: Python<'_>, device: i64) -> PyResult<()> {
+    let c = ctx(py, device)?;
+    py.detach(|| c.stream.synchronize()).py_err()
+}

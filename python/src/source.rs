@@ -1,0 +1,128 @@
+//! Host data given to `upload`: anything with `__dlpack__` on the CPU (numpy arrays, torch CPU
+//! tensors, pinned ones included) or, failing that, anything with the buffer protocol (bytes,
+//! bytearray, memoryview, array.array), as bytes.
+
+use pinstream::dlpack::abi::{DLDataType, KDL_UINT};
+use pinstream::dlpack::Imported;
+use pinstream::{HostKind, Stream};
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::prelude::*;
+
+use crate::capsule;
+use crate::errors::{invalid, OrPy};
+
+/// What the host memory is held by while it is read.
+enum Held {
+    Dlpack(Box<Imported>),
+    Buffer(PyUntypedBuffer),
+}
+
+/// One host source: its memory (held), element type and shape.
+pub(crate) struct Host {
+    held: Held,
+    pub(crate) dtype: DLDataType,
+    pub(crate) shape: Vec<usize>,
+}
+
+pub(crate) const BYTE: DLDataType = DLDataType {
+    code: KDL_UINT,
+    bits: 8,
+    lanes: 1,
+};
+
+/// The shape of an imported tensor, as sizes.
+pub(crate) fn shape_of(op: &'static str, imp: &Imported) -> PyResult<Vec<usize>> {
+    imp.shape()
+        .iter()
+        .map(|&n| usize::try_from(n).map_err(|_| invalid(op, format!("negative size {n}"))))
+        .collect()
+}
+
+/// Takes hold of `x`'s host memory.
+pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
+    if x.hasattr("__dlpack__")? {
+        if x.hasattr("__dlpack_device__")? {
+            let (kind, _id): (i32, i32) = x.call_method0("__dlpack_device__")?.extract()?;
+            if !matches!(kind, 1 | 3) {
+                return Err(invalid(
+                    op,
+                    format!(
+                        "the source is not in host memory (DLPack device type {kind}); \
+                         upload takes CPU arrays"
+                    ),
+                ));
+            }
+        }
+        let imp = capsule::import(x, None)?;
+        let shape = shape_of(op, &imp)?;
+        let dtype = imp.dtype();
+        // Checked now, so that the error comes before anything is allocated.
+        imp.host_bytes().py_err()?;
+        return Ok(Host {
+            held: Held::Dlpack(Box::new(imp)),
+            dtype,
+            shape,
+        });
+    }
+    let buf = PyUntypedBuffer::get(x).map_err(|_| {
+        invalid(
+            op,
+            format!(
+                "a {} has neither __dlpack__ nor the buffer protocol",
+                x.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ),
+        )
+    })?;
+    if !buf.is_c_contiguous() {
+        return Err(invalid(op, "the buffer is not C-contiguous"));
+    }
+    let len = buf.len_bytes();
+    Ok(Host {
+        held: Held::Buffer(buf),
+        dtype: BYTE,
+        shape: vec![len],
+    })
+}
+
+impl Host {
+    /// The bytes, and whether they are page-locked. Called outside the GIL.
+    pub(crate) fn bytes(&self) -> pinstream::Result<(&[u8], HostKind)> {
+        match &self.held {
+            Held::Dlpack(imp) => {
+                let h = imp.host_bytes()?;
+                let kind = h.kind();
+                Ok((h.into_slice()?, kind))
+            }
+            Held::Buffer(b) => {
+                let len = b.len_bytes();
+                if len == 0 {
+                    return Ok((&[], HostKind::Pageable));
+                }
+                // SAFETY: the buffer is exported (held by `self`) and C-contiguous (checked),
+                // `len_bytes` long from `buf_ptr`; it is only read.
+                let s = unsafe { std::slice::from_raw_parts(b.buf_ptr().cast::<u8>(), len) };
+                Ok((s, HostKind::Pageable))
+            }
+        }
+    }
+
+    /// Copies the bytes into `dst` and returns when the source is free again: page-locked
+    /// memory with one copy on `stream`, anything else through the staging engine.
+    pub(crate) fn upload(
+        &self,
+        stager: &pinstream::Stager,
+        stream: &Stream,
+        dst: &mut pinstream::DeviceBuffer<u8>,
+    ) -> pinstream::Result<()> {
+        match &self.held {
+            Held::Dlpack(imp) if imp.host_bytes()?.kind() == HostKind::Pinned => {
+                let h = imp.host_bytes()?;
+                stream.copy_h2d(&h, dst)?.wait().map(drop)
+            }
+            _ => stager.upload(stream, self.bytes()?.0, dst),
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! `pinstream.Tensor` (a DLPack producer of device memory pinstream filled) and the calls that
+//! make and read them: `upload`, `upload_many`, `download`.
+
+use std::sync::Mutex;
+
+use pinstream::dlpack::abi::{
+    DLDataType, KDL_BFLOAT, KDL_BOOL, KDL_CUDA, KDL_CUDA_MANAGED, KDL_FLOAT, KDL_INT, KDL_UINT,
+};
+use pinstream::dlpack::{self, Part};
+use pinstream::{DeviceBuffer, Packer, Stream};
+use pyo3::exceptions::PyBufferError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyByteArrayMethods, PyList, PyTuple};
+
+use crate::capsule::{self, Managed};
+use crate::context::{ctx, Ctx};
+use crate::errors::{invalid, OrPy};
+use crate::source;
+
+/// DLPack's complex code (not used by the library itself).
+const KDL_COMPLEX: u8 = 5;
+
+/// A readable name for a DLPack type, as numpy / torch spell it.
+pub(crate) fn dtype_name(d: DLDataType) -> String {
+    if d.lanes == 1 {
+        let name = match (d.code, d.bits) {
+            (KDL_FLOAT, 16) => Some("float16"),
+            (KDL_FLOAT, 32) => Some("float32"),
+            (KDL_FLOAT, 64) => Some("float64"),
+            (KDL_BFLOAT, 16) => Some("bfloat16"),
+            (KDL_INT, 8) => Some("int8"),
+            (KDL_INT, 16) => Some("int16"),
+            (KDL_INT, 32) => Some("int32"),
+            (KDL_INT, 64) => Some("int64"),
+            (KDL_UINT, 8) => Some("uint8"),
+            (KDL_UINT, 16) => Some("uint16"),
+            (KDL_UINT, 32) => Some("uint32"),
+            (KDL_UINT, 64) => Some("uint64"),
+            (KDL_BOOL, 8) => Some("bool"),
+            (KDL_COMPLEX, 64) => Some("complex64"),
+            (KDL_COMPLEX, 128) => Some("complex128"),
+            _ => None,
+        };
+        if let Some(n) = name {
+            return n.to_string();
+        }
+    }
+    format!(
+        "dlpack(code={}, bits={}, lanes={})",
+        d.code, d.bits, d.lanes
+    )
+}
+
+/// Device memory pinstream filled, handed to a consumer through DLPack
+/// (`torch.from_dlpack(t)`, `cupy.from_dlpack(t)`, `jax.dlpack.from_dlpack(t)`), zero copy.
+/// The consumer's stream waits for the data on the GPU. A tensor is handed over once: it
+/// moves to the consumer, and a second `__dlpack__` raises `BufferError`. Dropped unused, it
+/// frees its memory.
+#[pyclass(module = "pinstream", name = "Tensor", frozen)]
+pub(crate) struct Tensor {
+    inner: Mutex<Option<dlpack::Tensor>>,
+    shape: Vec<i64>,
+    dtype: DLDataType,
+    device: i32,
+}
+
+impl Tensor {
+    pub(crate) fn new(t: dlpack::Tensor) -> Tensor {
+        Tensor {
+            shape: t.shape().to_vec(),
+            dtype: t.dtype(),
+            device: t.device().device_id,
+            inner: Mutex::new(Some(t)),
+        }
+    }
+
+    fn take(&self) -> Option<dlpack::Tensor> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn put_back(&self, t: dlpack::Tensor) {
+        *self.inner.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+    }
+}
+
+/// The consumer's stream as the protocol encodes it (CUDA): `None` and 1 the legacy default
+/// stream, 2 the per-thread default stream, -1 no synchronisation, other values a
+/// `cudaStream_t`; 0 is refused as ambiguous.
+enum ConsumerStream {
+    Raw(usize),
+    PerThread,
+    NoSync,
+}
+
+fn consumer_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<ConsumerStream> {
+    let Some(s) = stream.filter(|s| !s.is_none()) else {
+        return Ok(ConsumerStream::Raw(1));
+    };
+    let v: i128 = s.extract().map_err(|_| {
+        invalid(
+            "Tensor.__dlpack__",
+            "stream must be an int (a cudaStream_t), -1, 1, 2 or None",
+        )
+    })?;
+    match v {
+        -1 => Ok(ConsumerStream::NoSync),
+        0 => Err(invalid(
+            "Tensor.__dlpack__",
+            "stream=0 is ambiguous for CUDA (the protocol says: pass 1 for the legacy default \
+             stream, 2 for the per-thread one)",
+        )),
+        2 => Ok(ConsumerStream::PerThread),
+        v => usize::try_from(v).map(ConsumerStream::Raw).map_err(|_| {
+            invalid(
+                "Tensor.__dlpack__",
+                format!("stream {v} is not a stream handle"),
+            )
+        }),
+    }
+}
+
+#[pymethods]
+impl Tensor {
+    /// The DLPack protocol: the tensor as a capsule, moved to the consumer. `stream`: the
+    /// consumer's stream (it waits on the GPU for the data; the memory is freed only after
+    /// the work the consumer queued on it before releasing the tensor); it must stay alive
+    /// until the consumer releases the tensor (PyTorch's and CuPy's current streams do).
+    #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
+    fn __dlpack__<'py>(
+        &self,
+        py: Python<'py>,
+        stream: Option<Bound<'py, PyAny>>,
+        max_version: Option<(u32, u32)>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some((kind, id)) = dl_device {
+            if kind != KDL_CUDA || id != self.device {
+                return Err(PyBufferError::new_err(format!(
+                    "the tensor is on cuda:{}; pinstream does not copy it to device ({kind}, \
+                     {id})",
+                    self.device
+                )));
+            }
+        }
+        if copy == Some(true) {
+            return Err(PyBufferError::new_err(
+                "pinstream tensors are handed over, not copied (copy=True)",
+            ));
+        }
+        let how = consumer_stream(stream.as_ref())?;
+        let c = ctx(py, i64::from(self.device))?;
+        let t = self.take().ok_or_else(|| {
+            PyBufferError::new_err(
+                "this pinstream.Tensor was already handed to a consumer (its memory moved \
+                 there: use the consumer's tensor)",
+            )
+        })?;
+        let versioned = max_version.is_some_and(|(major, _)| major >= 1);
+        let handed = py.detach(|| -> Result<Managed, Box<dlpack::Refused>> {
+            let consumer = match how {
+                ConsumerStream::NoSync => None,
+                ConsumerStream::PerThread => {
+                    // The per-thread stream names another stream on every thread, and the
+                    // release may come from any thread: wait for the data here instead.
+                    if let Err(error) = c.device.synchronize() {
+                        return Err(Box::new(dlpack::Refused { error, tensor: t }));
+                    }
+                    None
+                }
+                ConsumerStream::Raw(raw) => {
+                    // SAFETY: the DLPack protocol: the consumer names a live stream of the
+                    // tensor's device, in the primary context (PyTorch, CuPy and JAX use it),
+                    // and keeps it alive while it holds the tensor.
+                    match unsafe { Stream::from_raw(&c.device, raw as _) } {
+                        Ok(s) => Some(s),
+                        Err(error) => return Err(Box::new(dlpack::Refused { error, tensor: t })),
+                    }
+                }
+            };
+            if versioned {
+                t.into_versioned(consumer.as_ref()).map(Managed::Versioned)
+            } else {
+                t.into_legacy(consumer.as_ref()).map(Managed::Legacy)
+            }
+        });
+        match handed {
+            Ok(m) => capsule::into_capsule(py, m),
+            Err(refused) => {
+                let dlpack::Refused { error, tensor } = *refused;
+                self.put_back(tensor);
+                Err(crate::errors::to_py(error))
+            }
+        }
+    }
+
+    /// The DLPack protocol: `(kDLCUDA, device ordinal)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (KDL_CUDA, self.device)
+    }
+
+    /// Sizes.
+    #[getter]
+    fn shape<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.shape)
+    }
+
+    /// Element type name (`float32`, `bfloat16`, `uint8`, ...).
+    #[getter]
+    fn dtype(&self) -> String {
+        dtype_name(self.dtype)
+    }
+
+    /// The CUDA device ordinal.
+    #[getter]
+    fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Whether it was handed to a consumer.
+    #[getter]
+    fn handed_over(&self) -> bool {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    fn __repr__(&self) -> String {
+        let state = if self.handed_over() {
+            ", handed over"
+        } else {
+            ""
+        };
+        format!(
+            "pinstream.Tensor(shape={:?}, dtype={}, device=cuda:{}{state})",
+            self.shape,
+            dtype_name(self.dtype),
+            self.device
+        )
+    }
+}
+
+/// One tensor of `dtype` and `shape` over the whole of `t` (a byte tensor).
+fn typed(
+    t: dlpack::Tensor,
+    dtype: DLDataType,
+    shape: &[usize],
+) -> pinstream::Result<dlpack::Tensor> {
+    let part = Part {
+        offset: 0,
+        dtype,
+        shape: shape.to_vec(),
+    };
+    t.split(&[part])?
+        .pop()
+        .ok_or_else(|| pinstream::Error::InvalidArgument {
+            op: "pinstream.upload",
+            reason: "no tensor".into(),
+        })
+}
+
+/// Copies host data (anything with `__dlpack__` on the CPU, or the buffer protocol) to device
+/// memory through the staging engine (the GIL released); the source is free again when the
+/// call returns. Page-locked sources (`pin_memory()` tensors) take one direct copy.
+#[pyfunction]
+#[pyo3(signature = (x, device = 0))]
+pub(crate) fn upload(py: Python<'_>, x: &Bound<'_, PyAny>, device: i64) -> PyResult<Tensor> {
+    const OP: &str = "pinstream.upload";
+    let c = ctx(py, device)?;
+    let src = source::host(OP, x)?;
+    let t = py
+        .detach(|| -> pinstream::Result<dlpack::Tensor> {
+            let bytes = src.bytes()?.0.len();
+            let mut buf = DeviceBuffer::<u8>::new_async(&c.stream, bytes)?;
+            src.upload(&c.stager, &c.stream, &mut buf)?;
+            typed(dlpack::Tensor::from_device(buf)?, src.dtype, &src.shape)
+        })
+        .py_err()?;
+    Ok(Tensor::new(t))
+}
+
+/// Many host arrays in one packed upload (one pinned arena, one DMA per slot, one device
+/// arena): the tensors share the arena, which is freed when the last is released.
+#[pyfunction]
+#[pyo3(signature = (xs, device = 0))]
+pub(crate) fn upload_many<'py>(
+    py: Python<'py>,
+    xs: &Bound<'py, PyAny>,
+    device: i64,
+) -> PyResult<Bound<'py, PyList>> {
+    const OP: &str = "pinstream.upload_many";
+    let c = ctx(py, device)?;
+    let mut srcs = Vec::new();
+    for x in xs.try_iter()? {
+        srcs.push(source::host(OP, &x?)?);
+    }
+    let tensors = py
+        .detach(|| -> pinstream::Result<Vec<dlpack::Tensor>> {
+            let mut packer = Packer::new();
+            let mut parts = Vec::with_capacity(srcs.len());
+            for s in &srcs {
+                let h = packer.push(s.bytes()?.0)?;
+                parts.push(Part {
+                    offset: h.offset(),
+                    dtype: s.dtype,
+                    shape: s.shape.clone(),
+                });
+            }
+            if srcs.is_empty() {
+                return Ok(Vec::new());
+            }
+            let batch = c.stager.upload_packed(&c.stream, &packer)?;
+            dlpack::Tensor::from_packed_batch(batch)?.split(&parts)
+        })
+        .py_err()?;
+    let out = PyList::empty(py);
+    for t in tensors {
+        out.append(Bound::new(py, Tensor::new(t))?)?;
+    }
+    Ok(out)
+}
+
+/// Copies device data (anything with `__dlpack__` in CUDA memory: torch / CuPy / JAX arrays,
+/// a pinstream.Tensor, which is consumed) to a new `bytearray`, through the staging engine,
+/// returning only once the data has arrived. The producer orders pinstream's stream after
+/// its own work (`__dlpack__(stream=...)`), so no host sync of the producer happens. Returns
+/// `(bytearray, dtype name, shape)`; `pinstream.download` makes the numpy array.
+#[pyfunction]
+pub(crate) fn download<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+) -> PyResult<(Bound<'py, PyByteArray>, String, Vec<usize>)> {
+    const OP: &str = "pinstream.download";
+    let (kind, id): (i32, i32) = x
+        .call_method0("__dlpack_device__")
+        .map_err(|_| invalid(OP, "the source has no __dlpack_device__"))?
+        .extract()?;
+    if !matches!(kind, KDL_CUDA | KDL_CUDA_MANAGED) {
+        return Err(invalid(
+            OP,
+            format!("the source is not CUDA memory (DLPack device type {kind})"),
+        ));
+    }
+    let c: std::sync::Arc<Ctx> = ctx(py, i64::from(id))?;
+    let imp = capsule::import(x, Some(c.stream.as_raw() as usize))?;
+    let shape = source::shape_of(OP, &imp)?;
+    let dtype = dtype_name(imp.dtype());
+    let n = imp.byte_len().py_err()?;
+    // Checked before the host memory is made.
+    imp.device_bytes().py_err()?;
+    let out = PyByteArray::new_with(py, n, |_| Ok(()))?;
+    let dst = out.data() as usize;
+    py.detach(|| -> pinstream::Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the bytearray was made just above with `n` bytes and is referenced only by
+        // this call until it returns (no Python code can see it, so nothing resizes or reads
+        // it while the GIL is released).
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, n) };
+        let src = imp.device_bytes()?;
+        c.stager.download(&c.stream, &src, dst)
+    })
+    .py_err()?;
+    Ok((out, dtype, shape))
+}

@@ -1,0 +1,129 @@
+//! Runs the Python package's tests (python/tests/test_*.py) with pytest against the extension
+//! cargo just built, so that `cargo test` covers the Python package too. The extension
+//! (`lib_native.so`) and the package's Python sources are put together in a folder under the
+//! target dir and put on `PYTHONPATH`; pytest (and numpy) are installed there with pip when the
+//! interpreter lacks them. GPU tests are reported skipped, with the reason, without a GPU.
+//! `PINSTREAM_PYTHON` names the interpreter (default `python3`).
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("pytest: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<bool, String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `cargo test -- --list` and friends: this runner has one test, named `pytest`.
+    if args.iter().any(|a| a == "--list") {
+        println!("pytest: test");
+        return Ok(true);
+    }
+    if args
+        .iter()
+        .any(|a| !a.starts_with('-') && !"pytest".contains(a.as_str()))
+    {
+        return Ok(true); // filtered out
+    }
+    let python = std::env::var("PINSTREAM_PYTHON").unwrap_or_else(|_| "python3".into());
+    let crate_dir = PathBuf::from(env_dir("CARGO_MANIFEST_DIR")?);
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    // target/<profile>/deps/pytest-<hash>
+    let deps = exe.parent().ok_or("no deps folder")?;
+    let profile = deps.parent().ok_or("no profile folder")?;
+    // `cargo test` writes the extension to deps/ (it uplifts it to the profile folder only
+    // for `cargo build`): take the newer.
+    let lib = [deps.join("lib_native.so"), profile.join("lib_native.so")]
+        .into_iter()
+        .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
+        .max_by_key(|(t, _)| *t)
+        .map(|(_, p)| p)
+        .ok_or_else(|| format!("no lib_native.so under {}", profile.display()))?;
+
+    let site = profile.join("python-test");
+    let pkg = site.join("pinstream");
+    let _ = std::fs::remove_dir_all(&site);
+    std::fs::create_dir_all(&pkg).map_err(|e| e.to_string())?;
+    for entry in std::fs::read_dir(crate_dir.join("pinstream")).map_err(|e| e.to_string())? {
+        let p = entry.map_err(|e| e.to_string())?.path();
+        if p.extension().is_some_and(|x| x == "py") {
+            let name = p.file_name().ok_or("no file name")?;
+            std::fs::copy(&p, pkg.join(name)).map_err(|e| e.to_string())?;
+        }
+    }
+    std::fs::copy(&lib, pkg.join("_native.abi3.so")).map_err(|e| e.to_string())?;
+
+    let tools = profile.join("python-test-tools");
+    let mut path = vec![site.clone()];
+    if !has_modules(&python, &[], &["pytest", "numpy"]) {
+        if !has_modules(&python, std::slice::from_ref(&tools), &["pytest", "numpy"]) {
+            eprintln!(
+                "pytest: installing pytest and numpy into {}",
+                tools.display()
+            );
+            let ok = Command::new(&python)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
+                .args(["--no-warn-script-location", "--target"])
+                .arg(&tools)
+                .args(["pytest", "numpy"])
+                .status()
+                .map_err(|e| format!("{python}: {e}"))?
+                .success();
+            if !ok {
+                return Err("pip could not install pytest and numpy".into());
+            }
+        }
+        path.push(tools);
+    }
+    let status = Command::new(&python)
+        // -P and the folder as the working directory: the package comes from the folder
+        // above, never from the sources (which lack the extension).
+        .args(["-P", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+        .arg(crate_dir.join("tests"))
+        .current_dir(&site)
+        .env("PYTHONPATH", join(&path))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .status()
+        .map_err(|e| format!("{python}: {e}"))?;
+    Ok(status.success())
+}
+
+fn env_dir(name: &str) -> Result<String, String> {
+    // Set by cargo when it runs the test; a copied binary may set it by hand.
+    std::env::var(name).or_else(|_| {
+        option_env!("CARGO_MANIFEST_DIR")
+            .map(str::to_string)
+            .ok_or_else(|| format!("{name} is not set"))
+    })
+}
+
+fn has_modules(python: &str, path: &[PathBuf], modules: &[&str]) -> bool {
+    let code = format!("import {}", modules.join(", "));
+    Command::new(python)
+        .args(["-c", &code])
+        .env("PYTHONPATH", join(path))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn join(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .chain(std::env::var("PYTHONPATH").ok())
+        .collect::<Vec<_>>()
+        .join(":")
+}
