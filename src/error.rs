@@ -146,6 +146,19 @@ pub enum Error {
         /// What went wrong (the system's message, or "the file ends after N bytes").
         message: String,
     },
+    /// A file's contents break the rules of its format (a safetensors header that is not valid
+    /// JSON, has a duplicate key, an unknown dtype, offsets that overlap or leave a hole ...).
+    /// Nothing was allocated or queued for it.
+    Format {
+        /// The format, e.g. `safetensors`.
+        format: &'static str,
+        /// The file's path as the caller gave it (`(in memory)` for bytes parsed directly).
+        path: String,
+        /// The entry (tensor name) at fault, where one is.
+        tensor: Option<String>,
+        /// What is wrong, in words.
+        detail: String,
+    },
     /// A worker thread panicked while working for this call; the call's work was stopped and
     /// waited for.
     Panicked {
@@ -280,6 +293,18 @@ impl fmt::Display for Error {
                 f,
                 "{op}: {path}: {len} bytes at offset {offset}: {message}"
             ),
+            Error::Format {
+                format,
+                path,
+                tensor,
+                detail,
+            } => {
+                write!(f, "{path}: not a valid {format} file: ")?;
+                if let Some(t) = tensor {
+                    write!(f, "tensor {t:?}: ")?;
+                }
+                write!(f, "{detail}")
+            }
             Error::Panicked { op, message } => write!(f, "{op}: a worker panicked: {message}"),
             Error::Loader { batch, message } => {
                 write!(f, "prefetch: the source failed at batch {batch}: {message}")

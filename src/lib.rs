@@ -39,6 +39,8 @@ mod event;
 pub mod kernels;
 pub mod memory;
 pub mod prefetch;
+#[cfg(feature = "safetensors")]
+pub mod safetensors;
 pub mod staging;
 mod stream;
 mod sync;

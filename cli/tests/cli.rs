@@ -47,6 +47,11 @@ fn main() {
             bandwidth_says_no_device_once,
         )
         .with_ignored_flag(has_gpu),
+        cli(
+            "cli/load_arguments_and_bad_files",
+            load_arguments_and_bad_files,
+        ),
+        cli("no_device/load_says_it_once", load_says_no_device_once).with_ignored_flag(has_gpu),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -373,6 +378,7 @@ fn no_arguments_prints_the_help(bin: &Path) -> R {
         "bandwidth",
         "normalize",
         "staging",
+        "load",
     ] {
         ensure(stdout.contains(needle), || {
             format!("missing {needle:?} in:\n{stdout}")
@@ -453,6 +459,98 @@ fn normalize_report_formats(bin: &Path) -> R {
 fn bandwidth_says_no_device_once(bin: &Path) -> R {
     let out = std::process::Command::new(bin)
         .arg("bandwidth")
+        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure(out.status.code() == Some(2), || {
+        format!("status {:?}, stderr {stderr}", out.status)
+    })?;
+    ensure(
+        stderr.starts_with("pinstream: no usable CUDA device")
+            && stderr.matches("no usable CUDA device").count() == 1,
+        || stderr.to_string(),
+    )
+}
+
+/// A safetensors file in `dir`: the length prefix, `json`, then `data` zero bytes.
+fn safetensors_file(dir: &Path, name: &str, json: &str, data: usize) -> PathBuf {
+    let mut b = (json.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(json.as_bytes());
+    b.resize(b.len() + data, 0);
+    let path = dir.join(name);
+    std::fs::write(&path, b).expect("write");
+    path
+}
+
+/// `pinstream load`: `--help` names the options; bad arguments and bad files are one-line
+/// errors with status 1, found before any device is touched (the same with or without a GPU).
+fn load_arguments_and_bad_files(bin: &Path) -> R {
+    let dir = scratch("load");
+    let ok = safetensors_file(
+        &dir,
+        "ok.safetensors",
+        r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+        8,
+    );
+    let run = |args: &[&str]| {
+        std::process::Command::new(bin)
+            .arg("load")
+            .args(args)
+            .output()
+    };
+    let o = run(&["--help"])?;
+    let help = String::from_utf8_lossy(&o.stdout);
+    ensure(o.status.success(), || format!("--help: {:?}", o.status))?;
+    contains_all(
+        "load --help",
+        &help,
+        &["--direct", "auto", "always", "--repeat", "--verify"],
+    )?;
+    let ok = ok.to_str().ok_or("path")?;
+    let dup = safetensors_file(
+        &dir,
+        "dup.safetensors",
+        r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+        2,
+    );
+    let dup = dup.to_str().ok_or("path")?;
+    let missing = dir.join("missing.safetensors");
+    let missing = missing.to_str().ok_or("path")?;
+    for (args, needle) in [
+        (&["--direct", "sometimes", ok][..], "--direct"),
+        (&["--repeat", "0", ok][..], "--repeat"),
+        (
+            &[dup][..],
+            "tensor \"w\": the header is not valid: the key \"w\" appears twice",
+        ),
+        (&[missing][..], "No such file"),
+    ] {
+        let o = run(args)?;
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        ensure(o.status.code() == Some(1), || {
+            format!("{args:?}: status {:?}, stderr {stderr}", o.status)
+        })?;
+        ensure(
+            stderr.lines().count() == 1 && stderr.contains(needle),
+            || format!("{args:?}: {stderr}"),
+        )?;
+    }
+    Ok(())
+}
+
+/// Without a device, `pinstream load` on a valid file fails with status 2 and says "no usable
+/// CUDA device" once.
+fn load_says_no_device_once(bin: &Path) -> R {
+    let dir = scratch("load-nodev");
+    let ok = safetensors_file(
+        &dir,
+        "ok.safetensors",
+        r#"{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+        8,
+    );
+    let out = std::process::Command::new(bin)
+        .arg("load")
+        .arg(&ok)
         .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);

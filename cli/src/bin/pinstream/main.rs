@@ -5,6 +5,7 @@
 
 mod bandwidth;
 mod info;
+mod load;
 mod normalize;
 mod output;
 mod prefetch;
@@ -39,6 +40,8 @@ enum Command {
     Staging(staging::StagingArgs),
     /// A training loop fed three ways (serial, APEX-style, the prefetcher) against the ideal.
     Prefetch(prefetch::PrefetchArgs),
+    /// A safetensors file onto the GPU (model weights): tensors, bytes, seconds, GB/s.
+    Load(load::LoadArgs),
 }
 
 /// Exit status when the machine has no usable CUDA device or driver.
@@ -97,6 +100,7 @@ fn main() -> ExitCode {
         Command::Normalize(args) => normalize::run(args),
         Command::Staging(args) => staging::run(args),
         Command::Prefetch(args) => prefetch::run(args),
+        Command::Load(args) => load::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
