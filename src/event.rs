@@ -139,10 +139,12 @@ event_type!(
 /// (`PINSTREAM_BLOCKING_SYNC=1`), else nothing. Read once.
 fn blocking_flag() -> u32 {
     static FLAG: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *FLAG.get_or_init(|| match std::env::var("PINSTREAM_BLOCKING_SYNC").as_deref() {
-        Ok("1") => sys::cudaEventBlockingSync,
-        _ => 0,
-    })
+    *FLAG.get_or_init(
+        || match std::env::var("PINSTREAM_BLOCKING_SYNC").as_deref() {
+            Ok("1") => sys::cudaEventBlockingSync,
+            _ => 0,
+        },
+    )
 }
 event_type!(
     /// An event that keeps a GPU timestamp: `start.elapsed(&end)` gives the time between two.

@@ -11,6 +11,8 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 ``pinstream.errors.PinstreamError`` of its kind.
 """
 
+import os
+
 from . import errors
 from ._native import (
     Prefetcher,
@@ -36,6 +38,7 @@ __all__ = [
     "Tensor",
     "Prefetcher",
     "prefetch",
+    "load_safetensors",
     "IMAGENET",
     "upload",
     "upload_many",
@@ -189,3 +192,11 @@ def prefetch(
         input_layout,
         loader_threads,
     )
+
+
+def load_safetensors(path, device=0, direct="auto"):
+    """Every tensor of a safetensors file on the GPU: ``{name: pinstream.Tensor}``. The header
+    is parsed and checked (a bad file is a ``FormatError`` naming the file and tensor), the data
+    region goes from the page cache (or with O_DIRECT when cold, ``direct="auto"``) through the
+    staging engine into one device arena; the GIL is released throughout."""
+    return _native.load_safetensors(os.fspath(path), _device(device), direct)

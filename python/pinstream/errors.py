@@ -43,6 +43,11 @@ class IoError(PinstreamError, OSError):
     """Reading a file failed, or it ended early."""
 
 
+class FormatError(PinstreamError, ValueError):
+    """A file is not what its format says (a safetensors header that is not valid); the
+    message names the file and the tensor."""
+
+
 class PanickedError(PinstreamError):
     """A worker thread failed unexpectedly; its work was stopped and waited for."""
 
@@ -64,6 +69,7 @@ __all__ = [
     "WrongDeviceError",
     "NoPeerAccessError",
     "IoError",
+    "FormatError",
     "PanickedError",
     "LoaderError",
 ]

@@ -88,3 +88,9 @@ def prefetch(iterable, device=None, **kwargs):
     ``for images, labels in pinstream.torch.prefetch(loader, normalize=pinstream.IMAGENET,
     dtype=torch.float16): ...``."""
     return Prefetcher(pinstream.prefetch(iterable, _device(device), **kwargs))
+
+
+def load_safetensors(path, device=None, direct="auto"):
+    """``safetensors.torch.load_file(path, device="cuda:N")`` through pinstream:
+    ``{name: torch tensor}`` on the GPU, the bytes staged at link speed into one arena."""
+    return {k: torch.from_dlpack(v) for k, v in pinstream.load_safetensors(path, _device(device), direct).items()}

@@ -17,6 +17,7 @@ pub(crate) fn class_name(e: &Error) -> &'static str {
         Error::NoPeerAccess { .. } => "NoPeerAccessError",
         Error::InvalidArgument { .. } => "InvalidArgumentError",
         Error::Io { .. } => "IoError",
+        Error::Format { .. } => "FormatError",
         Error::Panicked { .. } => "PanickedError",
         Error::Loader { .. } => "LoaderError",
         Error::Cuda { .. } => "CudaError",

@@ -9,6 +9,7 @@ mod capsule;
 mod context;
 mod errors;
 mod prefetch;
+mod safetensors;
 mod source;
 mod tensor;
 
@@ -26,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor::upload_many, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::download, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch::prefetch, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors::load_safetensors, m)?)?;
     m.add_class::<tensor::Tensor>()?;
     m.add_class::<prefetch::PyPrefetcher>()?;
     Ok(())

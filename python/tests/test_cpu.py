@@ -77,3 +77,15 @@ def test_prefetch_argument_errors_come_first():
         pinstream.prefetch([], normalize=((1, 2, 3), None))
     with pytest.raises(TypeError):
         pinstream.prefetch(42)
+
+
+def test_safetensors_bad_files_are_typed(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    # The header is read before any device is touched.
+    with pytest.raises(pinstream.errors.FormatError, match="bad.safetensors"):
+        pinstream.load_safetensors(bad)
+    with pytest.raises(pinstream.IoError):
+        pinstream.load_safetensors(tmp_path / "missing.safetensors")
+    with pytest.raises(pinstream.InvalidArgumentError, match="direct"):
+        pinstream.load_safetensors(bad, direct="sometimes")
