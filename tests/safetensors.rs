@@ -451,6 +451,11 @@ fn model_each_mode() -> R {
         for pad in [true, false] {
             let f = write_file(&dir, model_specs(&mut rng), pad, &mut rng, seed);
             for mode in [Direct::Never, Direct::Auto, Direct::Always] {
+                if !pad && mode == Direct::Always {
+                    // O_DIRECT keeps an unpadded file's misalignment (the typed reads refuse
+                    // it): `typed_errors_and_misaligned` covers that.
+                    continue;
+                }
                 let opts = LoadOptions::new().direct(mode);
                 let w = match safetensors::load(&stager, &stream, &f.path, opts) {
                     Ok(w) => w,
@@ -466,7 +471,12 @@ fn model_each_mode() -> R {
                     w.used_direct() == (mode == Direct::Always) || mode == Direct::Auto,
                     || format!("{mode:?}: used_direct {}", w.used_direct()),
                 )?;
-                ensure(w.data_offset() == f.data_start % 4096, || {
+                let want_offset = if w.used_direct() {
+                    f.data_start % 4096
+                } else {
+                    0
+                };
+                ensure(w.data_offset() == want_offset, || {
                     format!(
                         "data offset {} for data start {}",
                         w.data_offset(),
@@ -731,7 +741,7 @@ fn typed_errors_and_misaligned() -> R {
         seed,
     );
     let w = safetensors::load(&stager, &stream, &f.path, LoadOptions::default())?;
-    let misaligned = (f.data_start + 3) % 4 != 0;
+    let misaligned = (w.data_offset() + 3) % 4 != 0;
     for (what, r) in [
         ("wrong type", w.get::<f32>("b").map(drop)),
         ("missing name", w.get::<u8>("nope").map(drop)),

@@ -45,7 +45,18 @@ fn run() -> Result<bool, String> {
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))
         .max_by_key(|(t, _)| *t)
         .map(|(_, p)| p)
-        .ok_or_else(|| format!("no lib_native.so under {}", profile.display()))?;
+        .ok_or_else(|| format!("no lib_native.so under {}", profile.display()));
+    let lib = match lib {
+        Ok(l) => l,
+        // Copied away from the build (a GPU machine's pack): there the tests run against the
+        // installed wheel (`python3 -m pytest python/tests`). Under cargo, a missing extension
+        // is a failure.
+        Err(e) if std::env::var_os("CARGO").is_none() => {
+            println!("pytest: ignored ({e}; run pytest against the installed wheel)");
+            return Ok(true);
+        }
+        Err(e) => return Err(e),
+    };
 
     let site = profile.join("python-test");
     let pkg = site.join("pinstream");

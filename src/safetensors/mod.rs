@@ -32,12 +32,15 @@
 //! [`load_file`] builds one (`load_file(path, 0)` is `safetensors.torch.load_file(path,
 //! device="cuda:0")`).
 //!
-//! **The arena.** It holds the data region at [`Weights::data_offset`] (the file offset of the
-//! data region modulo 4096; the bytes before it are the end of the header): each tensor then has
-//! the same alignment in device memory as in the file, whichever way it was read. The reference
-//! writer aligns every tensor to its element size; a tensor that is not (another writer's
-//! file) is refused by the typed accessors and by [`Weights::into_dlpack`], and readable as
-//! bytes ([`Weights::bytes_of`]).
+//! **The arena.** Read through the page cache, the data region starts the arena (256-byte
+//! aligned), so each tensor is as aligned as its offset in the region, which the reference
+//! writer makes a multiple of its element size. Read with `O_DIRECT`, which reads whole 4096-byte
+//! blocks, the region sits at [`Weights::data_offset`] (its file offset modulo 4096; the bytes
+//! before it are the end of the header), so tensors keep their file alignment: `Auto` reads
+//! directly only files whose data region starts at a multiple of 8 (the reference writer pads
+//! the header so); `Always` reads any file so. A tensor that ends up misaligned is refused by
+//! the typed accessors and by [`Weights::into_dlpack`], and readable as bytes
+//! ([`Weights::bytes_of`]).
 
 mod header;
 mod residency;
@@ -187,10 +190,14 @@ fn changed(path: &str, then: u64, now: u64) -> Error {
     }
 }
 
-/// Where the data region goes in the arena, and the arena's size: the region starts at its file
-/// offset modulo 4096.
-fn layout(op: &'static str, header: &Header) -> Result<(usize, usize)> {
-    let pad = (header.data_start() % BLOCK) as usize;
+/// Where the data region goes in the arena, and the arena's size: for `O_DIRECT` reads
+/// (`direct`) at its file offset modulo 4096, else at the start.
+fn layout(op: &'static str, header: &Header, direct: bool) -> Result<(usize, usize)> {
+    let pad = if direct {
+        (header.data_start() % BLOCK) as usize
+    } else {
+        0
+    };
     let too_large = || {
         Error::invalid(
             op,
@@ -214,12 +221,16 @@ fn load_checked(
     header: Header,
     options: LoadOptions,
 ) -> Result<Weights> {
-    let (pad, total) = layout("safetensors::load", &header)?;
     let resident = match options.direct {
         Direct::Auto => residency::resident_fraction(path, header.data_start(), header.data_len()),
         _ => None,
     };
-    let direct = if residency::wants_direct(options.direct, resident, header.data_len()) {
+    // Auto reads directly only where that keeps the tensors aligned (a region at a multiple
+    // of 8 in the file, as the reference writer pads it).
+    let aligned = header.data_start() % 8 == 0;
+    let direct = if residency::wants_direct(options.direct, resident, header.data_len())
+        && (aligned || options.direct == Direct::Always)
+    {
         match FileSource::open_direct(path) {
             Ok(d) if d.len() == file.len() => Some(d),
             Ok(d) => return Err(changed(header.path(), file.len(), d.len())),
@@ -230,6 +241,7 @@ fn load_checked(
     } else {
         None
     };
+    let (pad, total) = layout("safetensors::load", &header, direct.is_some())?;
     let mut arena = DeviceBuffer::<u8>::new_async(stream, total)?;
     let mut used_direct = false;
     if let Some(d) = &direct {
@@ -442,9 +454,11 @@ mod tests {
         bytes.extend_from_slice(json);
         bytes.extend_from_slice(&[1, 2, 3]);
         let h = Header::parse(&bytes, bytes.len() as u64).unwrap();
-        let (pad, total) = layout("t", &h).unwrap();
+        let (pad, total) = layout("t", &h, true).unwrap();
         assert_eq!(pad as u64, 8 + json.len() as u64);
         assert_eq!(total, pad + 3);
+        // Through the page cache the region starts the arena.
+        assert_eq!(layout("t", &h, false).unwrap(), (0, 3));
     }
 
     #[test]
