@@ -40,9 +40,43 @@ def upload(x, device=None):
     return torch.from_dlpack(pinstream.upload(x, _device(device)))
 
 
+def _host_view(x):
+    """A zero-copy view that the native side reads through the buffer protocol (cheaper than
+    a DLPack export per tensor), where numpy has the type; else the tensor itself."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise pinstream.InvalidArgumentError(
+                f"pinstream.torch.upload_many: a tensor on {x.device}, not the CPU"
+            )
+        x = x.detach()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if x.dtype in _NUMPY_VIEWABLE:
+            return x, x.numpy()
+        return x, x
+    t = torch.as_tensor(x)
+    return t, x
+
+
+_NUMPY_VIEWABLE = {
+    torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+}
+
+
 def upload_many(xs, device=None):
-    """Many CPU tensors in one packed upload, as torch tensors."""
-    return [torch.from_dlpack(t) for t in pinstream.upload_many(xs, _device(device))]
+    """Many CPU tensors in one packed upload, as torch tensors: views of one device arena (freed
+    when the last is), made on torch's side."""
+    pairs = [_host_view(x) for x in xs]
+    arena, offsets = _native.upload_packed([v for _, v in pairs], _device(device))
+    if arena is None:
+        return []
+    a = torch.from_dlpack(arena)
+    out = []
+    for (t, _), off in zip(pairs, offsets):
+        n = t.numel() * t.element_size()
+        out.append(a[off : off + n].view(t.dtype).view(t.shape))
+    return out
 
 
 def download(x):

@@ -25,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload_many, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor::upload_packed, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::download, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch::prefetch, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::load_safetensors, m)?)?;

@@ -321,6 +321,38 @@ pub(crate) fn upload_many<'py>(
     Ok(out)
 }
 
+/// As `upload_many`, returning the device arena as one `uint8` tensor and each array's byte
+/// offset in it, for callers that cut the arena into views themselves (`pinstream.torch`).
+#[pyfunction]
+#[pyo3(signature = (xs, device = 0))]
+pub(crate) fn upload_packed<'py>(
+    py: Python<'py>,
+    xs: &Bound<'py, PyAny>,
+    device: i64,
+) -> PyResult<(Option<Tensor>, Vec<usize>)> {
+    const OP: &str = "pinstream.upload_packed";
+    let c = ctx(py, device)?;
+    let mut srcs = Vec::new();
+    for x in xs.try_iter()? {
+        srcs.push(source::host(OP, &x?)?);
+    }
+    let (arena, offsets) = py
+        .detach(|| -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
+            let mut packer = Packer::new();
+            let mut offsets = Vec::with_capacity(srcs.len());
+            for s in &srcs {
+                offsets.push(packer.push(s.bytes()?.0)?.offset());
+            }
+            if srcs.is_empty() {
+                return Ok((None, offsets));
+            }
+            let batch = c.stager.upload_packed(&c.stream, &packer)?;
+            Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
+        })
+        .py_err()?;
+    Ok((arena.map(Tensor::new), offsets))
+}
+
 /// Copies device data (anything with `__dlpack__` in CUDA memory: torch / CuPy / JAX arrays,
 /// a pinstream.Tensor, which is consumed) to a new `bytearray`, through the staging engine,
 /// returning only once the data has arrived. The producer orders pinstream's stream after

@@ -224,3 +224,30 @@ def test_errors_are_typed():
         pinstream.upload(torch.ones(3, device="cuda"))
     with pytest.raises(pinstream.PinstreamError):
         pinstream.upload(np.ones(3), device=99)
+
+
+def test_torch_upload_many_views_of_one_arena():
+    torch = torch_or_skip()
+    import pinstream.torch as pt
+
+    xs = [
+        torch.randn(33, 65),
+        torch.randn(7, 9).t(),  # not contiguous
+        torch.randint(-100, 100, (1000,), dtype=torch.int64),
+        torch.randn(513).to(torch.bfloat16),  # no numpy type: through DLPack
+        torch.tensor(3.5),  # 0-d
+        torch.empty(0, 4),
+        torch.rand(77) > 0.5,
+        torch.randint(0, 255, (4096,), dtype=torch.uint8),
+    ]
+    ys = pt.upload_many(xs)
+    assert len(ys) == len(xs)
+    for x, y in zip(xs, ys):
+        assert y.is_cuda and y.dtype == x.dtype and y.shape == x.shape
+        assert torch.equal(y.cpu(), x)
+    ys[2].add_(1)  # one view written, the others intact
+    assert torch.equal(ys[2].cpu(), xs[2] + 1)
+    assert torch.equal(ys[3].cpu(), xs[3]) and torch.equal(ys[7].cpu(), xs[7])
+    assert pt.upload_many([]) == []
+    with pytest.raises(pinstream.InvalidArgumentError):
+        pt.upload_many([torch.ones(3, device="cuda")])
