@@ -38,6 +38,23 @@ pub(crate) fn shape_of(op: &'static str, imp: &Imported) -> PyResult<Vec<usize>>
         .collect()
 }
 
+/// Takes hold of `x`'s host memory as bytes: through the buffer protocol where `x` has it (one
+/// call, no capsule: the cheap path for many small arrays), else as [`host`] does. The dtype
+/// and shape are then those of bytes.
+pub(crate) fn host_bytes_first(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
+    if let Ok(buf) = PyUntypedBuffer::get(x) {
+        if buf.is_c_contiguous() {
+            let len = buf.len_bytes();
+            return Ok(Host {
+                held: Held::Buffer(buf),
+                dtype: BYTE,
+                shape: vec![len],
+            });
+        }
+    }
+    host(op, x)
+}
+
 /// Takes hold of `x`'s host memory.
 pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
     if x.hasattr("__dlpack__")? {

@@ -334,7 +334,7 @@ pub(crate) fn upload_packed<'py>(
     let c = ctx(py, device)?;
     let mut srcs = Vec::new();
     for x in xs.try_iter()? {
-        srcs.push(source::host(OP, &x?)?);
+        srcs.push(source::host_bytes_first(OP, &x?)?);
     }
     let (arena, offsets) = py
         .detach(|| -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
