@@ -121,6 +121,22 @@ fn main() {
             drop_while_iterator_blocks,
         ),
         dry("held/foreign_pixel_owners", dry_foreign_owners),
+        dry(
+            "finding/foreign_owners_outlive_their_upload_after_the_end",
+            foreign_owners_outlive_the_run,
+        ),
+        dry(
+            "held/foreign_owner_panics_or_changes_late",
+            foreign_owner_misbehaves_late,
+        ),
+        dry(
+            "held/foreign_owner_new_slice_every_call",
+            foreign_owner_new_slice_each_call,
+        ),
+        dry(
+            "held/foreign_owner_drop_drops_the_dryrun",
+            foreign_owner_drop_drops_the_run,
+        ),
     ];
     let mut gpu = |name: &str, f: fn() -> R| {
         trials.push(Trial::test(format!("gpu/{name}"), f).with_ignored_flag(no_gpu));
@@ -142,6 +158,10 @@ fn main() {
     );
     gpu("held/config_extremes_run", gpu_config_extremes_run);
     gpu("held/foreign_pixel_owners", gpu_foreign_owners);
+    gpu(
+        "finding/foreign_owners_outlive_their_upload_after_the_end",
+        gpu_foreign_owners_outlive_the_run,
+    );
     // A deliberate out-of-memory: the sanitizer reports its API error (skip `deliberate_fault`).
     gpu("deliberate_fault/file_larger_than_memory", || {
         in_child("gpu_file_larger_than_memory", BOUND)
@@ -1846,5 +1866,308 @@ fn gpu_foreign_owners() -> R {
         let mut p = Prefetcher::<f32, i64>::new(&s, from4, config(1, 2, 1))?;
         let e = check(&mut p, &[0])?;
         ensure(e.is_some(), || "a shrinking owner was uploaded".into())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// More foreign owners: when they are dropped, late misbehaviour, reentrant drops.
+
+/// Owners alive now (made minus dropped).
+static LIVE_OWNERS: AtomicUsize = AtomicUsize::new(0);
+
+/// An owner that counts itself in [`LIVE_OWNERS`].
+struct Counted(Vec<u8>);
+
+impl Counted {
+    fn new(bytes: Vec<u8>) -> Counted {
+        LIVE_OWNERS.fetch_add(1, Ordering::SeqCst);
+        Counted(bytes)
+    }
+}
+
+impl HostBytes for Counted {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        LIVE_OWNERS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// FINDING (leak, bounded): `Pixels::Foreign` says the owner is "held by the batch until it is
+/// uploaded", but the feeder put every uploaded batch, pixels and all, on the loaders' spare
+/// list, where the owner stayed until a loader reused that batch; after the last batch no loader
+/// does, so the owners of the last `window` batches (a numpy array each, from Python) lived until
+/// the run was dropped. Now the spares are emptied when the pipeline stops: soon after `next()`
+/// has returned `None` (the last loaders return from the source), no owner is alive.
+fn foreign_owners_outlive_the_run() -> R {
+    within("foreign owners after the end", BOUND, || {
+        for (iter, loaders, depth, ahead) in [(false, 2, 2, 4), (true, 1, 1, 0), (false, 4, 3, 8)] {
+            let base = LIVE_OWNERS.load(Ordering::SeqCst);
+            let batch = |i: u64| {
+                HostBatch::new(
+                    Pixels::Foreign(ForeignBytes::new(Counted::new(
+                        (0..6).map(|k| (i + k) as u8).collect(),
+                    ))),
+                    small_spec(),
+                    vec![i as i64],
+                )
+            };
+            let source = if iter {
+                Source::iter((0..12).map(move |i| Ok(batch(i))))
+            } else {
+                Source::new(move |i, b: &mut HostBatch<i64>| {
+                    if i >= 12 {
+                        return Ok(false);
+                    }
+                    *b = batch(i);
+                    Ok(true)
+                })
+            };
+            let mut run = Dry::new(source, config(loaders, depth, ahead))?;
+            let got = drain(&mut run)?;
+            ensure(got.indices.len() == 12 && got.error.is_none(), || {
+                format!("{got:?}")
+            })?;
+            // The last loaders may still be returning from the source: give them a moment.
+            let t = Instant::now();
+            while LIVE_OWNERS.load(Ordering::SeqCst) > base && t.elapsed() < Duration::from_secs(2)
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let live = LIVE_OWNERS.load(Ordering::SeqCst) - base;
+            drop(run);
+            let after = LIVE_OWNERS.load(Ordering::SeqCst) - base;
+            ensure(live == 0 && after == 0, || {
+                format!(
+                    "iter {iter}, {loaders} loaders, depth {depth}, ahead {ahead}: {live} owners \
+                     alive after the last batch ({after} after the drop)"
+                )
+            })?;
+        }
+        Ok(())
+    })
+}
+
+/// How a late owner misbehaves: well on the first `good` calls of `bytes`, then as `how`.
+#[derive(Clone, Copy, Debug)]
+enum Late {
+    Panics,
+    Grows,
+    Empties,
+}
+
+struct LateOwner {
+    bytes: Vec<u8>,
+    good: usize,
+    how: Late,
+    calls: AtomicUsize,
+}
+
+impl HostBytes for LateOwner {
+    fn bytes(&self) -> &[u8] {
+        if self.calls.fetch_add(1, Ordering::SeqCst) < self.good {
+            return &self.bytes[..6];
+        }
+        match self.how {
+            Late::Panics => std::panic::panic_any(Odd { depth: 2 }),
+            Late::Grows => &self.bytes,
+            Late::Empties => &[],
+        }
+    }
+}
+
+/// Owners that behave for their first one or two calls of `bytes` and then panic (with a
+/// payload whose drop panics again), grow, or empty: the batch is an error (never a panic out
+/// of `next`, never a batch normalized from bytes of the wrong length), and the batches before it
+/// are right.
+fn foreign_owner_misbehaves_late() -> R {
+    within("late foreign owners", BOUND, || {
+        for how in [Late::Panics, Late::Grows, Late::Empties] {
+            // A dry run calls `bytes` three times per batch (the check, the length, the read).
+            for good in 1..3 {
+                let source = Source::new(move |i, b: &mut HostBatch<i64>| {
+                    if i >= 4 {
+                        return Ok(false);
+                    }
+                    b.spec = small_spec();
+                    b.extras.clear();
+                    b.extras.push(i as i64);
+                    let mut bytes: Vec<u8> = (0..6).map(|k| (i + k) as u8).collect();
+                    bytes.extend([0; 6]);
+                    b.pixels = Pixels::Foreign(ForeignBytes::new(LateOwner {
+                        bytes,
+                        good: if i == 2 { good } else { usize::MAX },
+                        how,
+                        calls: AtomicUsize::new(0),
+                    }));
+                    Ok(true)
+                });
+                let mut run = Dry::new(source, config(2, 2, 2))?;
+                let got = drain(&mut run)?;
+                ensure(got.indices == [0, 1] && got.error.is_some(), || {
+                    format!("{how:?} after {good} calls: {got:?}")
+                })?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// An owner that gives a fresh copy of its bytes (another address) on every call: each batch is
+/// still right.
+struct Copies {
+    bytes: Vec<u8>,
+    copies: [std::sync::OnceLock<Vec<u8>>; 16],
+    calls: AtomicUsize,
+}
+
+impl HostBytes for Copies {
+    fn bytes(&self) -> &[u8] {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) % self.copies.len();
+        self.copies[n].get_or_init(|| self.bytes.clone())
+    }
+}
+
+fn foreign_owner_new_slice_each_call() -> R {
+    within("foreign owner with fresh slices", BOUND, || {
+        let source = Source::new(|i, b: &mut HostBatch<i64>| {
+            if i >= 20 {
+                return Ok(false);
+            }
+            b.spec = small_spec();
+            b.extras.clear();
+            b.extras.push(i as i64);
+            b.pixels = Pixels::Foreign(ForeignBytes::new(Copies {
+                bytes: (0..6).map(|k| (i + k) as u8).collect(),
+                copies: Default::default(),
+                calls: AtomicUsize::new(0),
+            }));
+            Ok(true)
+        });
+        let mut run = Dry::new(source, config(3, 2, 4))?;
+        let got = drain(&mut run)?;
+        ensure(got.indices.len() == 20 && got.error.is_none(), || {
+            format!("{got:?}")
+        })
+    })
+}
+
+/// An owner whose `Drop` drops the dry run that uploaded it (the run is parked in a shared slot
+/// once the consumer has taken two batches): on whichever pipeline thread that drop runs, the
+/// run goes away without a hang or an abort.
+struct DropsTheRun {
+    bytes: Vec<u8>,
+    hold: Hold<Dry>,
+    done: Option<Done>,
+}
+
+impl HostBytes for DropsTheRun {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl Drop for DropsTheRun {
+    fn drop(&mut self) {
+        let run = self.hold.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if run.is_some() {
+            drop(run);
+            drop(self.done.take());
+        }
+    }
+}
+
+fn foreign_owner_drop_drops_the_run() -> R {
+    let hold: Hold<Dry> = Arc::default();
+    let (tx, rx) = mpsc::channel();
+    let tx = Mutex::new(tx);
+    let h2 = hold.clone();
+    let source = Source::new(move |i, b: &mut HostBatch<i64>| {
+        if i >= 1000 {
+            return Ok(false);
+        }
+        b.spec = small_spec();
+        b.extras.clear();
+        b.extras.push(i as i64);
+        let done = Done(tx.lock().unwrap_or_else(|e| e.into_inner()).clone());
+        b.pixels = Pixels::Foreign(ForeignBytes::new(DropsTheRun {
+            bytes: (0..6).map(|k| (i + k) as u8).collect(),
+            hold: h2.clone(),
+            done: Some(done),
+        }));
+        Ok(true)
+    });
+    let mut run = Dry::new(source, config(2, 2, 2))?;
+    for _ in 0..2 {
+        run.next().ok_or("ended")??;
+    }
+    *hold.lock().unwrap_or_else(|e| e.into_inner()) = Some(run);
+    within("an owner's drop of its own dry run", BOUND, move || {
+        // Every owner's drop signals (its `Done` goes); one of them dropped the run.
+        let t = Instant::now();
+        loop {
+            if hold.lock().unwrap_or_else(|e| e.into_inner()).is_none() {
+                return Ok(());
+            }
+            if t.elapsed() > Duration::from_secs(15) {
+                return Err(Failed::from("no owner dropped the run"));
+            }
+            let _ = rx.recv_timeout(Duration::from_millis(10));
+        }
+    })
+}
+
+/// [`foreign_owners_outlive_the_run`] on the GPU prefetcher, whose feeder recycles batches the
+/// same way: once `next()` has returned `None`, no owner is alive (before the fix, the last
+/// `window` batches' owners lived until the prefetcher was dropped).
+fn gpu_foreign_owners_outlive_the_run() -> R {
+    within("foreign owners after the end (gpu)", BOUND, || {
+        let stream = stream_of(0)?;
+        for (iter, loaders, depth, ahead) in [(false, 2, 2, 4), (true, 1, 1, 0)] {
+            let base = LIVE_OWNERS.load(Ordering::SeqCst);
+            let batch = |i: u64| {
+                HostBatch::new(
+                    Pixels::Foreign(ForeignBytes::new(Counted::new(
+                        (0..6).map(|k| (i + k) as u8).collect(),
+                    ))),
+                    small_spec(),
+                    vec![i as i64],
+                )
+            };
+            let source = if iter {
+                Source::iter((0..12).map(move |i| Ok(batch(i))))
+            } else {
+                Source::new(move |i, b: &mut HostBatch<i64>| {
+                    if i >= 12 {
+                        return Ok(false);
+                    }
+                    *b = batch(i);
+                    Ok(true)
+                })
+            };
+            let mut p =
+                Prefetcher::<f32, i64>::new(&stream, source, config(loaders, depth, ahead))?;
+            let mut seen = 0;
+            while let Some(b) = p.next() {
+                b?;
+                seen += 1;
+            }
+            ensure(seen == 12, || format!("{seen} batches"))?;
+            let t = Instant::now();
+            while LIVE_OWNERS.load(Ordering::SeqCst) > base && t.elapsed() < Duration::from_secs(2)
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let live = LIVE_OWNERS.load(Ordering::SeqCst) - base;
+            drop(p);
+            ensure(live == 0, || {
+                format!("iter {iter}: {live} owners alive after the last batch")
+            })?;
+        }
+        Ok(())
     })
 }

@@ -42,7 +42,26 @@ fn main() {
         let what = name.clone();
         Trial::test(name, move || within(&what, BOUND, f)).with_ignored_flag(no_gpu)
     };
+    // Imports of host memory need no GPU: these run everywhere.
+    let cpu = |name: &str, f: fn() -> R| {
+        let name = format!("cpu/{name}");
+        let what = name.clone();
+        Trial::test(name, move || within(&what, BOUND, f))
+    };
     let trials = vec![
+        cpu(
+            "finding/byte_offset_wrapping_around_the_address_space",
+            byte_offset_wraps,
+        ),
+        cpu(
+            "held/imported_lies_refused_and_deleted_once",
+            imported_lies_refused,
+        ),
+        cpu("held/imported_byte_views_of_odd_types", imported_byte_views),
+        cpu(
+            "held/imported_read_only_and_writable_views",
+            imported_read_only_views,
+        ),
         // Findings.
         t(
             "finding/batch_export_consumer_write_races_earlier_tracked_read",
@@ -1528,4 +1547,356 @@ fn batch_without_extras() -> R {
         i += 1;
     }
     ensure(i == 6, || format!("{i} of 6"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Imports of host memory (no GPU): producers that lie, views of odd types, read-only flags.
+
+/// A foreign host tensor whose deleter counts its calls in `deleted`.
+fn counted(
+    data: *mut c_void,
+    dtype: DLDataType,
+    shape: Vec<i64>,
+    strides: Option<Vec<i64>>,
+    byte_offset: u64,
+    deleted: &Arc<AtomicUsize>,
+) -> *mut DLManagedTensorVersioned {
+    let d = deleted.clone();
+    foreign(
+        data,
+        CPU,
+        dtype,
+        shape,
+        strides,
+        byte_offset,
+        Some(Box::new(move || {
+            d.fetch_add(1, Ordering::SeqCst);
+        })),
+    )
+}
+
+fn dt(code: u8, bits: u8, lanes: u16) -> DLDataType {
+    DLDataType { code, bits, lanes }
+}
+
+/// FINDING (hardening): a byte offset that wraps the first element's address around the
+/// address space (here to null, from a non-null `data`) was accepted: the null check looked
+/// at `data`, not at `data + byte_offset`, and `host_bytes().into_slice()` then made a slice
+/// at address 0 (undefined behaviour; a debug build aborts on it). Refused at the import now,
+/// with the deleter called, as the other malformed tensors are.
+fn byte_offset_wraps() -> R {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let u8t = dt(1, 8, 1);
+    let base = 0x1000usize as *mut c_void;
+    let cases: [(&str, u64, Vec<i64>); 3] = [
+        ("to null", (u64::MAX - 0xFFF), vec![8]),
+        ("past the end", u64::MAX - 0x1000 - 3, vec![8]),
+        ("offset u64::MAX", u64::MAX, vec![1]),
+    ];
+    let mut accepted = Vec::new();
+    for (what, off, shape) in cases {
+        let before = deleted.load(Ordering::SeqCst);
+        let p = counted(base, u8t, shape, None, off, &deleted);
+        // SAFETY: ownership passes; the tensor lies about its memory, which is what the import
+        // must refuse before any view exists (nothing here reads the data).
+        match unsafe { Imported::from_versioned(p) } {
+            Err(Error::InvalidArgument { .. }) => {}
+            Err(e) => accepted.push(format!("{what}: {e}")),
+            Ok(imp) => {
+                accepted.push(format!("{what}: accepted, data {:p}", imp.data_ptr()));
+                // Not viewed: a view would be the undefined behaviour described above.
+                drop(imp);
+            }
+        }
+        ensure(deleted.load(Ordering::SeqCst) == before + 1, || {
+            format!("{what}: deleter not called once")
+        })?;
+    }
+    // An empty tensor may point anywhere.
+    let p = counted(base, u8t, vec![0, 5], None, u64::MAX, &deleted);
+    // SAFETY: as above; empty, so there is nothing to read.
+    let imp = unsafe { Imported::from_versioned(p)? };
+    ensure(imp.host_bytes()?.into_slice()?.is_empty(), || {
+        "empty".into()
+    })?;
+    drop(imp);
+    ensure(accepted.is_empty(), || format!("{accepted:?}"))
+}
+
+/// Malformed tensors — negative or huge ndim, a null shape, negative or overflowing sizes, a
+/// type of no whole bytes or no lanes, null data for a non-empty tensor, more bytes than
+/// `isize::MAX`, another major version — are refused (`InvalidArgument`) and given back: the
+/// deleter runs exactly once, for versioned and legacy tensors alike.
+fn imported_lies_refused() -> R {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let mut host = vec![0u8; 64];
+    let data: *mut c_void = host.as_mut_ptr().cast();
+    let u8t = dt(1, 8, 1);
+    let f32t = f32::DTYPE;
+    type Poke = fn(&mut DLManagedTensorVersioned);
+    /// What, data, dtype, shape, and a change to the header.
+    type Case = (
+        &'static str,
+        *mut c_void,
+        DLDataType,
+        Vec<i64>,
+        Option<Poke>,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "ndim -1",
+            data,
+            u8t,
+            vec![4],
+            Some(|m| m.dl_tensor.ndim = -1),
+        ),
+        (
+            "ndim i32::MIN",
+            data,
+            u8t,
+            vec![4],
+            Some(|m| m.dl_tensor.ndim = i32::MIN),
+        ),
+        (
+            "ndim 65",
+            data,
+            u8t,
+            vec![4],
+            Some(|m| m.dl_tensor.ndim = 65),
+        ),
+        (
+            "null shape",
+            data,
+            u8t,
+            vec![4],
+            Some(|m| m.dl_tensor.shape = std::ptr::null_mut()),
+        ),
+        ("negative size", data, u8t, vec![4, -1], None),
+        ("i64::MIN size", data, u8t, vec![i64::MIN], None),
+        ("negative size beside zero", data, u8t, vec![0, -3], None),
+        (
+            "sizes overflow",
+            data,
+            u8t,
+            vec![i64::MAX, i64::MAX, 4],
+            None,
+        ),
+        (
+            "bytes past isize::MAX",
+            data,
+            f32t,
+            vec![i64::MAX / 2],
+            None,
+        ),
+        ("nibbles", data, dt(1, 4, 1), vec![4], None),
+        ("three nibbles", data, dt(1, 4, 3), vec![4], None),
+        ("zero lanes", data, dt(1, 8, 0), vec![4], None),
+        ("null data", std::ptr::null_mut(), u8t, vec![4], None),
+        ("major 0", data, u8t, vec![4], Some(|m| m.version.major = 0)),
+        ("major 2", data, u8t, vec![4], Some(|m| m.version.major = 2)),
+        (
+            "major u32::MAX",
+            data,
+            u8t,
+            vec![4],
+            Some(|m| m.version.major = u32::MAX),
+        ),
+    ];
+    let mut accepted = Vec::new();
+    for (what, data, dtype, shape, poke) in cases {
+        let before = deleted.load(Ordering::SeqCst);
+        let p = counted(data, dtype, shape, None, 0, &deleted);
+        if let Some(poke) = poke {
+            // SAFETY: `p` is the live box `counted` made; only its header fields change.
+            poke(unsafe { &mut *p });
+        }
+        // SAFETY: ownership passes; `host` outlives the import.
+        match unsafe { Imported::from_versioned(p) } {
+            Err(Error::InvalidArgument { .. }) => {}
+            other => accepted.push(format!("{what}: {:?}", other.map(|i| format!("{i:?}")))),
+        }
+        ensure(deleted.load(Ordering::SeqCst) == before + 1, || {
+            format!(
+                "{what}: the deleter ran {} times",
+                deleted.load(Ordering::SeqCst) - before
+            )
+        })?;
+    }
+    // A null tensor: refused, nothing to delete.
+    // SAFETY: null is refused before it is read.
+    let r = unsafe { Imported::from_versioned(std::ptr::null_mut()) };
+    ensure(r.is_err(), || "a null tensor".into())?;
+    // SAFETY: as above.
+    let r = unsafe { Imported::from_legacy(std::ptr::null_mut()) };
+    ensure(r.is_err(), || "a null legacy tensor".into())?;
+    // A tensor without a deleter (a producer that frees it itself): refused without a call.
+    let p = counted(data, u8t, vec![-1], None, 0, &deleted);
+    // SAFETY: `p` is live; the deleter is taken out (and run here, once, to free the box).
+    let d = unsafe { (*p).deleter.take() };
+    // SAFETY: ownership passes; the import refuses it and has no deleter to call.
+    let r = unsafe { Imported::from_versioned(p) };
+    ensure(r.is_err(), || "no deleter, negative size".into())?;
+    if let Some(d) = d {
+        // SAFETY: `p` was never deleted: free it once now.
+        unsafe { d(p) };
+    }
+    drop(host);
+    ensure(accepted.is_empty(), || format!("accepted: {accepted:?}"))
+}
+
+/// Byte views of types with no `Element`: 3-byte lanes, 1-bit lanes filling a byte, 255-byte
+/// elements; size-1 dimensions with any stride are compact; a type of zero bits imports (it is
+/// a DLPack type) but has no byte view; device views of host memory are refused.
+fn imported_byte_views() -> R {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let (v, seed) = random::<u8>(4096);
+    let mut host = v.clone();
+    let data: *mut c_void = host.as_mut_ptr().cast();
+    /// What, dtype, shape, strides, byte offset, bytes.
+    type Case = (
+        &'static str,
+        DLDataType,
+        Vec<i64>,
+        Option<Vec<i64>>,
+        u64,
+        usize,
+    );
+    let cases: [Case; 5] = [
+        ("3-byte lanes", dt(1, 8, 3), vec![4, 5], None, 1, 60),
+        ("bit lanes", dt(6, 1, 8), vec![7], None, 3, 7),
+        (
+            "255-byte elements",
+            dt(1, 255, 8),
+            vec![2, 3],
+            None,
+            100,
+            1530,
+        ),
+        (
+            "size-1 dims, odd strides",
+            dt(2, 32, 1),
+            vec![1, 8, 1],
+            Some(vec![-77, 1, 12345]),
+            16,
+            32,
+        ),
+        (
+            "empty, odd strides",
+            dt(2, 32, 1),
+            vec![3, 0, 2],
+            Some(vec![-1, 99, 7]),
+            0,
+            0,
+        ),
+    ];
+    for (what, dtype, shape, strides, off, bytes) in cases {
+        let p = counted(data, dtype, shape, strides, off, &deleted);
+        // SAFETY: `host` outlives the import and nobody writes it meanwhile.
+        let imp = unsafe { Imported::from_versioned(p)? };
+        ensure(imp.byte_len()? == bytes, || format!("{what}: {imp:?}"))?;
+        let got = imp.host_bytes()?.into_slice()?;
+        let o = off as usize;
+        same(what, got, &v[o..o + bytes], seed)?;
+        let d = imp.device_bytes();
+        ensure(matches!(d, Err(Error::InvalidArgument { .. })), || {
+            format!("{what}: device view of host memory: {:?}", d.map(|_| ()))
+        })?;
+    }
+    // Zero bits: a DLPack type, but no bytes to view.
+    let p = counted(data, dt(1, 0, 1), vec![1 << 40], None, 0, &deleted);
+    // SAFETY: as above (no view of it is made).
+    let imp = unsafe { Imported::from_versioned(p)? };
+    ensure(
+        imp.byte_len().is_err() && imp.host_bytes().is_err() && imp.host::<u8>().is_err(),
+        || "a zero-bit type has a byte view".into(),
+    )?;
+    drop(imp);
+    // Not compact: refused.
+    let p = counted(data, dt(1, 8, 1), vec![4, 4], Some(vec![1, 4]), 0, &deleted);
+    // SAFETY: as above.
+    let imp = unsafe { Imported::from_versioned(p)? };
+    ensure(imp.host_bytes().is_err(), || {
+        "a transposed byte view".into()
+    })?;
+    drop(imp);
+    // Empty with a null data pointer.
+    let p = counted(
+        std::ptr::null_mut(),
+        dt(2, 32, 1),
+        vec![0],
+        None,
+        0,
+        &deleted,
+    );
+    // SAFETY: empty: nothing is read.
+    let imp = unsafe { Imported::from_versioned(p)? };
+    ensure(imp.host_bytes()?.into_slice()?.is_empty(), || {
+        "empty".into()
+    })?;
+    drop(imp);
+    ensure(deleted.load(Ordering::SeqCst) == 8, || {
+        format!(
+            "{} deleter calls for 8 imports",
+            deleted.load(Ordering::SeqCst)
+        )
+    })?;
+    drop(host);
+    Ok(())
+}
+
+/// A read-only tensor gives read views (and slices that outlive the view), never a writable
+/// one; a writable view (`host_mut`) cannot become a slice that outlives it.
+fn imported_read_only_views() -> R {
+    let deleted = Arc::new(AtomicUsize::new(0));
+    let (v, seed) = random::<u8>(256);
+    let mut host = v.clone();
+    let p = counted(
+        host.as_mut_ptr().cast(),
+        dt(1, 8, 1),
+        vec![256],
+        None,
+        0,
+        &deleted,
+    );
+    // SAFETY: `p` is live; only the flags change.
+    unsafe { (*p).flags |= pinstream::dlpack::abi::FLAG_READ_ONLY };
+    // SAFETY: `host` outlives the import and nobody writes it meanwhile.
+    let mut imp = unsafe { Imported::from_versioned(p)? };
+    ensure(imp.is_read_only(), || "flag lost".into())?;
+    let slice = imp.host_bytes()?.into_slice()?;
+    same("read-only bytes", slice, &v, seed)?;
+    let refusals = [
+        imp.host_mut::<u8>().map(|_| ()),
+        imp.device_bytes_mut().map(|_| ()),
+        imp.device_mut::<u8>().map(|_| ()),
+    ];
+    ensure(
+        refusals
+            .iter()
+            .all(|r| matches!(r, Err(Error::InvalidArgument { .. }))),
+        || format!("{refusals:?}"),
+    )?;
+    drop(imp);
+    // Writable: `host_mut` is a copy destination, not a slice to keep.
+    let p = counted(
+        host.as_mut_ptr().cast(),
+        dt(1, 8, 1),
+        vec![256],
+        None,
+        0,
+        &deleted,
+    );
+    // SAFETY: as above.
+    let mut imp = unsafe { Imported::from_versioned(p)? };
+    let r = imp.host_mut::<u8>()?.into_slice().map(|s| s.len());
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+        format!("writable view into a slice: {r:?}")
+    })?;
+    same("writable bytes", imp.host_bytes()?.into_slice()?, &v, seed)?;
+    drop(imp);
+    ensure(deleted.load(Ordering::SeqCst) == 2, || {
+        "deleter calls".into()
+    })?;
+    drop(host);
+    Ok(())
 }

@@ -4,6 +4,7 @@
 //! kernel normalizes and casts them, and `__next__` hands out DLPack tensors whose consumer
 //! stream waits for them on the GPU.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -14,8 +15,10 @@ use pinstream::prefetch::{
 };
 use pinstream::{bf16, f16, Error};
 use pyo3::exceptions::{PyStopIteration, PyTypeError};
+use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
+use pyo3::PyTraverseError;
 
 use crate::context::ctx;
 use crate::errors::{invalid, to_py, OrPy};
@@ -43,10 +46,43 @@ impl HostBytes for Held {
     }
 }
 
+thread_local! {
+    /// The prefetcher (the address of its `Side`) whose next item this thread is pulling, or 0.
+    static PULLING: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Marks the current thread as pulling an item of prefetcher `id` while it lives.
+struct Pulling(usize);
+
+impl Pulling {
+    fn enter(id: usize) -> Pulling {
+        Pulling(PULLING.with(|p| p.replace(id)))
+    }
+}
+
+impl Drop for Pulling {
+    fn drop(&mut self) {
+        PULLING.with(|p| p.set(self.0));
+    }
+}
+
+/// Whether this thread is one of prefetcher `id`'s loaders, inside its iterable's code: there,
+/// `__next__` and `close` would wait for the loaders, this one included (a deadlock), and the
+/// last reference's drop would join this thread from itself.
+fn pulling(id: usize) -> bool {
+    PULLING.with(|p| p.get() == id)
+}
+
+/// The iterable, held once for the prefetcher (so that the garbage collector sees the one
+/// reference, through `PyPrefetcher::__traverse__`); `None` once cleared.
+type Iterable = Arc<Mutex<Option<Py<PyAny>>>>;
+
 /// The iterator the loader threads take turns on: each `next` attaches to Python, pulls one
 /// item and takes its arrays.
 struct Items {
-    it: Py<PyAny>,
+    it: Iterable,
+    /// The prefetcher's `Side` address, for `PULLING`.
+    id: usize,
     index: u64,
     done: bool,
     /// Per-channel mean and std (the input's scale); `None`: a plain cast.
@@ -62,7 +98,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Items {
     fn pull(&self, py: Python<'_>, i: u64) -> PyResult<Option<HostBatch<i64>>> {
-        let item = match self.it.bind(py).call_method0("__next__") {
+        let _pulling = Pulling::enter(self.id);
+        // A reference of our own for the call (the GC sees it as one from outside, which keeps
+        // the iterable alive meanwhile); the iterable is gone once the prefetcher was cleared.
+        let Some(it) = lock(&self.it).as_ref().map(|it| it.clone_ref(py)) else {
+            return Ok(None);
+        };
+        let item = match it.bind(py).call_method0("__next__") {
             Ok(x) => x,
             Err(e) if e.is_instance_of::<PyStopIteration>(py) => return Ok(None),
             Err(e) => return Err(e),
@@ -224,22 +266,73 @@ pub(crate) struct PyPrefetcher {
     inner: Mutex<Option<Inner>>,
     side: Arc<Mutex<Side>>,
     labels: Mutex<Option<bool>>,
+    iterable: Iterable,
 }
 
 impl PyPrefetcher {
-    fn close_inner(&self, py: Python<'_>) {
-        let p = lock(&self.inner).take();
+    /// The id its loaders mark themselves with while they pull (`PULLING`).
+    fn id(&self) -> usize {
+        Arc::as_ptr(&self.side) as usize
+    }
+
+    fn close_inner(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        if pulling(self.id()) {
+            return Err(reentered(what));
+        }
+        // The lock is taken without the GIL: a `__next__` on another thread holds it while it
+        // waits for a batch, which the loader threads pull with the GIL.
+        let p = py.detach(|| lock(&self.inner).take());
         // The loader threads may be waiting for the GIL: drop them without it.
         py.detach(move || drop(p));
+        Ok(())
     }
+}
+
+/// Refuses a call of a prefetcher from its own iterable (it would wait for itself).
+fn reentered(what: &str) -> PyErr {
+    invalid(
+        OP,
+        format!(
+            "Prefetcher.{what} was called from the prefetcher's own iterable (on a loader \
+             thread, which it would wait for): end the iterable with StopIteration instead"
+        ),
+    )
+}
+
+/// Whether the current thread is one of the library's (a loader or feeder, of this prefetcher or
+/// another): a prefetcher dropped there may be joining the thread it runs on.
+fn library_thread() -> bool {
+    std::thread::current()
+        .name()
+        .is_some_and(|n| n.starts_with("pinstream-"))
+}
+
+/// Drops a prefetcher: without the GIL (its loader threads may wait for it), and on a thread of
+/// its own when this thread is one of its loaders, or any thread of the library (whose drop
+/// would join the thread it runs on). Leaked if no thread can be started there.
+fn retire(p: Option<Inner>, own_loader: bool) {
+    if p.is_none() {
+        return;
+    }
+    if own_loader || library_thread() {
+        let slot = Arc::new(Mutex::new(p));
+        let theirs = slot.clone();
+        let spawned = std::thread::Builder::new()
+            .name("pinstream-close".into())
+            .spawn(move || drop(lock(&theirs).take()));
+        if spawned.is_err() {
+            std::mem::forget(lock(&slot).take());
+        }
+        return;
+    }
+    Python::attach(|py| py.detach(move || drop(p)));
 }
 
 impl Drop for PyPrefetcher {
     fn drop(&mut self) {
+        let own_loader = pulling(self.id());
         let p = lock(&self.inner).take();
-        if p.is_some() {
-            Python::attach(|py| py.detach(move || drop(p)));
-        }
+        retire(p, own_loader);
     }
 }
 
@@ -250,14 +343,17 @@ impl PyPrefetcher {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        if pulling(self.id()) {
+            return Err(reentered("__next__"));
+        }
         let got = py.detach(|| lock(&self.inner).as_mut().and_then(Inner::next));
         let (i, px, ex) = match got {
             None => {
-                self.close_inner(py);
+                self.close_inner(py, "__next__")?;
                 return Err(PyStopIteration::new_err(()));
             }
             Some(Err(e)) => {
-                self.close_inner(py);
+                self.close_inner(py, "__next__")?;
                 let cause = match &e {
                     Error::Loader { batch, .. } => lock(&self.side).causes.remove(batch),
                     _ => None,
@@ -285,8 +381,28 @@ impl PyPrefetcher {
     }
 
     /// Stops the threads and frees the slots (batches already handed out stay valid).
-    fn close(&self, py: Python<'_>) {
-        self.close_inner(py);
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        self.close_inner(py, "close")
+    }
+
+    /// The garbage collector's view: the iterable (which may refer back to the prefetcher).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // Never blocks: a loader holds the lock only to take a reference of its own.
+        if let Ok(it) = self.iterable.try_lock() {
+            if let Some(it) = it.as_ref() {
+                visit.call(it)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Breaks a cycle through the iterable: the iterable is let go and the prefetcher closed.
+    fn __clear__(&self) {
+        let it = lock(&self.iterable).take();
+        drop(it);
+        let own_loader = pulling(self.id());
+        let p = lock(&self.inner).take();
+        retire(p, own_loader);
     }
 
     fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -299,9 +415,9 @@ impl PyPrefetcher {
         _t: Option<Bound<'_, PyAny>>,
         _v: Option<Bound<'_, PyAny>>,
         _tb: Option<Bound<'_, PyAny>>,
-    ) -> bool {
-        self.close_inner(py);
-        false
+    ) -> PyResult<bool> {
+        self.close_inner(py, "__exit__")?;
+        Ok(false)
     }
 }
 
@@ -353,8 +469,10 @@ pub(crate) fn prefetch(
         .map_err(|_| PyTypeError::new_err("pinstream.prefetch: the source is not iterable"))?;
     let c = ctx(py, device)?;
     let side = Arc::new(Mutex::new(Side::default()));
+    let iterable: Iterable = Arc::new(Mutex::new(Some(it.into_any().unbind())));
     let items = Items {
-        it: it.into_any().unbind(),
+        it: iterable.clone(),
+        id: Arc::as_ptr(&side) as usize,
         index: 0,
         done: false,
         norm,
@@ -390,5 +508,6 @@ pub(crate) fn prefetch(
         inner: Mutex::new(Some(inner)),
         side,
         labels: Mutex::new(None),
+        iterable,
     })
 }

@@ -110,13 +110,26 @@ fn consumer_stream(stream: Option<&Bound<'_, PyAny>>) -> PyResult<ConsumerStream
              stream, 2 for the per-thread one)",
         )),
         2 => Ok(ConsumerStream::PerThread),
-        v => usize::try_from(v).map(ConsumerStream::Raw).map_err(|_| {
-            invalid(
-                "Tensor.__dlpack__",
-                format!("stream {v} is not a stream handle"),
-            )
-        }),
+        v => usize::try_from(v)
+            .ok()
+            .filter(|&raw| raw == 1 || could_be_a_stream(raw))
+            .map(ConsumerStream::Raw)
+            .ok_or_else(|| {
+                invalid(
+                    "Tensor.__dlpack__",
+                    format!("stream {v} is not a stream handle"),
+                )
+            }),
     }
+}
+
+/// Whether `raw` could be a `cudaStream_t` other than the special handles: a pointer to the
+/// driver's stream object, so 8-byte aligned, above the first page and below the top of the
+/// user address space (2^56 with 5-level paging). Anything else is refused before the runtime
+/// is handed it: it would dereference it and crash the process. (A plausible address that is
+/// not a live stream still crashes it: the protocol trusts the consumer with the handle.)
+fn could_be_a_stream(raw: usize) -> bool {
+    raw >= 4096 && raw % 8 == 0 && (raw as u64) < (1u64 << 56)
 }
 
 #[pymethods]

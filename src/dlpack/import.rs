@@ -195,6 +195,20 @@ impl Imported {
         if len > 0 && t.data.is_null() {
             return bad("a null data pointer for a non-empty tensor".into());
         }
+        // The first element's address and the end of the data must not wrap around the
+        // address space (a byte offset that does would give views a null or low pointer).
+        let bytes = len * elem; // checked above
+        let wraps = usize::try_from(t.byte_offset)
+            .ok()
+            .and_then(|off| (t.data as usize).checked_add(off))
+            .and_then(|first| first.checked_add(bytes))
+            .is_none();
+        if len > 0 && wraps {
+            return bad(format!(
+                "data {:p} + byte_offset {} + {bytes} bytes wraps around the address space",
+                t.data, t.byte_offset
+            ));
+        }
         Ok((shape, strides, len))
     }
 

@@ -146,11 +146,18 @@ impl<E> Queue<E> {
     /// Stops the loaders and wakes every wait; an iterator source's turns are abandoned (a
     /// no-op once the iterator is over). Idempotent.
     pub(crate) fn stop(&self) {
-        lock(&self.state).stop = true;
+        // No loader fills a batch again: the spares go now (outside the lock), and with them
+        // what they still hold (pixels another owner keeps, `Pixels::Foreign`).
+        let spare = {
+            let mut s = lock(&self.state);
+            s.stop = true;
+            std::mem::take(&mut s.spare)
+        };
         self.cv.notify_all();
         if let Some(abandon) = &self.abandon {
             abandon();
         }
+        drop_quietly(spare);
     }
 
     /// The result for local index `i` (the feeder takes them in order), waiting while it is
@@ -185,8 +192,15 @@ impl<E> Queue<E> {
     }
 
     /// A batch the feeder is done with, for a loader to fill again.
+    /// Once the loaders are stopped it is dropped instead.
     pub(crate) fn recycle(&self, batch: HostBatch<E>) {
-        lock(&self.state).spare.push(batch);
+        let mut s = lock(&self.state);
+        if s.stop {
+            drop(s);
+            drop_quietly(batch);
+            return;
+        }
+        s.spare.push(batch);
     }
 
     pub(crate) fn stats(&self) -> LoaderStats {

@@ -46,9 +46,14 @@ impl FileSource {
         };
         let mut opts = OpenOptions::new();
         opts.read(true);
-        if direct {
-            opts.custom_flags(libc::O_DIRECT);
-        }
+        // O_NONBLOCK: opening a FIFO for reading would otherwise block until a writer opens it
+        // (for ever, if none does). It is refused below; for other files the flag is cleared.
+        let nonblock = libc::O_NONBLOCK;
+        opts.custom_flags(if direct {
+            libc::O_DIRECT | nonblock
+        } else {
+            nonblock
+        });
         let file = opts.open(path).map_err(|e| {
             if direct && e.raw_os_error() == Some(libc::EINVAL) {
                 io(format!("the filesystem does not support O_DIRECT ({e})"))
@@ -56,7 +61,28 @@ impl FileSource {
                 io(e.to_string())
             }
         })?;
-        let len = file.metadata().map_err(|e| io(e.to_string()))?.len();
+        let meta = file.metadata().map_err(|e| io(e.to_string()))?;
+        {
+            use std::os::unix::fs::FileTypeExt;
+            let kind = meta.file_type();
+            if kind.is_fifo() || kind.is_socket() {
+                return Err(io(
+                    "a FIFO or socket, not a file (its reads could wait for a writer for ever)"
+                        .into(),
+                ));
+            }
+        }
+        let fd = file.as_raw_fd();
+        // SAFETY: `fd` is the open descriptor `file` owns; F_GETFL / F_SETFL only read and set
+        // its status flags.
+        let cleared = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !nonblock) == 0
+        };
+        if !cleared {
+            return Err(io(format!("fcntl: {}", std::io::Error::last_os_error())));
+        }
+        let len = meta.len();
         Ok(FileSource {
             file,
             path: shown,
