@@ -350,18 +350,20 @@ pub(crate) fn upload_packed<'py>(
         srcs.push(source::host_bytes_first(OP, &x?)?);
     }
     let (arena, offsets) = py
-        .detach(|| -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
-            let mut packer = Packer::new();
-            let mut offsets = Vec::with_capacity(srcs.len());
-            for s in &srcs {
-                offsets.push(packer.push(s.bytes()?.0)?.offset());
-            }
-            if srcs.is_empty() {
-                return Ok((None, offsets));
-            }
-            let batch = c.stager.upload_packed(&c.stream, &packer)?;
-            Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
-        })
+        .detach(
+            || -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
+                let mut packer = Packer::new();
+                let mut offsets = Vec::with_capacity(srcs.len());
+                for s in &srcs {
+                    offsets.push(packer.push(s.bytes()?.0)?.offset());
+                }
+                if srcs.is_empty() {
+                    return Ok((None, offsets));
+                }
+                let batch = c.stager.upload_packed(&c.stream, &packer)?;
+                Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
+            },
+        )
         .py_err()?;
     Ok((arena.map(Tensor::new), offsets))
 }
