@@ -11,7 +11,9 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 ``pinstream.errors.PinstreamError`` of its kind.
 """
 
+import atexit
 import os
+import weakref
 
 from . import errors
 from ._native import (
@@ -89,7 +91,13 @@ def _current_torch_device():
 
 
 def _contiguous(x):
-    """numpy arrays and torch tensors in C order (a copy only where they are not)."""
+    """numpy arrays and torch tensors in C order (a copy only where they are not); numpy
+    scalars as 0-d arrays."""
+    if type(x).__module__ == "numpy":
+        import numpy
+
+        if isinstance(x, numpy.generic):
+            return numpy.asarray(x)
     if hasattr(x, "is_contiguous") and hasattr(x, "contiguous"):  # torch
         return x if x.is_contiguous() else x.contiguous()
     flags = getattr(x, "flags", None)
@@ -181,7 +189,7 @@ def prefetch(
     ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is passed through as it is.
     Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch`` gives torch tensors)."""
     mean, std = normalize if normalize is not None else (None, None)
-    return _native.prefetch(
+    p = _native.prefetch(
         iterable,
         _device(device),
         depth,
@@ -192,6 +200,22 @@ def prefetch(
         input_layout,
         loader_threads,
     )
+    _LIVE.add(p)
+    return p
+
+
+# Prefetchers still running when the interpreter exits are closed first (their threads pull
+# from Python objects, which must not happen during finalization).
+_LIVE = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_prefetchers():
+    for p in list(_LIVE):
+        try:
+            p.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
 
 
 def load_safetensors(path, device=0, direct="auto"):

@@ -261,7 +261,7 @@ impl Inner {
 /// passed through as they were). Close it (or leave a `with` block, or drop it) to stop the
 /// threads early; the exception an item raised comes out as a `LoaderError` (its `batch`,
 /// the original as `__cause__`), and the iteration ends there.
-#[pyclass(module = "pinstream", name = "Prefetcher")]
+#[pyclass(module = "pinstream", name = "Prefetcher", weakref)]
 pub(crate) struct PyPrefetcher {
     inner: Mutex<Option<Inner>>,
     side: Arc<Mutex<Side>>,

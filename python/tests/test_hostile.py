@@ -420,7 +420,7 @@ def test_upload_odd_host_sources():
         np.zeros(0, np.float32),
         np.zeros((0, 2**40), np.uint8),
         np.zeros((2**31, 0, 7), np.float64),
-        np.float64(3.5),  # no __dlpack__: its buffer, 8 bytes
+        np.float64(3.5),  # a numpy scalar: as a 0-d array
         np.array(7, np.int16),
         np.arange(10, dtype=np.uint8)[::2].copy(),
         b"",
@@ -436,7 +436,7 @@ def test_upload_odd_host_sources():
     for x in cases:
         t = pinstream.upload(x)
         back = pinstream.download(t)
-        raw = isinstance(x, (bytes, bytearray, memoryview, array.array, np.generic))
+        raw = isinstance(x, (bytes, bytearray, memoryview, array.array))
         want = None if raw else np.asarray(x)
         if want is not None:
             assert back.shape == want.shape and back.dtype == want.dtype, (x, back)
@@ -471,7 +471,7 @@ def test_upload_many_with_hostile_iterables():
     xs = []
     for i in range(2000):
         dt = [np.uint8, np.int16, np.float32, np.float64, np.complex64][i % 5]
-        xs.append(np.arange(i % 7, dtype=dt) * (i + 1))
+        xs.append((np.arange(i % 7) * ((i % 30) + 1)).astype(dt))
     ts = pinstream.upload_many(xs)
     assert len(ts) == len(xs)
     for t, x in zip(ts[::97], xs[::97]):
@@ -510,7 +510,7 @@ def test_finding_close_from_another_thread_while_next_waits():
         def consume():
             try:
                 for x in pf:
-                    got.append(x)
+                    got.append(x.shape)  # the tensor itself released at once
             except Exception as e:
                 got.append(e)
 
@@ -520,7 +520,7 @@ def test_finding_close_from_another_thread_while_next_waits():
         pf.close()
         t.join(20)
         assert not t.is_alive(), "the consumer is still waiting"
-        assert all(isinstance(x, pinstream.Tensor) for x in got), got
+        assert all(isinstance(x, tuple) for x in got), got
         with pf:  # closed: __exit__ again is fine
             pass
         print("ok")
