@@ -50,8 +50,9 @@ pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
     Ok(t[ordinal].get_or_insert_with(|| Arc::new(made)).clone())
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // The table holds no invariant a panic could break half-way.
+/// Locks `m`, ignoring poisoning: the binding's tables and slots hold no invariant a panic
+/// could break half-way.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use pyo3::PyTraverseError;
 
-use crate::context::ctx;
+use crate::context::{ctx, lock};
 use crate::errors::{invalid, to_py, OrPy};
 use crate::source::{self, Host};
 use crate::tensor::{dtype_name, Tensor};
@@ -90,10 +90,6 @@ struct Items {
     in_layout: Layout,
     out_layout: Layout,
     side: Arc<Mutex<Side>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Items {

@@ -44,12 +44,7 @@ pub(crate) fn shape_of(op: &'static str, imp: &Imported) -> PyResult<Vec<usize>>
 pub(crate) fn host_bytes_first(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
     if let Ok(buf) = PyUntypedBuffer::get(x) {
         if buf.is_c_contiguous() {
-            let len = buf.len_bytes();
-            return Ok(Host {
-                held: Held::Buffer(buf),
-                dtype: BYTE,
-                shape: vec![len],
-            });
+            return Ok(Host::bytes_of(buf));
         }
     }
     host(op, x)
@@ -96,15 +91,20 @@ pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
     if !buf.is_c_contiguous() {
         return Err(invalid(op, "the buffer is not C-contiguous"));
     }
-    let len = buf.len_bytes();
-    Ok(Host {
-        held: Held::Buffer(buf),
-        dtype: BYTE,
-        shape: vec![len],
-    })
+    Ok(Host::bytes_of(buf))
 }
 
 impl Host {
+    /// A C-contiguous buffer as a one-dimensional byte source.
+    fn bytes_of(buf: PyUntypedBuffer) -> Host {
+        let len = buf.len_bytes();
+        Host {
+            held: Held::Buffer(buf),
+            dtype: BYTE,
+            shape: vec![len],
+        }
+    }
+
     /// The bytes, and whether they are page-locked. Called outside the GIL.
     pub(crate) fn bytes(&self) -> pinstream::Result<(&[u8], HostKind)> {
         match &self.held {

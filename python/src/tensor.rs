@@ -4,7 +4,8 @@
 use std::sync::Mutex;
 
 use pinstream::dlpack::abi::{
-    DLDataType, KDL_BFLOAT, KDL_BOOL, KDL_CUDA, KDL_CUDA_MANAGED, KDL_FLOAT, KDL_INT, KDL_UINT,
+    DLDataType, KDL_BFLOAT, KDL_BOOL, KDL_COMPLEX, KDL_CUDA, KDL_CUDA_MANAGED, KDL_FLOAT, KDL_INT,
+    KDL_UINT,
 };
 use pinstream::dlpack::{self, Part};
 use pinstream::{DeviceBuffer, Packer, Stream};
@@ -13,12 +14,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyByteArrayMethods, PyList, PyTuple};
 
 use crate::capsule::{self, Managed};
-use crate::context::{ctx, Ctx};
+use crate::context::{ctx, lock, Ctx};
 use crate::errors::{invalid, OrPy};
 use crate::source;
-
-/// DLPack's complex code (not used by the library itself).
-const KDL_COMPLEX: u8 = 5;
 
 /// A readable name for a DLPack type, as numpy / torch spell it.
 pub(crate) fn dtype_name(d: DLDataType) -> String {
@@ -75,11 +73,11 @@ impl Tensor {
     }
 
     fn take(&self) -> Option<dlpack::Tensor> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take()
+        lock(&self.inner).take()
     }
 
     fn put_back(&self, t: dlpack::Tensor) {
-        *self.inner.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+        *lock(&self.inner) = Some(t);
     }
 }
 
@@ -233,10 +231,7 @@ impl Tensor {
     /// Whether it was handed to a consumer.
     #[getter]
     fn handed_over(&self) -> bool {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+        lock(&self.inner).is_none()
     }
 
     fn __repr__(&self) -> String {

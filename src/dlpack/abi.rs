@@ -33,6 +33,19 @@ pub const KDL_BFLOAT: u8 = 4;
 /// `DLDataTypeCode::kDLBool`.
 pub const KDL_BOOL: u8 = 6;
 
+/// `kDLComplex` (`dlpack.h` 1.3): a compact pair of floats per element.
+pub const KDL_COMPLEX: u8 = 5;
+/// `kDLFloat8_e4m3fn` (`dlpack.h` 1.3), PyTorch's `float8_e4m3fn`: safetensors' `F8_E4M3`.
+pub const KDL_FLOAT8_E4M3FN: u8 = 10;
+/// `kDLFloat8_e4m3fnuz` (`dlpack.h` 1.3).
+pub const KDL_FLOAT8_E4M3FNUZ: u8 = 11;
+/// `kDLFloat8_e5m2` (`dlpack.h` 1.3), PyTorch's `float8_e5m2`: safetensors' `F8_E5M2`.
+pub const KDL_FLOAT8_E5M2: u8 = 12;
+/// `kDLFloat8_e5m2fnuz` (`dlpack.h` 1.3).
+pub const KDL_FLOAT8_E5M2FNUZ: u8 = 13;
+/// `kDLFloat8_e8m0fnu` (`dlpack.h` 1.3), PyTorch's `float8_e8m0fnu`: safetensors' `F8_E8M0`.
+pub const KDL_FLOAT8_E8M0FNU: u8 = 14;
+
 /// `DLPackVersion`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

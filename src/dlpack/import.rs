@@ -285,21 +285,7 @@ impl Imported {
                 ),
             ));
         }
-        if !self.is_contiguous() {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "shape {:?} with strides {:?} is not compact row-major",
-                    self.shape, self.strides
-                ),
-            ));
-        }
-        if write && self.is_read_only() {
-            return Err(Error::invalid(
-                op,
-                "the producer marked the tensor read-only",
-            ));
-        }
+        self.check_layout(op, write)?;
         if self.len > 0 && (self.data as usize) % std::mem::align_of::<T>() != 0 {
             return Err(Error::invalid(
                 op,
@@ -443,6 +429,13 @@ impl Imported {
 
     fn check_bytes(&self, op: &'static str, write: bool) -> Result<usize> {
         let bytes = self.byte_len()?;
+        self.check_layout(op, write)?;
+        Ok(bytes)
+    }
+
+    /// What every view needs: a compact row-major layout, and for a writable one a tensor the
+    /// producer did not mark read-only.
+    fn check_layout(&self, op: &'static str, write: bool) -> Result<()> {
         if !self.is_contiguous() {
             return Err(Error::invalid(
                 op,
@@ -458,7 +451,7 @@ impl Imported {
                 "the producer marked the tensor read-only",
             ));
         }
-        Ok(bytes)
+        Ok(())
     }
 
     /// Its host memory as bytes, whatever the element type (bool, complex, float8 ...): a

@@ -18,18 +18,12 @@ use crate::staging::FileSource;
 /// The largest header accepted, in bytes (the reference implementation's bound).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// `kDLComplex` (`dlpack.h` 1.3): a compact pair of floats per element.
-pub const KDL_COMPLEX: u8 = 5;
-/// `kDLFloat8_e4m3fn` (`dlpack.h` 1.3), PyTorch's `float8_e4m3fn`: safetensors' `F8_E4M3`.
-pub const KDL_FLOAT8_E4M3FN: u8 = 10;
-/// `kDLFloat8_e4m3fnuz` (`dlpack.h` 1.3).
-pub const KDL_FLOAT8_E4M3FNUZ: u8 = 11;
-/// `kDLFloat8_e5m2` (`dlpack.h` 1.3), PyTorch's `float8_e5m2`: safetensors' `F8_E5M2`.
-pub const KDL_FLOAT8_E5M2: u8 = 12;
-/// `kDLFloat8_e5m2fnuz` (`dlpack.h` 1.3).
-pub const KDL_FLOAT8_E5M2FNUZ: u8 = 13;
-/// `kDLFloat8_e8m0fnu` (`dlpack.h` 1.3), PyTorch's `float8_e8m0fnu`: safetensors' `F8_E8M0`.
-pub const KDL_FLOAT8_E8M0FNU: u8 = 14;
+// The DLPack codes of the safetensors types beyond the library's own elements, where
+// `dlpack::abi` keeps every code (re-exported here, where the export uses them).
+pub use crate::dlpack::abi::{
+    KDL_COMPLEX, KDL_FLOAT8_E4M3FN, KDL_FLOAT8_E4M3FNUZ, KDL_FLOAT8_E5M2, KDL_FLOAT8_E5M2FNUZ,
+    KDL_FLOAT8_E8M0FNU,
+};
 
 /// The path shown in errors about bytes parsed with [`Header::parse`].
 const IN_MEMORY: &str = "(in memory)";
