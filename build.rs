@@ -428,13 +428,15 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
              |StreamCreateWithPriority|StreamDestroy|StreamSynchronize|StreamQuery|StreamWaitEvent\
              |StreamGetPriority|StreamGetDevice\
              |EventCreateWithFlags|EventDestroy|EventRecord|EventSynchronize|EventQuery|EventElapsedTime\
-             |Malloc|Free|MallocAsync|FreeAsync|MemsetAsync|MemcpyAsync|MemcpyBatchAsync|MemcpyPeerAsync\
+             |Malloc|Free|MallocAsync|FreeAsync|MallocFromPoolAsync\
+             |MemPoolCreate|MemPoolSetAttribute|MemPoolGetAttribute|MemPoolTrimTo|MemsetAsync|MemcpyAsync|MemcpyBatchAsync|MemcpyPeerAsync\
              |DeviceCanAccessPeer|DeviceEnablePeerAccess\
              |HostAlloc|FreeHost|HostRegister|HostUnregister|HostGetDevicePointer|PointerGetAttributes)",
         )
         .allowlist_type("cudaError|cudaMemcpyKind|cudaDeviceAttr|cudaDeviceProp|cudaPointerAttributes|cudaMemoryType")
         // cudaMemcpyBatchAsync's attribute struct (and what it holds) comes with the function;
         // its `flags` field is a plain unsigned int, so the flag enum is named here.
+        .allowlist_type("cudaMemPoolProps|cudaMemPoolAttr|cudaMemAllocationType|cudaMemAllocationHandleType")
         .allowlist_type("cudaMemcpyAttributes|cudaMemcpySrcAccessOrder|cudaMemLocation|cudaMemLocationType|cudaMemcpyFlags")
         .allowlist_type("pinstream_.*")
         .allowlist_function("pinstream_(normalize|denormalize)")

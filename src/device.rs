@@ -508,6 +508,22 @@ impl Device {
         Stream::new(self)
     }
 
+    /// Gives the device memory that pinstream's stream-ordered pool keeps for reuse (freed
+    /// [`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async) buffers, DLPack tensors
+    /// released by their consumers) back to the driver, as `torch.cuda.empty_cache()` does
+    /// for PyTorch's allocator. Memory still in use, or whose free is still queued on a
+    /// stream, stays. Allocations trim the pool themselves before they report
+    /// [`Error::OutOfMemory`]; call this where another allocator (PyTorch's) needs the room.
+    pub fn empty_cache(&self) -> Result<()> {
+        crate::memory::stream_pool::trim(self).map(drop)
+    }
+
+    /// Bytes pinstream's stream-ordered pool of this device holds from the driver now: in use
+    /// and kept for reuse (0 before its first allocation).
+    pub fn pool_reserved(&self) -> Result<u64> {
+        crate::memory::stream_pool::reserved(self)
+    }
+
     /// Waits until all work on the device has finished (`cudaDeviceSynchronize`).
     pub fn synchronize(&self) -> Result<()> {
         self.make_current()?;

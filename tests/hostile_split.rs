@@ -138,6 +138,9 @@ unsafe fn release_legacy(p: *mut DLManagedTensor) {
 /// `Arc` cannot be watched without making it shared).
 fn free_now(dev: &Device) -> Result<usize, Failed> {
     dev.synchronize()?;
+    // Freed stream-ordered memory stays in pinstream's pool for reuse: give it back first, so
+    // that what is still missing is memory still held.
+    dev.empty_cache()?;
     Ok(dev.memory_info()?.free)
 }
 

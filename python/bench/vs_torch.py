@@ -1,6 +1,6 @@
 """pinstream's Python package against PyTorch, side by side in one run on one GPU.
 
-    python3 python/bench/vs_torch.py [--quick] [--only upload,many,prefetch]
+    python3 python/bench/vs_torch.py [--quick] [--only upload,many,download,prefetch,cifar,models]
 
 Uploads of 4 MiB - 1 GiB from pageable memory (``.to('cuda')``, ``.to(non_blocking=True)``,
 ``pin_memory().to(non_blocking=True)``, TensorDict's ``to(non_blocking_pin=True,
@@ -78,7 +78,17 @@ def bench_upload(quick):
             ms = median_ms(fn, reps)
             row(name, ms, n)
             print(f"    pinstream is x{ms / ps:.2f}")
-    # The Python layer's cost per call: a 4 KiB upload (the staging engine's direct path).
+    # The Python layer's cost per call over the same Rust call, timed in Rust in this process.
+    for n in (4 << 10, 4 << 20):
+        a = np.random.default_rng().integers(1, 256, n, dtype=np.uint8)
+        reps = 200 if n <= 4 << 10 else 50
+        py = median_ms(lambda: [pinstream.upload(a) for _ in range(10)], reps // 10) / 10
+        rs = statistics.median(pinstream._native.rust_upload_times(n, reps)[reps // 10 :]) * 1e3
+        pt_ms = median_ms(lambda: [pt.upload(a) for _ in range(10)], reps // 10) / 10
+        print(
+            f"- {n >> 10} KiB: Rust call {rs * 1e3:.1f} us, pinstream.upload(numpy) {py * 1e3:.1f} us "
+            f"(Python adds {(py - rs) * 1e3:.1f} us), pinstream.torch.upload {pt_ms * 1e3:.1f} us"
+        )
     small = torch.arange(1024, dtype=torch.float32)
     t = median_ms(lambda: [pinstream.upload(small) for _ in range(100)], 20) / 100
     print(f"- 4 KiB pinstream.upload (pinstream.Tensor, no torch): {t * 1e3:.1f} us per call")
@@ -228,10 +238,174 @@ def bench_prefetch(quick):
         print(f"    pinstream.torch.prefetch(generator):               {ours_gen[0]:7.2f} ms, CPU {ours_gen[1]:7.2f} ms  x{apex[0] / ours_gen[0]:.2f}  /ideal {ours_gen[0] / ideal:.2f}")
 
 
+def bench_download():
+    print("\n## downloads to the CPU (the data there when the call returns)")
+    for n in (64 << 20, 256 << 20):
+        x = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEV)
+        assert torch.equal(pt.download(x), x.cpu())
+        a = median_ms(lambda: x.cpu(), 7)
+        b = median_ms(lambda: x.to("cpu", non_blocking=True), 7)
+        c = median_ms(lambda: pt.download(x), 7)
+        print(f"- {n >> 20} MiB")
+        row(".cpu()", a, n)
+        row(".to('cpu', non_blocking=True) + sync (pinned, then read)", b, n)
+        row("pinstream.torch.download", c, n, a)
+
+
+class CifarLike(torch.utils.data.Dataset):
+    """torchvision's CIFAR10 as the tutorial uses it: 50 000 uint8 HWC images in memory, each
+    item a PIL image through ToTensor + Normalize (random pixels; no download)."""
+
+    def __init__(self, n=50_000):
+        rng = np.random.default_rng(2)
+        self.data = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+        self.targets = rng.integers(0, 10, n).tolist()
+        import torchvision.transforms as T
+
+        self.transform = T.Compose([T.ToTensor(), T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        from PIL import Image
+
+        return self.transform(Image.fromarray(self.data[i])), self.targets[i]
+
+
+def bench_cifar(quick):
+    """The CIFAR-10 tutorial's loop (DataLoader(batch_size, shuffle, num_workers=2,
+    pin_memory=True), `.to(device, non_blocking=True)`) against pinstream over the same
+    in-memory uint8 array (shuffled batches, normalized on the GPU): one epoch, no model."""
+    print("\n## CIFAR-10-like epoch, batch 128 (no model: the input pipeline alone)")
+    ds = CifarLike(10_000 if quick else 50_000)
+    bs = 128
+
+    def tutorial():
+        dl = torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=2, pin_memory=True)
+        for x, y in dl:
+            yield x.to(DEV, non_blocking=True), y.to(DEV, non_blocking=True)
+
+    def batches(seed):
+        order = np.random.default_rng(seed).permutation(len(ds))
+        targets = np.asarray(ds.targets)
+        for i in range(0, len(order), bs):
+            idx = order[i : i + bs]
+            yield ds.data[idx], targets[idx]
+
+    half = (127.5, 127.5, 127.5)
+
+    def epoch(it):
+        torch.cuda.synchronize()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        ch0 = os.times()
+        n, total = 0, 0
+        sums = []
+        for x, y in it:
+            n += x.shape[0]
+            if len(sums) < 3:
+                sums.append((x.float().mean().item(), x.shape))
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        ch1 = os.times()
+        cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (ch0.children_user + ch0.children_system)
+        return wall, cpu, n, sums
+
+    a = epoch(tutorial())
+    b = epoch(pt.prefetch(batches(0), normalize=(half, half), input_layout="nhwc"))
+    # Both are the same transform: (x / 255 - 0.5) / 0.5.
+    for (m1, s1), (m2, s2) in zip(a[3], b[3]):
+        assert s1 == s2 and abs(m1 - m2) < 0.02, (a[3], b[3])
+    for name, r in [("tutorial DataLoader(2 workers, pin_memory) + .to(non_blocking)", a), ("pinstream.torch.prefetch(uint8 batches), normalize on GPU", b)]:
+        print(f"  {name:<62} {r[0]:7.3f} s/epoch, {r[2] / r[0]:9.0f} images/s, CPU {r[1]:6.2f} s")
+    print(f"    pinstream is x{a[0] / b[0]:.1f} (CPU x{a[1] / max(b[1], 1e-9):.1f} less)")
+
+
+def bench_models(quick):
+    """A real training step: torchvision ResNet-18 / ResNet-50, AMP (float16 autocast with a
+    GradScaler), channels_last, batch 256, SGD; the input from DataLoader(pin_memory) + APEX
+    prefetcher, from pinstream.torch.prefetch (float16, NHWC viewed as channels_last), and the
+    ideal: the same step on a batch already on the GPU."""
+    import torchvision
+
+    print("\n## training step: ResNet, AMP, channels_last, batch 256 (ms per batch, CPU ms per batch)")
+    mean, std = pinstream.IMAGENET
+    n_batches = 12 if quick else 30
+    ds = Synthetic(n_batches)
+    gen_data = [ds[i] for i in range(4)]
+
+    def generator():
+        for i in range(n_batches):
+            yield gen_data[i % 4][0], gen_data[i % 4][1]
+
+    def loader():
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4, pin_memory=True)
+
+    for name in ["resnet18", "resnet50"]:
+        model = getattr(torchvision.models, name)(num_classes=1000).to(DEV, memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda")
+        crit = torch.nn.CrossEntropyLoss()
+
+        def step(x, y):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = crit(model(x), y % 1000)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        def timed(batches, prep):
+            torch.cuda.synchronize()
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            ch0 = os.times()
+            n = 0
+            for x, y in batches:
+                x, y = prep(x, y)
+                step(x, y)
+                n += 1
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            ch1 = os.times()
+            cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (
+                ch0.children_user + ch0.children_system
+            )
+            return wall / n * 1e3, cpu / n * 1e3
+
+        resident = [(((gen_data[i][0].to(DEV).float() - torch.tensor(mean, device=DEV).view(1, 3, 1, 1))
+                      / torch.tensor(std, device=DEV).view(1, 3, 1, 1)).contiguous(memory_format=torch.channels_last),
+                     gen_data[i][1].to(DEV)) for i in range(4)]
+        for _ in range(5):  # warm-up: cuDNN's choices, the allocator
+            step(*resident[0])
+        first = []
+
+        def keep_first(x, y):
+            if not first:
+                first.append(x[:, :, :2, :2].float().sum().item())
+            return x, y
+
+        ideal = timed((resident[i % 4] for i in range(n_batches)), lambda x, y: (x, y))
+        apex = timed(ApexPrefetcher(loader(), mean, std),
+                     lambda x, y: keep_first(x.contiguous(memory_format=torch.channels_last), y))
+        ours = timed(pt.prefetch(generator(), normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
+                     lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
+        ours_dl = timed(pt.prefetch(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4),
+                                    normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
+                        lambda x, y: (x.permute(0, 3, 1, 2), y))
+        want = resident[0][0][:, :, :2, :2].double().sum().item()
+        assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
+        print(f"- {name}")
+        print(f"    ideal (input already on the GPU):                   {ideal[0]:7.2f} ms, CPU {ideal[1]:7.2f} ms")
+        print(f"    DataLoader(pin_memory, 4 workers) + APEX prefetcher: {apex[0]:7.2f} ms, CPU {apex[1]:7.2f} ms  /ideal {apex[0] / ideal[0]:.3f}")
+        print(f"    pinstream.torch.prefetch(generator), f16 NHWC:       {ours[0]:7.2f} ms, CPU {ours[1]:7.2f} ms  /ideal {ours[0] / ideal[0]:.3f}")
+        print(f"    pinstream.torch.prefetch(DataLoader, 4 workers):     {ours_dl[0]:7.2f} ms, CPU {ours_dl[1]:7.2f} ms  /ideal {ours_dl[0] / ideal[0]:.3f}")
+        del model, opt, resident
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="upload,many,prefetch")
+    ap.add_argument("--only", default="upload,many,download,prefetch,cifar,models")
     a = ap.parse_args()
     print(f"# pinstream {pinstream.__version__} vs torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
     only = a.only.split(",")
@@ -241,6 +415,12 @@ def main():
         bench_many()
     if "prefetch" in only:
         bench_prefetch(a.quick)
+    if "download" in only:
+        bench_download()
+    if "cifar" in only:
+        bench_cifar(a.quick)
+    if "models" in only:
+        bench_models(a.quick)
 
 
 if __name__ == "__main__":

@@ -40,54 +40,43 @@ def upload(x, device=None):
     return torch.from_dlpack(pinstream.upload(x, _device(device)))
 
 
-def _host_view(x):
-    """A zero-copy view that the native side reads through the buffer protocol (cheaper than
-    a DLPack export per tensor), where numpy has the type; else the tensor itself."""
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise pinstream.InvalidArgumentError(
-                f"pinstream.torch.upload_many: a tensor on {x.device}, not the CPU"
-            )
-        x = x.detach()
-        if not x.is_contiguous():
-            x = x.contiguous()
-        if x.dtype in _NUMPY_VIEWABLE:
-            return x, x.numpy()
-        return x, x
-    t = torch.as_tensor(x)
-    return t, x
-
-
-_NUMPY_VIEWABLE = {
-    torch.float16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
-    torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-}
-
-
 def upload_many(xs, device=None):
     """Many CPU tensors in one packed upload, as torch tensors: views of one device arena (freed
-    when the last is), made on torch's side."""
-    pairs = [_host_view(x) for x in xs]
-    arena, offsets = _native.upload_packed([v for _, v in pairs], _device(device))
+    when the last is). The tensors are read by pointer on the native side (plain dense torch
+    CPU tensors; anything else goes through ``pinstream.upload_many``); tensors of one dtype
+    and shape become their views in one ``unbind``."""
+    xs = list(xs)
+    if not all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in xs):
+        # Subclasses as plain tensors over the same memory; arrays and sequences as tensors.
+        xs = [
+            x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else torch.as_tensor(x)
+            for x in xs
+        ]
+    arena, offsets, uniform = _native.upload_torch_packed(xs, _device(device))
     if arena is None:
         return []
     a = torch.from_dlpack(arena)
+    if uniform:
+        x0 = xs[0]
+        n = len(xs) * x0.nbytes
+        return list(a[:n].view(x0.dtype).view(len(xs), *x0.shape).unbind(0))
     out = []
-    for (t, _), off in zip(pairs, offsets):
-        n = t.numel() * t.element_size()
-        out.append(a[off : off + n].view(t.dtype).view(t.shape))
+    for x, off in zip(xs, offsets):
+        out.append(a[off : off + x.nbytes].view(x.dtype).view(x.shape))
     return out
 
 
 def download(x):
-    """A CUDA tensor as a new CPU tensor, returned only once the data has arrived."""
-    data, dtype, shape = _native.download(x)
+    """A CUDA tensor as a CPU tensor, returned only once the data has arrived: one DMA into
+    page-locked memory from pinstream's pool, handed to torch without a copy (its memory goes
+    back to the pool when torch frees the tensor)."""
+    t, dtype, shape = _native.download(x)
     dt = _TORCH_DTYPES.get(dtype)
     if dt is None:
         raise pinstream.InvalidArgumentError(f"pinstream.torch.download: torch has no {dtype}")
-    if len(data) == 0:
+    if t is None:
         return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(data, dtype=dt).reshape(shape)
+    return torch.from_dlpack(t)
 
 
 class Prefetcher:

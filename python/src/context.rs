@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use pinstream::{Device, Stager, StagerConfig, Stream};
+use pinstream::{Device, PinnedPool, PoolConfig, Stager, StagerConfig, Stream};
 use pyo3::prelude::*;
 
 use crate::errors::{invalid, OrPy};
@@ -13,6 +13,8 @@ pub(crate) struct Ctx {
     pub(crate) device: Device,
     pub(crate) stream: Stream,
     pub(crate) stager: Stager,
+    /// Page-locked memory for downloads (handed to numpy / torch, back when released).
+    pub(crate) pinned: PinnedPool,
 }
 
 static CONTEXTS: OnceLock<Mutex<Vec<Option<Arc<Ctx>>>>> = OnceLock::new();
@@ -35,10 +37,12 @@ pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
             let device = Device::get(ordinal)?;
             let stream = device.stream()?;
             let stager = Stager::new(&device, StagerConfig::from_env()?)?;
+            let pinned = PinnedPool::new(&device, PoolConfig::default())?;
             Ok(Ctx {
                 device,
                 stream,
                 stager,
+                pinned,
             })
         })
         .py_err()?;
@@ -84,4 +88,18 @@ pub(crate) fn stream_handle(py: Python<'_>, device: i64) -> PyResult<usize> {
 pub(crate) fn synchronize(py: Python<'_>, device: i64) -> PyResult<()> {
     let c = ctx(py, device)?;
     py.detach(|| c.stream.synchronize()).py_err()
+}
+
+/// Gives the device memory pinstream keeps for reuse (freed uploads, tensors their consumers
+/// released) back to the driver, as `torch.cuda.empty_cache()` does for PyTorch's: call it
+/// where PyTorch needs the room. Memory still in use stays.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+pub(crate) fn empty_cache(py: Python<'_>, device: i64) -> PyResult<()> {
+    let c = ctx(py, device)?;
+    py.detach(|| {
+        c.stream.synchronize()?;
+        c.device.empty_cache()
+    })
+    .py_err()
 }

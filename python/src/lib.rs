@@ -5,6 +5,7 @@
 //! The Python-facing layer (argument parsing, numpy / torch conversions) is
 //! `python/pinstream/*.py`; this crate holds what needs the library.
 
+mod bench;
 mod capsule;
 mod context;
 mod errors;
@@ -12,6 +13,7 @@ mod prefetch;
 mod safetensors;
 mod source;
 mod tensor;
+mod torch_many;
 
 use pyo3::prelude::*;
 
@@ -23,12 +25,15 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(context::device_name, m)?)?;
     m.add_function(wrap_pyfunction!(context::stream_handle, m)?)?;
     m.add_function(wrap_pyfunction!(context::synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(context::empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload_many, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::upload_packed, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::download, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch::prefetch, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::load_safetensors, m)?)?;
+    m.add_function(wrap_pyfunction!(bench::rust_upload_times, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_many::upload_torch_packed, m)?)?;
     m.add_class::<tensor::Tensor>()?;
     m.add_class::<prefetch::PyPrefetcher>()?;
     Ok(())

@@ -2,10 +2,11 @@
 //! tensors, pinned ones included) or, failing that, anything with the buffer protocol (bytes,
 //! bytearray, memoryview, array.array), as bytes.
 
-use pinstream::dlpack::abi::{DLDataType, KDL_UINT};
+use pinstream::dlpack::abi::{DLDataType, KDL_BOOL, KDL_COMPLEX, KDL_FLOAT, KDL_INT, KDL_UINT};
 use pinstream::dlpack::Imported;
 use pinstream::{HostKind, Stream};
 use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
 use crate::capsule;
@@ -50,8 +51,67 @@ pub(crate) fn host_bytes_first(op: &'static str, x: &Bound<'_, PyAny>) -> PyResu
     host(op, x)
 }
 
-/// Takes hold of `x`'s host memory.
+/// The DLPack type of a buffer's struct-module format with native byte order (numpy's
+/// exports: `<f4` or `f`, `e`, `B`, `?`, `Zd`, ...), checked against its item size; `None` for
+/// anything else (big-endian, structured, pointers).
+pub(crate) fn buffer_dtype(format: &[u8], item_size: usize) -> Option<DLDataType> {
+    let f = match format {
+        [b'<' | b'=' | b'@' | b'|', rest @ ..] => rest,
+        f => f,
+    };
+    let (code, bits) = match f {
+        b"b" => (KDL_INT, 8),
+        b"B" => (KDL_UINT, 8),
+        b"h" => (KDL_INT, 16),
+        b"H" => (KDL_UINT, 16),
+        b"i" => (KDL_INT, 32),
+        b"I" => (KDL_UINT, 32),
+        b"l" | b"q" => (KDL_INT, 64),
+        b"L" | b"Q" => (KDL_UINT, 64),
+        b"e" => (KDL_FLOAT, 16),
+        b"f" => (KDL_FLOAT, 32),
+        b"d" => (KDL_FLOAT, 64),
+        b"?" => (KDL_BOOL, 8),
+        b"Zf" => (KDL_COMPLEX, 64),
+        b"Zd" => (KDL_COMPLEX, 128),
+        _ => return None,
+    };
+    // `l` is 4 bytes on some platforms: the item size decides.
+    let (code, bits) = match (f, item_size) {
+        (b"l", 4) => (KDL_INT, 32),
+        (b"L", 4) => (KDL_UINT, 32),
+        _ => (code, bits),
+    };
+    (item_size * 8 == bits as usize).then_some(DLDataType {
+        code,
+        bits,
+        lanes: 1,
+    })
+}
+
+/// `x` through the buffer protocol with its element type and shape, where it exports a
+/// C-contiguous buffer of a type [`buffer_dtype`] knows (numpy arrays, typed memoryviews,
+/// bytes): one call, no capsule.
+fn typed_buffer(x: &Bound<'_, PyAny>) -> Option<Host> {
+    let buf = PyUntypedBuffer::get(x).ok()?;
+    if !buf.is_c_contiguous() {
+        return None;
+    }
+    let dtype = buffer_dtype(buf.format().to_bytes(), buf.item_size())?;
+    let shape = buf.shape().to_vec();
+    Some(Host {
+        held: Held::Buffer(buf),
+        dtype,
+        shape,
+    })
+}
+
+/// Takes hold of `x`'s host memory: a typed C-contiguous buffer where `x` has one (the cheap
+/// path), else its CPU DLPack export, else its bytes.
 pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
+    if let Some(h) = typed_buffer(x) {
+        return Ok(h);
+    }
     if x.hasattr("__dlpack__")? {
         if x.hasattr("__dlpack_device__")? {
             let (kind, _id): (i32, i32) = x.call_method0("__dlpack_device__")?.extract()?;
@@ -65,7 +125,15 @@ pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
                 ));
             }
         }
-        let imp = capsule::import(x, None)?;
+        let imp = capsule::import(x, None).map_err(|e| {
+            // The producer refusing its own export (numpy: a big-endian or read-only array)
+            // is a bad input like any other.
+            if e.is_instance_of::<PyBufferError>(x.py()) {
+                invalid(op, format!("the source refused its DLPack export: {e}"))
+            } else {
+                e
+            }
+        })?;
         let shape = shape_of(op, &imp)?;
         let dtype = imp.dtype();
         // Checked now, so that the error comes before anything is allocated.
@@ -141,5 +209,35 @@ impl Host {
             }
             _ => stager.upload(stream, self.bytes()?.0, dst),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffer_formats_map_to_their_dlpack_types() {
+        let t = |f: &str, size| buffer_dtype(f.as_bytes(), size).map(|d| (d.code, d.bits));
+        assert_eq!(t("<f", 4), Some((KDL_FLOAT, 32)));
+        assert_eq!(t("f", 4), Some((KDL_FLOAT, 32)));
+        assert_eq!(t("=e", 2), Some((KDL_FLOAT, 16)));
+        assert_eq!(t("B", 1), Some((KDL_UINT, 8)));
+        assert_eq!(t("|b", 1), Some((KDL_INT, 8)));
+        assert_eq!(t("?", 1), Some((KDL_BOOL, 8)));
+        assert_eq!(t("<q", 8), Some((KDL_INT, 64)));
+        assert_eq!(t("l", 8), Some((KDL_INT, 64)));
+        assert_eq!(t("l", 4), Some((KDL_INT, 32)));
+        assert_eq!(t("L", 4), Some((KDL_UINT, 32)));
+        assert_eq!(t("Zd", 16), Some((KDL_COMPLEX, 128)));
+        // Big-endian, a size that disagrees, structured, pointers, empty: not typed.
+        assert_eq!(t(">f", 4), None);
+        assert_eq!(t("!i", 4), None);
+        assert_eq!(t("f", 8), None);
+        assert_eq!(t("i", 8), None);
+        assert_eq!(t("T{f:x:}", 4), None);
+        assert_eq!(t("P", 8), None);
+        assert_eq!(t("", 1), None);
+        assert_eq!(t("2f", 8), None);
     }
 }

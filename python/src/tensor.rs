@@ -11,7 +11,7 @@ use pinstream::dlpack::{self, Part};
 use pinstream::{DeviceBuffer, Packer, Stream};
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyByteArrayMethods, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
 use crate::capsule::{self, Managed};
 use crate::context::{ctx, lock, Ctx};
@@ -59,6 +59,8 @@ pub(crate) struct Tensor {
     inner: Mutex<Option<dlpack::Tensor>>,
     shape: Vec<i64>,
     dtype: DLDataType,
+    /// DLPack device type: `kDLCUDA`, or `kDLCPU` for page-locked downloads.
+    kind: i32,
     device: i32,
 }
 
@@ -67,6 +69,7 @@ impl Tensor {
         Tensor {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
+            kind: t.device().device_type,
             device: t.device().device_id,
             inner: Mutex::new(Some(t)),
         }
@@ -78,6 +81,14 @@ impl Tensor {
 
     fn put_back(&self, t: dlpack::Tensor) {
         *lock(&self.inner) = Some(t);
+    }
+
+    fn place(&self) -> String {
+        if self.kind == KDL_CUDA {
+            format!("cuda:{}", self.device)
+        } else {
+            "cpu".to_string()
+        }
     }
 }
 
@@ -146,11 +157,10 @@ impl Tensor {
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
         if let Some((kind, id)) = dl_device {
-            if kind != KDL_CUDA || id != self.device {
+            if kind != self.kind || id != self.device {
                 return Err(PyBufferError::new_err(format!(
-                    "the tensor is on cuda:{}; pinstream does not copy it to device ({kind}, \
-                     {id})",
-                    self.device
+                    "the tensor is on {}; pinstream does not copy it to device ({kind}, {id})",
+                    self.place()
                 )));
             }
         }
@@ -159,7 +169,13 @@ impl Tensor {
                 "pinstream tensors are handed over, not copied (copy=True)",
             ));
         }
-        let how = consumer_stream(stream.as_ref())?;
+        // Host memory: no stream to order on (the protocol passes None); the handover waits
+        // for pinstream's copies into it.
+        let how = if self.kind == KDL_CUDA {
+            consumer_stream(stream.as_ref())?
+        } else {
+            ConsumerStream::NoSync
+        };
         let c = ctx(py, i64::from(self.device))?;
         let t = self.take().ok_or_else(|| {
             PyBufferError::new_err(
@@ -205,9 +221,9 @@ impl Tensor {
         }
     }
 
-    /// The DLPack protocol: `(kDLCUDA, device ordinal)`.
+    /// The DLPack protocol: `(kDLCUDA, device ordinal)`, or `(kDLCPU, 0)` for a download.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (KDL_CUDA, self.device)
+        (self.kind, self.device)
     }
 
     /// Sizes.
@@ -222,7 +238,7 @@ impl Tensor {
         dtype_name(self.dtype)
     }
 
-    /// The CUDA device ordinal.
+    /// The CUDA device ordinal (of the device it came from, for a download's host memory).
     #[getter]
     fn device(&self) -> i32 {
         self.device
@@ -241,10 +257,10 @@ impl Tensor {
             ""
         };
         format!(
-            "pinstream.Tensor(shape={:?}, dtype={}, device=cuda:{}{state})",
+            "pinstream.Tensor(shape={:?}, dtype={}, device={}{state})",
             self.shape,
             dtype_name(self.dtype),
-            self.device
+            self.place()
         )
     }
 }
@@ -364,15 +380,20 @@ pub(crate) fn upload_packed<'py>(
 }
 
 /// Copies device data (anything with `__dlpack__` in CUDA memory: torch / CuPy / JAX arrays,
-/// a pinstream.Tensor, which is consumed) to a new `bytearray`, through the staging engine,
-/// returning only once the data has arrived. The producer orders pinstream's stream after
-/// its own work (`__dlpack__(stream=...)`), so no host sync of the producer happens. Returns
-/// `(bytearray, dtype name, shape)`; `pinstream.download` makes the numpy array.
+/// a pinstream.Tensor, which is consumed) into page-locked host memory from pinstream's pool
+/// with one DMA, returning only once the data has arrived. The producer orders pinstream's
+/// stream after its own work (`__dlpack__(stream=...)`), so no host sync of the producer
+/// happens. Returns `(tensor, dtype name, shape)`: a CPU `pinstream.Tensor` (numpy / torch take
+/// it zero copy; its memory goes back to the pool when they release it), or `None` when empty.
+/// `bf16_as_u16`: a bfloat16 result is typed uint16 (its bits), for numpy, which has no
+/// bfloat16; the dtype name returned stays `bfloat16`.
 #[pyfunction]
+#[pyo3(signature = (x, bf16_as_u16 = false))]
 pub(crate) fn download<'py>(
     py: Python<'py>,
     x: &Bound<'py, PyAny>,
-) -> PyResult<(Bound<'py, PyByteArray>, String, Vec<usize>)> {
+    bf16_as_u16: bool,
+) -> PyResult<(Option<Tensor>, String, Vec<usize>)> {
     const OP: &str = "pinstream.download";
     let (kind, id): (i32, i32) = x
         .call_method0("__dlpack_device__")
@@ -387,23 +408,30 @@ pub(crate) fn download<'py>(
     let c: std::sync::Arc<Ctx> = ctx(py, i64::from(id))?;
     let imp = capsule::import(x, Some(c.stream.as_raw() as usize))?;
     let shape = source::shape_of(OP, &imp)?;
-    let dtype = dtype_name(imp.dtype());
+    let dtype = imp.dtype();
     let n = imp.byte_len().py_err()?;
-    // Checked before the host memory is made.
+    // Checked before the host memory is taken.
     imp.device_bytes().py_err()?;
-    let out = PyByteArray::new_with(py, n, |_| Ok(()))?;
-    let dst = out.data() as usize;
-    py.detach(|| -> pinstream::Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        // SAFETY: the bytearray was made just above with `n` bytes and is referenced only by
-        // this call until it returns (no Python code can see it, so nothing resizes or reads
-        // it while the GIL is released).
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, n) };
-        let src = imp.device_bytes()?;
-        c.stager.download(&c.stream, &src, dst)
-    })
-    .py_err()?;
-    Ok((out, dtype, shape))
+    if n == 0 {
+        return Ok((None, dtype_name(dtype), shape));
+    }
+    let t = py
+        .detach(|| -> pinstream::Result<dlpack::Tensor> {
+            let src = imp.device_bytes()?;
+            let mut block = c.pinned.alloc::<u8>(n)?;
+            c.stream.copy_d2h(&src, &mut block)?.wait()?;
+            let t = dlpack::Tensor::from_pool_block(block)?;
+            let as_dtype = if bf16_as_u16 && dtype.code == KDL_BFLOAT && dtype.bits == 16 {
+                DLDataType {
+                    code: KDL_UINT,
+                    ..dtype
+                }
+            } else {
+                dtype
+            };
+            let t = typed(t, as_dtype, &shape)?;
+            t.host_as_cpu().map_err(|r| r.error)
+        })
+        .py_err()?;
+    Ok((Some(Tensor::new(t)), dtype_name(dtype), shape))
 }

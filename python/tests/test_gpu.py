@@ -78,6 +78,15 @@ def test_sources_of_every_kind():
         want = np.ascontiguousarray(src.numpy() if hasattr(src, "numpy") else src)
         got = torch.from_dlpack(pinstream.upload(src)).cpu().numpy()
         assert np.array_equal(got, want)
+    # A typed buffer keeps its element type and shape (numpy arrays are read this way).
+    got = torch.from_dlpack(pinstream.upload(memoryview(a)))
+    assert got.dtype == torch.float32 and tuple(got.shape) == a.shape
+    assert np.array_equal(got.cpu().numpy(), a)
+    for arr in [np.float32(2.5), np.asarray(7, np.int16)]:  # 0-d
+        got = torch.from_dlpack(pinstream.upload(arr)).cpu().numpy()
+        assert got.shape == np.shape(arr) and np.array_equal(got, arr)
+    with pytest.raises(pinstream.InvalidArgumentError):
+        pinstream.upload(a.astype(">f4"))  # big-endian: neither path takes it
     b = bytes(RNG.integers(0, 256, 1000, dtype=np.uint8))
     for src in [b, bytearray(b), memoryview(b)]:
         got = torch.from_dlpack(pinstream.upload(src)).cpu().numpy()
@@ -116,6 +125,34 @@ def test_pinstream_torch_helpers():
     ys = pt.upload_many([a, a[:3]])
     assert torch.equal(ys[1].cpu(), a[:3])
     assert pt.download(torch.empty(0, 3, device="cuda")).shape == (0, 3)
+
+
+def test_downloads_are_page_locked_owned_and_ordered():
+    """A download is one DMA into pinstream's page-locked pool: the result is a plain CPU
+    tensor / numpy array holding the data of the moment the producer's queued work finished
+    (no host sync of the producer), writable, independent of the source, and its memory is
+    reused once released."""
+    torch = torch_or_skip()
+    import pinstream.torch as pt
+
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.randint(-(2**31), 2**31 - 1, (4 << 20,), dtype=torch.int32, device="cuda")
+        want = x.cpu()
+        torch.cuda._sleep(20_000_000)  # the producer's stream busy
+        x.add_(1)  # queued after the sleep: the download must see it
+        y = pt.download(x)
+    assert y.device.type == "cpu" and y.is_pinned()
+    assert torch.equal(y, want + 1)
+    y.zero_()  # ours to write; the source is untouched
+    assert torch.equal(x.cpu(), want + 1)
+    a = pinstream.download(x)
+    assert a.flags.writeable and np.array_equal(a, (want + 1).numpy())
+    for dtype in [torch.float16, torch.bfloat16, torch.bool, torch.complex64, torch.uint8]:
+        src = (torch.randn(37, 5, device="cuda") * 100).to(dtype)
+        assert torch.equal(pt.download(src), src.cpu())
+    for _ in range(200):  # 1.6 GB through the pool: released results are reused
+        pt.download(x[: 2 << 20])
 
 
 def test_handover_rules():
@@ -251,3 +288,45 @@ def test_torch_upload_many_views_of_one_arena():
     assert pt.upload_many([]) == []
     with pytest.raises(pinstream.InvalidArgumentError):
         pt.upload_many([torch.ones(3, device="cuda")])
+
+
+def test_torch_upload_many_reads_what_the_tensors_hold():
+    """The native path reads torch tensors by pointer: lazy negation and conjugation, views
+    with an offset, parameters, tensors needing grad, subclasses (through DLPack) and sparse
+    tensors (refused) must all come out as they read; the uniform path (one ``unbind``)
+    gives views that are separate."""
+    torch = torch_or_skip()
+    import pinstream.torch as pt
+
+    base = torch.randn(4, 300)
+    c = torch.randn(50, dtype=torch.complex64)
+
+    class Sub(torch.Tensor):
+        pass
+
+    xs = [
+        torch.randn(64)._neg_view(),  # is_neg: memory holds the opposite values
+        c.conj(),  # is_conj
+        base[2],  # a view at an offset
+        base[:, 7],  # strided view
+        torch.nn.Parameter(torch.randn(5, 5)),
+        torch.randn(9, requires_grad=True),
+        torch.randn(6, 3).as_subclass(Sub),
+    ]
+    ys = pt.upload_many(xs)
+    for x, y in zip(xs, ys):
+        want = x.detach().resolve_neg().resolve_conj().as_subclass(torch.Tensor)
+        assert y.is_cuda and y.dtype == x.dtype and y.shape == x.shape
+        assert torch.equal(y.cpu(), want)
+    with pytest.raises(pinstream.InvalidArgumentError):
+        pt.upload_many([torch.randn(3), torch.randn(4, 4).to_sparse()])
+    # One dtype and shape: one unbind over the arena, every view its own tensor.
+    same = [torch.randn(17, 3) for _ in range(100)]
+    ys = pt.upload_many(same)
+    assert all(torch.equal(y.cpu(), x) for x, y in zip(same, ys))
+    ys[5].zero_()
+    assert torch.equal(ys[4].cpu(), same[4]) and torch.equal(ys[6].cpu(), same[6])
+    assert all(y.shape == (17, 3) for y in ys)
+    # 4 KB each: back to back in the arena, the one-unbind path.
+    same = [torch.randn(1024) for _ in range(1000)]
+    assert all(torch.equal(y.cpu(), x) for x, y in zip(same, pt.upload_many(same)))

@@ -1,19 +1,20 @@
 //! Export: [`Tensor`], what keeps its memory alive ([`Owner`]), and the deleters.
 
+use std::marker::PhantomData;
 use std::ops::RangeBounds;
 use std::os::raw::c_void;
 use std::sync::Arc;
 
 use super::abi::{
     DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLTensor, FLAG_READ_ONLY,
-    KDL_CUDA, KDL_CUDA_HOST, VERSION,
+    KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, VERSION,
 };
 use super::{check_element, dtype_name, Element};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::sealed::{DeviceMem, HostMem};
 use crate::memory::tracker::{self, Access};
-use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer};
+use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer, PoolBlock};
 use crate::staging::{Packed, PackedBatch};
 use crate::stream::Stream;
 
@@ -276,10 +277,53 @@ impl Tensor {
             dtype: T::DTYPE,
             elem: std::mem::size_of::<T>(),
             len: r.len,
-            owner: Box::new(PinnedOwner(buf)),
+            owner: Box::new(PinnedOwner(buf.clone(), buf.device(), PhantomData)),
         };
         let t = Tensor::from_parts(parts, KDL_CUDA_HOST)?;
         Ok(if shared { t.read_only() } else { t })
+    }
+
+    /// A one-dimensional tensor of a whole [`PinnedPool`](crate::PinnedPool) block
+    /// (`kDLCUDAHost`), as [`from_pinned`](Self::from_pinned): the block goes back to its pool
+    /// when the last consumer releases the tensor. Read-only when the `Arc` has other owners or
+    /// the pool's memory is read-only.
+    pub fn from_pool_block<T: Element>(block: impl Into<Arc<PoolBlock<T>>>) -> Result<Tensor> {
+        check_element::<T>("dlpack::Tensor::from_pool_block")?;
+        let mut block = block.into();
+        let shared = Arc::get_mut(&mut block).is_none();
+        let r = block.host_region();
+        let read_only = shared || r.read_only;
+        let parts = TensorParts {
+            data: r.ptr,
+            device: block.device(),
+            dtype: T::DTYPE,
+            elem: std::mem::size_of::<T>(),
+            len: r.len,
+            owner: Box::new(PinnedOwner(block.clone(), block.device(), PhantomData)),
+        };
+        let t = Tensor::from_parts(parts, KDL_CUDA_HOST)?;
+        Ok(if read_only { t.read_only() } else { t })
+    }
+
+    /// A page-locked tensor (`kDLCUDAHost`) labelled as plain CPU memory (`kDLCPU`), for
+    /// consumers that take only that (PyTorch): page-locked memory is CPU memory. Any other
+    /// tensor is refused (`Error::InvalidArgument`), and handed back in the error.
+    pub fn host_as_cpu(mut self) -> std::result::Result<Tensor, Box<Refused>> {
+        if self.device.device_type != KDL_CUDA_HOST {
+            let error = Error::invalid(
+                "dlpack::Tensor::host_as_cpu",
+                format!(
+                    "device type {} is not page-locked host memory",
+                    self.device.device_type
+                ),
+            );
+            return Err(Box::new(Refused {
+                error,
+                tensor: self,
+            }));
+        }
+        self.device.device_type = KDL_CPU;
+        Ok(self)
     }
 
     /// The elements of `range` (of the whole memory) as a one-dimensional tensor.
@@ -758,9 +802,10 @@ impl<H: DeviceHeld> Owner for DeviceOwner<H> {
     }
 }
 
-struct PinnedOwner<T: Element>(Arc<PinnedBuffer<T>>);
+/// Page-locked memory behind a tensor: a [`PinnedBuffer`] or a [`PoolBlock`], and its device.
+struct PinnedOwner<T: Element, B: HostMem<T> + Send + Sync>(Arc<B>, Device, PhantomData<T>);
 
-impl<T: Element> Owner for PinnedOwner<T> {
+impl<T: Element, B: HostMem<T> + Send + Sync + 'static> Owner for PinnedOwner<T, B> {
     fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
         // Host consumers read it as soon as they have it: wait for every GPU use here.
         let _ = consumer;
@@ -770,9 +815,10 @@ impl<T: Element> Owner for PinnedOwner<T> {
         }
     }
     fn release(&self, consumer: Consumer<'_>) {
-        let bytes = self.0.len() * std::mem::size_of::<T>();
-        let ok = match self.0.host_region().tracker {
-            Some(t) => release_tracked(t, self.0.device(), bytes, consumer),
+        let r = self.0.host_region();
+        let bytes = r.len * std::mem::size_of::<T>();
+        let ok = match r.tracker {
+            Some(t) => release_tracked(t, self.1, bytes, consumer),
             None => true,
         };
         if !ok {

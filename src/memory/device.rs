@@ -1,4 +1,4 @@
-//! `DeviceBuffer<T>`: device memory from `cudaMalloc` or stream-ordered `cudaMallocAsync`, and
+//! `DeviceBuffer<T>`: device memory from `cudaMalloc` or pinstream's stream-ordered pool, and
 //! borrowed views of parts of it.
 
 use std::marker::PhantomData;
@@ -11,7 +11,7 @@ use super::sealed::{DeviceMem, DeviceRegion};
 use super::tracker::{self, Access, Tracker};
 use super::{resolve_range, DeviceSlice, DeviceSliceMut};
 use crate::device::Device;
-use crate::error::{byte_len, check_alloc, check_with, Result};
+use crate::error::{byte_len, check_alloc, check_with, Error, Result};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -91,8 +91,9 @@ impl<T: Pod> DeviceBuffer<T> {
         })
     }
 
-    /// Allocates `len` elements with `cudaMallocAsync`, ordered on `stream` (fast: it comes
-    /// from the device's memory pool). It is freed with `cudaFreeAsync` on the same stream after
+    /// Allocates `len` elements stream-ordered on `stream` (`cudaMallocFromPoolAsync`), from
+    /// pinstream's pool of the device, which keeps freed memory for the next allocation
+    /// (fast: no mapping; [`Device::empty_cache`] gives it back). It is freed with `cudaFreeAsync` on the same stream after
     /// its last use. Using it on another stream is safe: that stream waits for the allocation.
     pub fn new_async(stream: &Stream, len: usize) -> Result<Self> {
         let bytes = byte_len::<T>("DeviceBuffer::new_async", len)?;
@@ -103,12 +104,26 @@ impl<T: Pod> DeviceBuffer<T> {
             // The allocation is an operation on the stream: track it, so that other streams
             // wait for it before they touch the memory.
             let tracked = tracker::ordered(stream, &[&tracker], || {
-                check_alloc(
-                    // SAFETY: `ptr` is a valid out-pointer; the stream is live and current.
-                    unsafe { sys::cudaMallocAsync(&mut ptr, bytes, stream.as_raw()) },
-                    "cudaMallocAsync",
-                    bytes,
-                )?;
+                let pool = super::stream_pool::get(&stream.device())?;
+                let alloc = |ptr: &mut *mut c_void| {
+                    check_alloc(
+                        // SAFETY: `ptr` is a valid out-pointer; the pool belongs to the
+                        // stream's device; the stream is live and current.
+                        unsafe { sys::cudaMallocFromPoolAsync(ptr, bytes, pool, stream.as_raw()) },
+                        "cudaMallocFromPoolAsync",
+                        bytes,
+                    )
+                };
+                match alloc(&mut ptr) {
+                    // Memory the pool keeps but no buffer uses may be what is missing: give
+                    // it back and try once more.
+                    Err(Error::OutOfMemory { .. })
+                        if super::stream_pool::trim(&stream.device())? =>
+                    {
+                        alloc(&mut ptr)?
+                    }
+                    r => r?,
+                }
                 check_align::<T>("DeviceBuffer::new_async", ptr)
             });
             if let Err(e) = tracked {

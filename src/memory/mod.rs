@@ -65,6 +65,7 @@ mod pinned;
 pub(crate) mod pool;
 mod registered;
 pub(crate) mod ring;
+pub(crate) mod stream_pool;
 pub(crate) mod tracker;
 
 mod download;

@@ -15,6 +15,7 @@ pub const cudaStreamNonBlocking: u32 = 1;
 pub const cudaEventDefault: u32 = 0;
 pub const cudaEventBlockingSync: u32 = 1;
 pub const cudaEventDisableTiming: u32 = 2;
+pub const PINSTREAM_PARAM_ROWS: u32 = 256;
 #[repr(u32)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub enum cudaError {
@@ -334,6 +335,15 @@ pub enum cudaDeviceAttr {
     cudaDevAttrOnlyPartialHostNativeAtomicSupported = 147,
     cudaDevAttrMax = 148,
 }
+pub const cudaMemPoolAttr_cudaMemPoolReuseFollowEventDependencies: cudaMemPoolAttr = 1;
+pub const cudaMemPoolAttr_cudaMemPoolReuseAllowOpportunistic: cudaMemPoolAttr = 2;
+pub const cudaMemPoolAttr_cudaMemPoolReuseAllowInternalDependencies: cudaMemPoolAttr = 3;
+pub const cudaMemPoolAttr_cudaMemPoolAttrReleaseThreshold: cudaMemPoolAttr = 4;
+pub const cudaMemPoolAttr_cudaMemPoolAttrReservedMemCurrent: cudaMemPoolAttr = 5;
+pub const cudaMemPoolAttr_cudaMemPoolAttrReservedMemHigh: cudaMemPoolAttr = 6;
+pub const cudaMemPoolAttr_cudaMemPoolAttrUsedMemCurrent: cudaMemPoolAttr = 7;
+pub const cudaMemPoolAttr_cudaMemPoolAttrUsedMemHigh: cudaMemPoolAttr = 8;
+pub type cudaMemPoolAttr = ::std::os::raw::c_uint;
 pub const cudaMemLocationType_cudaMemLocationTypeInvalid: cudaMemLocationType = 0;
 pub const cudaMemLocationType_cudaMemLocationTypeNone: cudaMemLocationType = 0;
 pub const cudaMemLocationType_cudaMemLocationTypeDevice: cudaMemLocationType = 1;
@@ -354,6 +364,48 @@ const _: () = {
     ["Offset of field: cudaMemLocation::type_"]
         [::std::mem::offset_of!(cudaMemLocation, type_) - 0usize];
     ["Offset of field: cudaMemLocation::id"][::std::mem::offset_of!(cudaMemLocation, id) - 4usize];
+};
+pub const cudaMemAllocationType_cudaMemAllocationTypeInvalid: cudaMemAllocationType = 0;
+pub const cudaMemAllocationType_cudaMemAllocationTypePinned: cudaMemAllocationType = 1;
+pub const cudaMemAllocationType_cudaMemAllocationTypeManaged: cudaMemAllocationType = 2;
+pub const cudaMemAllocationType_cudaMemAllocationTypeMax: cudaMemAllocationType = 2147483647;
+pub type cudaMemAllocationType = ::std::os::raw::c_uint;
+pub const cudaMemAllocationHandleType_cudaMemHandleTypeNone: cudaMemAllocationHandleType = 0;
+pub const cudaMemAllocationHandleType_cudaMemHandleTypePosixFileDescriptor:
+    cudaMemAllocationHandleType = 1;
+pub const cudaMemAllocationHandleType_cudaMemHandleTypeWin32: cudaMemAllocationHandleType = 2;
+pub const cudaMemAllocationHandleType_cudaMemHandleTypeWin32Kmt: cudaMemAllocationHandleType = 4;
+pub const cudaMemAllocationHandleType_cudaMemHandleTypeFabric: cudaMemAllocationHandleType = 8;
+pub type cudaMemAllocationHandleType = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct cudaMemPoolProps {
+    pub allocType: cudaMemAllocationType,
+    pub handleTypes: cudaMemAllocationHandleType,
+    pub location: cudaMemLocation,
+    pub win32SecurityAttributes: *mut ::std::os::raw::c_void,
+    pub maxSize: usize,
+    pub usage: ::std::os::raw::c_ushort,
+    pub reserved: [::std::os::raw::c_uchar; 54usize],
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of cudaMemPoolProps"][::std::mem::size_of::<cudaMemPoolProps>() - 88usize];
+    ["Alignment of cudaMemPoolProps"][::std::mem::align_of::<cudaMemPoolProps>() - 8usize];
+    ["Offset of field: cudaMemPoolProps::allocType"]
+        [::std::mem::offset_of!(cudaMemPoolProps, allocType) - 0usize];
+    ["Offset of field: cudaMemPoolProps::handleTypes"]
+        [::std::mem::offset_of!(cudaMemPoolProps, handleTypes) - 4usize];
+    ["Offset of field: cudaMemPoolProps::location"]
+        [::std::mem::offset_of!(cudaMemPoolProps, location) - 8usize];
+    ["Offset of field: cudaMemPoolProps::win32SecurityAttributes"]
+        [::std::mem::offset_of!(cudaMemPoolProps, win32SecurityAttributes) - 16usize];
+    ["Offset of field: cudaMemPoolProps::maxSize"]
+        [::std::mem::offset_of!(cudaMemPoolProps, maxSize) - 24usize];
+    ["Offset of field: cudaMemPoolProps::usage"]
+        [::std::mem::offset_of!(cudaMemPoolProps, usage) - 32usize];
+    ["Offset of field: cudaMemPoolProps::reserved"]
+        [::std::mem::offset_of!(cudaMemPoolProps, reserved) - 34usize];
 };
 pub const cudaMemcpyFlags_cudaMemcpyFlagDefault: cudaMemcpyFlags = 0;
 pub const cudaMemcpyFlags_cudaMemcpyFlagPreferOverlapWithCompute: cudaMemcpyFlags = 1;
@@ -700,6 +752,12 @@ pub struct CUevent_st {
     _unused: [u8; 0],
 }
 pub type cudaEvent_t = *mut CUevent_st;
+#[repr(C)]
+#[derive(Debug)]
+pub struct CUmemPoolHandle_st {
+    _unused: [u8; 0],
+}
+pub type cudaMemPool_t = *mut CUmemPoolHandle_st;
 unsafe extern "C" {
     pub fn cudaDeviceSynchronize() -> cudaError_t;
 }
@@ -758,9 +816,6 @@ unsafe extern "C" {
     ) -> cudaError_t;
 }
 unsafe extern "C" {
-    pub fn cudaStreamDestroy(stream: cudaStream_t) -> cudaError_t;
-}
-unsafe extern "C" {
     pub fn cudaStreamGetPriority(
         hStream: cudaStream_t,
         priority: *mut ::std::os::raw::c_int,
@@ -771,6 +826,9 @@ unsafe extern "C" {
         hStream: cudaStream_t,
         device: *mut ::std::os::raw::c_int,
     ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaStreamDestroy(stream: cudaStream_t) -> cudaError_t;
 }
 unsafe extern "C" {
     pub fn cudaStreamWaitEvent(
@@ -893,6 +951,37 @@ unsafe extern "C" {
     -> cudaError_t;
 }
 unsafe extern "C" {
+    pub fn cudaMemPoolTrimTo(memPool: cudaMemPool_t, minBytesToKeep: usize) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaMemPoolSetAttribute(
+        memPool: cudaMemPool_t,
+        attr: cudaMemPoolAttr,
+        value: *mut ::std::os::raw::c_void,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaMemPoolGetAttribute(
+        memPool: cudaMemPool_t,
+        attr: cudaMemPoolAttr,
+        value: *mut ::std::os::raw::c_void,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaMemPoolCreate(
+        memPool: *mut cudaMemPool_t,
+        poolProps: *const cudaMemPoolProps,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
+    pub fn cudaMallocFromPoolAsync(
+        ptr: *mut *mut ::std::os::raw::c_void,
+        size: usize,
+        memPool: cudaMemPool_t,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}
+unsafe extern "C" {
     pub fn cudaPointerGetAttributes(
         attributes: *mut cudaPointerAttributes,
         ptr: *const ::std::os::raw::c_void,
@@ -917,7 +1006,6 @@ unsafe extern "C" {
 unsafe extern "C" {
     pub fn cudaRuntimeGetVersion(runtimeVersion: *mut ::std::os::raw::c_int) -> cudaError_t;
 }
-pub const PINSTREAM_PARAM_ROWS: u32 = 256;
 pub const PINSTREAM_U8: _bindgen_ty_1 = 0;
 pub const PINSTREAM_I8: _bindgen_ty_1 = 1;
 pub const PINSTREAM_F32: _bindgen_ty_1 = 2;
