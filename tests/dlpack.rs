@@ -47,6 +47,10 @@ fn main() {
         Trial::test("gpu/roundtrip/i32", roundtrip::<i32>),
         Trial::test("gpu/roundtrip/i64", roundtrip::<i64>),
         Trial::test("gpu/pinned_host_export_is_an_upload_source", pinned_export),
+        Trial::test(
+            "gpu/pool_block_export_download_and_return",
+            pool_block_export,
+        ),
         Trial::test("gpu/packed_tensors_share_the_arena", packed_export),
         Trial::test("gpu/split/disjoint_writable_parts", split_parts),
         Trial::test("gpu/split/refusals", split_refusals),
@@ -417,6 +421,49 @@ fn pinned_export() -> R {
     let mut d2 = DeviceBuffer::<u8>::new(&dev, v.len())?;
     stager.upload(&s, h.as_slice()?, &mut d2)?;
     same("stager from import", &download(&s, &d2, v.len())?, &v, seed)
+}
+
+/// A pinned-pool block filled by a download exports as `kDLCUDAHost` (or, `host_as_cpu`,
+/// `kDLCPU`), holds the downloaded bytes, is writable, and goes back to its pool (a cache hit
+/// for the next request) when the consumer releases it; `host_as_cpu` refuses device tensors
+/// and hands them back.
+fn pool_block_export() -> R {
+    let dev = Device::get(0)?;
+    let s = dev.stream()?;
+    let (v, seed) = random::<u8>(3 << 20);
+    let d = upload(&s, &v)?;
+    let pool = pinstream::PinnedPool::new(&dev, pinstream::PoolConfig::default())?;
+    let mut block = pool.alloc::<u8>(v.len())?;
+    s.copy_d2h(&d, &mut block)?.wait()?;
+    let t = Tensor::from_pool_block(block)?;
+    ensure(t.device().device_type == KDL_CUDA_HOST, || format!("{t:?}"))?;
+    let t = t.host_as_cpu().map_err(|r| r.error)?;
+    ensure(t.device().device_type == KDL_CPU, || format!("{t:?}"))?;
+    ensure(pool.stats().in_use_bytes > 0, || "block not in use".into())?;
+    let raw = t.into_versioned(None)?;
+    // SAFETY: handed over just above.
+    let mut imp = unsafe { Imported::from_versioned(raw)? };
+    same("downloaded block", imp.host::<u8>()?.as_slice()?, &v, seed)?;
+    imp.host_mut::<u8>()?; // writable: the import grants write access
+    drop(imp);
+    let st = pool.stats();
+    ensure(st.in_use_bytes == 0 && st.cached_bytes > 0, || {
+        format!("after the release: {st:?}")
+    })?;
+    let hits = st.hits;
+    drop(pool.alloc::<u8>(v.len())?);
+    ensure(pool.stats().hits == hits + 1, || {
+        "the block was not reused".into()
+    })?;
+    // A device tensor is not host memory.
+    match Tensor::from_device(d)?.host_as_cpu() {
+        Ok(t) => Err(format!("host_as_cpu took a device tensor: {t:?}").into()),
+        Err(r) => ensure(
+            matches!(r.error, Error::InvalidArgument { .. })
+                && r.tensor.device().device_type == KDL_CUDA,
+            || format!("{:?}", r.error),
+        ),
+    }
 }
 
 /// Tensors of a packed upload share its arena: each round-trips, and the arena lives until
