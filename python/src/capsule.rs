@@ -144,8 +144,28 @@ pub(crate) fn take(cap: &Bound<'_, PyAny>) -> PyResult<Imported> {
 
 /// Calls `obj.__dlpack__(stream=..., max_version=(1, 3))` (falling back to the arguments an
 /// older producer takes) and takes the tensor. `stream`: `None` for host producers, else the
-/// raw handle of the stream the data will be used on.
-pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<usize>) -> PyResult<Imported> {
+/// raw handle of the stream the data will be used on. The producer refusing its own export
+/// (numpy: a big-endian or read-only array, torch: a conjugate view — a `BufferError`) is a
+/// bad input to `op`: `InvalidArgumentError`. A capsule that is not what the protocol says
+/// stays a `BufferError`.
+pub(crate) fn import_for(
+    op: &'static str,
+    obj: &Bound<'_, PyAny>,
+    stream: Option<usize>,
+) -> PyResult<Imported> {
+    let cap = export(obj, stream).map_err(|e| {
+        if e.is_instance_of::<pyo3::exceptions::PyBufferError>(obj.py()) {
+            crate::errors::invalid(op, format!("the source refused its DLPack export: {e}"))
+        } else {
+            e
+        }
+    })?;
+    take(&cap)
+}
+
+/// Calls the producer's `__dlpack__` (with `max_version`, or without it for a producer from
+/// before DLPack 1.0).
+fn export<'py>(obj: &Bound<'py, PyAny>, stream: Option<usize>) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
     let kwargs = PyDict::new(py);
     if let Some(s) = stream {
@@ -161,5 +181,5 @@ pub(crate) fn import(obj: &Bound<'_, PyAny>, stream: Option<usize>) -> PyResult<
         }
         Err(e) => return Err(e),
     };
-    take(&cap)
+    Ok(cap)
 }

@@ -6,7 +6,6 @@ use pinstream::dlpack::abi::{DLDataType, KDL_BOOL, KDL_COMPLEX, KDL_FLOAT, KDL_I
 use pinstream::dlpack::Imported;
 use pinstream::{HostKind, Stream};
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 
 use crate::capsule;
@@ -125,15 +124,7 @@ pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
                 ));
             }
         }
-        let imp = capsule::import(x, None).map_err(|e| {
-            // The producer refusing its own export (numpy: a big-endian or read-only array)
-            // is a bad input like any other.
-            if e.is_instance_of::<PyBufferError>(x.py()) {
-                invalid(op, format!("the source refused its DLPack export: {e}"))
-            } else {
-                e
-            }
-        })?;
+        let imp = capsule::import_for(op, x, None)?;
         let shape = shape_of(op, &imp)?;
         let dtype = imp.dtype();
         // Checked now, so that the error comes before anything is allocated.

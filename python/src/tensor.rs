@@ -406,7 +406,7 @@ pub(crate) fn download<'py>(
         ));
     }
     let c: std::sync::Arc<Ctx> = ctx(py, i64::from(id))?;
-    let imp = capsule::import(x, Some(c.stream.as_raw() as usize))?;
+    let imp = capsule::import_for(OP, x, Some(c.stream.as_raw() as usize))?;
     let shape = source::shape_of(OP, &imp)?;
     let dtype = imp.dtype();
     let n = imp.byte_len().py_err()?;
