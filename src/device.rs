@@ -512,8 +512,10 @@ impl Device {
     /// [`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async) buffers, DLPack tensors
     /// released by their consumers) back to the driver, as `torch.cuda.empty_cache()` does
     /// for PyTorch's allocator. Memory still in use, or whose free is still queued on a
-    /// stream, stays. Allocations trim the pool themselves before they report
-    /// [`Error::OutOfMemory`]; call this where another allocator (PyTorch's) needs the room.
+    /// stream, stays. pinstream's own allocations ([`DeviceBuffer::new`](crate::DeviceBuffer::new)
+    /// and `new_async`) trim the pool themselves before they report [`Error::OutOfMemory`];
+    /// other libraries' allocators (PyTorch's, cudarc's) do not: call this where they need the
+    /// room.
     pub fn empty_cache(&self) -> Result<()> {
         crate::memory::stream_pool::trim(self).map(drop)
     }

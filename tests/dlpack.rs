@@ -446,6 +446,11 @@ fn pool_block_export() -> R {
     same("downloaded block", imp.host::<u8>()?.as_slice()?, &v, seed)?;
     imp.host_mut::<u8>()?; // writable: the import grants write access
     drop(imp);
+    // Released by a host consumer: back after every device is idle, from the reaper thread.
+    ensure(
+        pinstream::dlpack::wait_for_releases(Duration::from_secs(10)),
+        || "the release never finished".into(),
+    )?;
     let st = pool.stats();
     ensure(st.in_use_bytes == 0 && st.cached_bytes > 0, || {
         format!("after the release: {st:?}")

@@ -90,16 +90,19 @@ pub(crate) fn synchronize(py: Python<'_>, device: i64) -> PyResult<()> {
     py.detach(|| c.stream.synchronize()).py_err()
 }
 
-/// Gives the device memory pinstream keeps for reuse (freed uploads, tensors their consumers
-/// released) back to the driver, as `torch.cuda.empty_cache()` does for PyTorch's: call it
-/// where PyTorch needs the room. Memory still in use stays.
+/// Gives the memory pinstream keeps for reuse back: the device memory of freed uploads and of
+/// tensors their consumers released (as `torch.cuda.empty_cache()` does for PyTorch's; call it
+/// where PyTorch needs the room), and the idle page-locked host memory of released downloads.
+/// Memory still in use stays.
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
 pub(crate) fn empty_cache(py: Python<'_>, device: i64) -> PyResult<()> {
     let c = ctx(py, device)?;
     py.detach(|| {
         c.stream.synchronize()?;
-        c.device.empty_cache()
+        pinstream::dlpack::wait_for_releases(std::time::Duration::from_secs(10));
+        c.device.empty_cache()?;
+        c.pinned.trim().map(drop)
     })
     .py_err()
 }

@@ -1,6 +1,7 @@
-//! Host data given to `upload`: anything with `__dlpack__` on the CPU (numpy arrays, torch CPU
-//! tensors, pinned ones included) or, failing that, anything with the buffer protocol (bytes,
-//! bytearray, memoryview, array.array), as bytes.
+//! Host data given to `upload`: a C-contiguous buffer of a known element type (numpy arrays,
+//! typed memoryviews, array.array: read through the buffer protocol with their type and
+//! shape), anything with `__dlpack__` on the CPU (torch CPU tensors, pinned ones included), or
+//! failing both, anything with the buffer protocol, as bytes.
 
 use pinstream::dlpack::abi::{DLDataType, KDL_BOOL, KDL_COMPLEX, KDL_FLOAT, KDL_INT, KDL_UINT};
 use pinstream::dlpack::Imported;

@@ -66,11 +66,17 @@ pub(crate) struct Tensor {
 
 impl Tensor {
     pub(crate) fn new(t: dlpack::Tensor) -> Tensor {
+        let device = t.device().device_id;
+        Tensor::on(t, device)
+    }
+
+    /// `t`, said to come from CUDA device `device` (host memory's DLPack device id is 0).
+    fn on(t: dlpack::Tensor, device: i32) -> Tensor {
         Tensor {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
             kind: t.device().device_type,
-            device: t.device().device_id,
+            device,
             inner: Mutex::new(Some(t)),
         }
     }
@@ -156,8 +162,9 @@ impl Tensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some((kind, id)) = dl_device {
-            if kind != self.kind || id != self.device {
+        if let Some(want) = dl_device {
+            if want != self.__dlpack_device__() {
+                let (kind, id) = want;
                 return Err(PyBufferError::new_err(format!(
                     "the tensor is on {}; pinstream does not copy it to device ({kind}, {id})",
                     self.place()
@@ -176,7 +183,12 @@ impl Tensor {
         } else {
             ConsumerStream::NoSync
         };
-        let c = ctx(py, i64::from(self.device))?;
+        // Host memory needs no device context (nor makes one on device 0).
+        let c = if self.kind == KDL_CUDA {
+            Some(ctx(py, i64::from(self.device))?)
+        } else {
+            None
+        };
         let t = self.take().ok_or_else(|| {
             PyBufferError::new_err(
                 "this pinstream.Tensor was already handed to a consumer (its memory moved \
@@ -185,9 +197,9 @@ impl Tensor {
         })?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
         let handed = py.detach(|| -> Result<Managed, Box<dlpack::Refused>> {
-            let consumer = match how {
-                ConsumerStream::NoSync => None,
-                ConsumerStream::PerThread => {
+            let consumer = match (how, c.as_ref()) {
+                (ConsumerStream::NoSync, _) | (_, None) => None,
+                (ConsumerStream::PerThread, Some(c)) => {
                     // The per-thread stream names another stream on every thread, and the
                     // release may come from any thread: wait for the data here instead.
                     if let Err(error) = c.device.synchronize() {
@@ -195,7 +207,7 @@ impl Tensor {
                     }
                     None
                 }
-                ConsumerStream::Raw(raw) => {
+                (ConsumerStream::Raw(raw), Some(c)) => {
                     // SAFETY: the DLPack protocol: the consumer names a live stream of the
                     // tensor's device, in the primary context (PyTorch, CuPy and JAX use it),
                     // and keeps it alive while it holds the tensor.
@@ -223,7 +235,11 @@ impl Tensor {
 
     /// The DLPack protocol: `(kDLCUDA, device ordinal)`, or `(kDLCPU, 0)` for a download.
     fn __dlpack_device__(&self) -> (i32, i32) {
-        (self.kind, self.device)
+        if self.kind == KDL_CUDA {
+            (KDL_CUDA, self.device)
+        } else {
+            (self.kind, 0)
+        }
     }
 
     /// Sizes.
@@ -433,5 +449,5 @@ pub(crate) fn download<'py>(
             t.host_as_cpu().map_err(|r| r.error)
         })
         .py_err()?;
-    Ok((Some(Tensor::new(t)), dtype_name(dtype), shape))
+    Ok((Some(Tensor::on(t, id)), dtype_name(dtype), shape))
 }

@@ -5,7 +5,7 @@ use pinstream::{dlpack, Packer};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyString, PyType};
+use pyo3::types::PyType;
 
 use crate::context::ctx;
 use crate::errors::{invalid, OrPy};
@@ -19,7 +19,19 @@ struct Torch {
     tensor: Py<PyType>,
     parameter: Py<PyType>,
     strided: Py<PyAny>,
+    /// `torch._C.TensorBase`'s own methods, called with the tensor as their argument: a plain
+    /// tensor may carry instance attributes named `data_ptr` or `is_contiguous` that would
+    /// shadow them (the properties used here are data descriptors, which cannot be shadowed).
+    methods: [Py<PyAny>; 7],
 }
+
+const DATA_PTR: usize = 0;
+const IS_CONTIGUOUS: usize = 1;
+const IS_NEG: usize = 2;
+const IS_CONJ: usize = 3;
+const RESOLVE_CONJ: usize = 4;
+const RESOLVE_NEG: usize = 5;
+const CONTIGUOUS: usize = 6;
 
 static TORCH: PyOnceLock<Torch> = PyOnceLock::new();
 
@@ -32,10 +44,21 @@ fn torch_types(py: Python<'_>) -> PyResult<&Torch> {
             .getattr("Parameter")?
             .cast_into::<PyType>()?
             .unbind();
+        let base = torch.getattr("_C")?.getattr("TensorBase")?;
+        let m = |name: &str| base.getattr(name).map(Bound::unbind);
         Ok(Torch {
             tensor,
             parameter: param,
             strided: torch.getattr("strided")?.unbind(),
+            methods: [
+                m("data_ptr")?,
+                m("is_contiguous")?,
+                m("is_neg")?,
+                m("is_conj")?,
+                m("resolve_conj")?,
+                m("resolve_neg")?,
+                m("contiguous")?,
+            ],
         })
     })
 }
@@ -67,21 +90,15 @@ fn read<'py>(x: Bound<'py, PyAny>, types: &Torch) -> PyResult<(Raw, Bound<'py, P
     if !x.getattr(intern!(py, "layout"))?.is(types.strided.bind(py)) {
         return Err(invalid(OP, "a tensor is not dense (torch.strided)"));
     }
-    let flag = |x: &Bound<'py, PyAny>, m: &Bound<'py, PyString>| -> PyResult<bool> {
-        x.call_method0(m)?.is_truthy()
-    };
+    let call = |m: usize, x: &Bound<'py, PyAny>| types.methods[m].bind(py).call1((x,));
+    let flag = |m: usize, x: &Bound<'py, PyAny>| -> PyResult<bool> { call(m, x)?.is_truthy() };
     let as_read = |x: &Bound<'py, PyAny>| -> PyResult<bool> {
-        Ok(flag(x, intern!(py, "is_contiguous"))?
-            && !flag(x, intern!(py, "is_neg"))?
-            && !flag(x, intern!(py, "is_conj"))?)
+        Ok(flag(IS_CONTIGUOUS, x)? && !flag(IS_NEG, x)? && !flag(IS_CONJ, x)?)
     };
     let x = if as_read(&x)? {
         x
     } else {
-        let y = x
-            .call_method0(intern!(py, "resolve_conj"))?
-            .call_method0(intern!(py, "resolve_neg"))?
-            .call_method0(intern!(py, "contiguous"))?;
+        let y = call(CONTIGUOUS, &call(RESOLVE_NEG, &call(RESOLVE_CONJ, &x)?)?)?;
         if !y.get_type().is(types.tensor.bind(py)) || !as_read(&y)? {
             return Err(invalid(OP, "torch did not make a contiguous copy"));
         }
@@ -91,7 +108,7 @@ fn read<'py>(x: Bound<'py, PyAny>, types: &Torch) -> PyResult<(Raw, Bound<'py, P
     let ptr: usize = if len == 0 {
         0
     } else {
-        x.call_method0(intern!(py, "data_ptr"))?.extract()?
+        call(DATA_PTR, &x)?.extract()?
     };
     if len > 0 && ptr == 0 {
         return Err(invalid(OP, "a tensor has no memory"));
@@ -115,8 +132,10 @@ pub(crate) fn upload_torch_packed<'py>(
     let mut raws = Vec::new();
     let mut uniform = true;
     let mut first: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = None;
-    for x in xs.try_iter()? {
-        let x = x?;
+    // Every item first: the iterable's own code (a generator) runs before any pointer is
+    // read, so it cannot free a tensor whose pointer was taken.
+    let items = xs.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    for x in items {
         let (raw, holder) = read(x.clone(), types)?;
         raws.push(raw);
         if uniform {

@@ -43,6 +43,26 @@ pub(crate) trait Owner: Send + Sync + 'static {
     }
 }
 
+/// The owner of a tensor relabelled by [`Tensor::host_as_cpu`]: a release with no consumer
+/// stream (a host consumer's) is finished by the background reaper, after every device, so
+/// the consumer's deleter never waits for the GPU.
+struct HostConsumed(Arc<dyn Owner>);
+
+impl Owner for HostConsumed {
+    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
+        self.0.sync(consumer)
+    }
+    fn release(&self, consumer: Consumer<'_>) {
+        match consumer {
+            Consumer::Unknown => super::reaper::defer(self.0.clone()),
+            c => self.0.release(c),
+        }
+    }
+    fn shareable(&self) -> bool {
+        self.0.shareable()
+    }
+}
+
 /// One owner shared by the tensors of a [`Tensor::split`].
 struct Shared(Arc<dyn Owner>);
 
@@ -308,6 +328,12 @@ impl Tensor {
     /// A page-locked tensor (`kDLCUDAHost`) labelled as plain CPU memory (`kDLCPU`), for
     /// consumers that take only that (PyTorch): page-locked memory is CPU memory. Any other
     /// tensor is refused (`Error::InvalidArgument`), and handed back in the error.
+    ///
+    /// A host consumer releases with no stream, yet may still have GPU work reading the
+    /// memory (PyTorch's `non_blocking` copies from page-locked memory, on any device): the
+    /// memory goes back only after every device finished what was queued before the release,
+    /// waited for by a background thread, not the releasing one
+    /// ([`wait_for_releases`](super::wait_for_releases) waits for those returns).
     pub fn host_as_cpu(mut self) -> std::result::Result<Tensor, Box<Refused>> {
         if self.device.device_type != KDL_CUDA_HOST {
             let error = Error::invalid(
@@ -323,6 +349,10 @@ impl Tensor {
             }));
         }
         self.device.device_type = KDL_CPU;
+        self.owner = self
+            .owner
+            .take()
+            .map(|o| Box::new(HostConsumed(Arc::from(o))) as Box<dyn Owner>);
         Ok(self)
     }
 

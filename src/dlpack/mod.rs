@@ -29,10 +29,12 @@
 pub mod abi;
 pub(crate) mod export;
 mod import;
+mod reaper;
 
 pub(crate) use export::{Owner, TensorParts};
 pub use export::{Part, Refused, Tensor};
 pub use import::{HostTensor, Imported};
+pub use reaper::wait_for_releases;
 
 use abi::{DLDataType, KDL_BFLOAT, KDL_FLOAT, KDL_INT, KDL_UINT};
 use bytemuck::Pod;

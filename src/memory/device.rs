@@ -67,12 +67,21 @@ impl<T: Pod> DeviceBuffer<T> {
         let mut ptr = std::ptr::null_mut::<c_void>();
         if bytes > 0 {
             device.make_current()?;
-            check_alloc(
-                // SAFETY: `ptr` is a valid out-pointer; the device is current.
-                unsafe { sys::cudaMalloc(&mut ptr, bytes) },
-                "cudaMalloc",
-                bytes,
-            )?;
+            let alloc = |ptr: &mut *mut c_void| {
+                check_alloc(
+                    // SAFETY: `ptr` is a valid out-pointer; the device is current.
+                    unsafe { sys::cudaMalloc(ptr, bytes) },
+                    "cudaMalloc",
+                    bytes,
+                )
+            };
+            match alloc(&mut ptr) {
+                // What pinstream's stream-ordered pool keeps may be what is missing.
+                Err(Error::OutOfMemory { .. }) if super::stream_pool::trim(device)? => {
+                    alloc(&mut ptr)?
+                }
+                r => r?,
+            }
             if let Err(e) = check_align::<T>("DeviceBuffer::new", ptr) {
                 // SAFETY: allocated just above, never shared, freed once.
                 unsafe {
