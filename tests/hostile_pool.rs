@@ -722,6 +722,7 @@ fn host_as_cpu_refusals() -> R {
     same("relabelled block", &got, &v, seed)?;
     // SAFETY: released once.
     unsafe { release_versioned(raw) };
+    reaped()?;
     let st = p.stats();
     ensure(st.in_use_bytes == 0, || {
         format!("after the release: {st:?}")
@@ -829,6 +830,7 @@ fn block_outlives_pool() -> R {
         unsafe { release_versioned(raw.0) };
     });
     h.join().map_err(|_| "release on another thread panicked")?;
+    reaped()?;
     let pinned1 = pinstream::memory::live().pinned_bytes;
     ensure(pinned1 <= pinned0, || {
         format!(
@@ -885,6 +887,7 @@ fn split_block_many_threads() -> R {
         for h in hs {
             h.join().map_err(|_| "a release panicked")?;
         }
+        reaped()?;
         let st = p.stats();
         ensure(st.in_use_bytes == 0 && st.cached_bytes > 0, || {
             format!("round {round} after the last release: {st:?}")
@@ -1012,6 +1015,7 @@ fn empty_and_0d_blocks() -> R {
     let x = imp.host::<f64>()?.as_slice()?.to_vec();
     ensure(x == [2.5], || format!("0-d value: {x:?}"))?;
     drop(imp);
+    reaped()?;
     let st = p.stats();
     ensure(st.in_use_bytes == 0, || {
         format!("after the releases: {st:?}")
@@ -1025,4 +1029,13 @@ fn empty_and_0d_blocks() -> R {
         "dropping an unreleased block tensor took seconds".into()
     })?;
     Ok(())
+}
+
+/// Waits for the releases host consumers made (`host_as_cpu` tensors released with no stream
+/// go back from a background thread, after every device is idle).
+fn reaped() -> R {
+    ensure(
+        pinstream::dlpack::wait_for_releases(Duration::from_secs(20)),
+        || "host-consumer releases not finished after 20 s".into(),
+    )
 }
