@@ -8,6 +8,7 @@ use pinstream::dlpack::Imported;
 use pinstream::{HostKind, Stream};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
+use pyo3::types::PyMemoryView;
 
 use crate::capsule;
 use crate::errors::{invalid, OrPy};
@@ -89,11 +90,23 @@ pub(crate) fn buffer_dtype(format: &[u8], item_size: usize) -> Option<DLDataType
     })
 }
 
+/// `x`'s buffer. Exporters that leave the strides out (ctypes arrays) are read through a
+/// `memoryview` of them, which fills them in (and keeps `x` exported while it is held).
+fn buffer_of(x: &Bound<'_, PyAny>) -> PyResult<PyUntypedBuffer> {
+    PyUntypedBuffer::get(x).or_else(|e| {
+        if x.is_instance_of::<PyMemoryView>() {
+            return Err(e);
+        }
+        let mv = PyMemoryView::from(x).map_err(|_| e)?;
+        PyUntypedBuffer::get(&mv)
+    })
+}
+
 /// `x` through the buffer protocol with its element type and shape, where it exports a
 /// C-contiguous buffer of a type [`buffer_dtype`] knows (numpy arrays, typed memoryviews,
 /// bytes): one call, no capsule.
 fn typed_buffer(x: &Bound<'_, PyAny>) -> Option<Host> {
-    let buf = PyUntypedBuffer::get(x).ok()?;
+    let buf = buffer_of(x).ok()?;
     if !buf.is_c_contiguous() {
         return None;
     }
@@ -136,7 +149,7 @@ pub(crate) fn host(op: &'static str, x: &Bound<'_, PyAny>) -> PyResult<Host> {
             shape,
         });
     }
-    let buf = PyUntypedBuffer::get(x).map_err(|_| {
+    let buf = buffer_of(x).map_err(|_| {
         invalid(
             op,
             format!(

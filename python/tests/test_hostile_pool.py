@@ -605,7 +605,8 @@ def test_buffer_resized_from_another_thread_during_upload():
         t = threading.Thread(target=grow); t.start()
         for _ in range(10):
             got = pinstream.download(pinstream.upload(ba))
-            assert got.size in (n, n + 1) and (got[:n] == 7).all()
+            # extend can succeed and the del be refused (exported): the array only grows.
+            assert got.size >= n and (got[:n] == 7).all()
         stop.set(); t.join()
         print("ok")
         """,
