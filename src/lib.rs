@@ -29,6 +29,7 @@
 pub mod sys;
 
 mod affinity;
+pub mod augment;
 mod copy;
 #[cfg(feature = "cudarc-any")]
 pub mod cudarc;
