@@ -42,6 +42,7 @@ pub mod memory;
 pub mod prefetch;
 #[cfg(feature = "safetensors")]
 pub mod safetensors;
+pub mod sampler;
 pub mod staging;
 mod stream;
 mod sync;
