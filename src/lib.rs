@@ -33,6 +33,7 @@ pub mod augment;
 mod copy;
 #[cfg(feature = "cudarc-any")]
 pub mod cudarc;
+pub mod dataset;
 mod device;
 pub mod dlpack;
 mod error;
