@@ -377,22 +377,27 @@ pub(crate) fn upload_packed<'py>(
         srcs.push(source::host_bytes_first(OP, &x?)?);
     }
     let (arena, offsets) = py
-        .detach(
-            || -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
-                let mut packer = Packer::new();
-                let mut offsets = Vec::with_capacity(srcs.len());
-                for s in &srcs {
-                    offsets.push(packer.push(s.bytes()?.0)?.offset());
-                }
-                if srcs.is_empty() {
-                    return Ok((None, offsets));
-                }
-                let batch = c.stager.upload_packed(&c.stream, &packer)?;
-                Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
-            },
-        )
+        .detach(|| upload_slices(&c, srcs.iter().map(|s| s.bytes().map(|b| b.0))))
         .py_err()?;
     Ok((arena.map(Tensor::new), offsets))
+}
+
+/// One packed upload of `slices` (called outside the GIL): the device arena as one byte
+/// tensor (`None` when there are no slices) and each slice's offset in it.
+pub(crate) fn upload_slices<'a>(
+    c: &Ctx,
+    slices: impl ExactSizeIterator<Item = pinstream::Result<&'a [u8]>>,
+) -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
+    let mut packer = Packer::new();
+    let mut offsets = Vec::with_capacity(slices.len());
+    for s in slices {
+        offsets.push(packer.push(s?)?.offset());
+    }
+    if offsets.is_empty() {
+        return Ok((None, offsets));
+    }
+    let batch = c.stager.upload_packed(&c.stream, &packer)?;
+    Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
 }
 
 /// Copies device data (anything with `__dlpack__` in CUDA memory: torch / CuPy / JAX arrays,

@@ -1,7 +1,6 @@
 //! `pinstream.torch.upload_many`'s native half: many torch CPU tensors read by pointer (no
 //! DLPack export, no numpy view per tensor) into one packed upload.
 
-use pinstream::{dlpack, Packer};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -9,7 +8,7 @@ use pyo3::types::PyType;
 
 use crate::context::ctx;
 use crate::errors::{invalid, OrPy};
-use crate::tensor::Tensor;
+use crate::tensor::{upload_slices, Tensor};
 
 const OP: &str = "pinstream.torch.upload_many";
 
@@ -149,31 +148,24 @@ pub(crate) fn upload_torch_packed<'py>(
         held.push(holder.unbind());
     }
     let (arena, offsets) = py
-        .detach(
-            || -> pinstream::Result<(Option<dlpack::Tensor>, Vec<usize>)> {
-                let mut packer = Packer::new();
-                let mut offsets = Vec::with_capacity(raws.len());
-                for r in &raws {
-                    let bytes: &[u8] = if r.len == 0 {
-                        &[]
+        .detach(|| {
+            upload_slices(
+                &c,
+                raws.iter().map(|r| {
+                    Ok(if r.len == 0 {
+                        &[][..]
                     } else {
-                        // SAFETY: torch reported `len` bytes of CPU memory at `ptr` for a plain
-                        // dense, contiguous tensor (checked above, on the exact torch types);
-                        // `held` keeps each tensor, so its storage, alive until this call
-                        // returns, and the bytes are only read. (As in torch's own copies, a
-                        // concurrent `resize_` of the tensor from another thread is the
-                        // caller's race.)
+                        // SAFETY: torch reported `len` bytes of CPU memory at `ptr` for a
+                        // plain dense, contiguous tensor (checked above, on the exact torch
+                        // types); `held` keeps each tensor, so its storage, alive until this
+                        // call returns, and the bytes are only read. (As in torch's own
+                        // copies, a concurrent `resize_` of the tensor from another thread is
+                        // the caller's race.)
                         unsafe { std::slice::from_raw_parts(r.ptr as *const u8, r.len) }
-                    };
-                    offsets.push(packer.push(bytes)?.offset());
-                }
-                if raws.is_empty() {
-                    return Ok((None, offsets));
-                }
-                let batch = c.stager.upload_packed(&c.stream, &packer)?;
-                Ok((Some(dlpack::Tensor::from_packed_batch(batch)?), offsets))
-            },
-        )
+                    })
+                }),
+            )
+        })
         .py_err()?;
     drop(held);
     let packed = uniform

@@ -11,7 +11,7 @@ use super::sealed::{DeviceMem, DeviceRegion};
 use super::tracker::{self, Access, Tracker};
 use super::{resolve_range, DeviceSlice, DeviceSliceMut};
 use crate::device::Device;
-use crate::error::{byte_len, check_alloc, check_with, Error, Result};
+use crate::error::{byte_len, check_alloc, check_with, Result};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -75,13 +75,8 @@ impl<T: Pod> DeviceBuffer<T> {
                     bytes,
                 )
             };
-            match alloc(&mut ptr) {
-                // What pinstream's stream-ordered pool keeps may be what is missing.
-                Err(Error::OutOfMemory { .. }) if super::stream_pool::trim(device)? => {
-                    alloc(&mut ptr)?
-                }
-                r => r?,
-            }
+            // What pinstream's stream-ordered pool keeps may be what is missing.
+            super::stream_pool::retry_after_trim(device, || alloc(&mut ptr))?;
             if let Err(e) = check_align::<T>("DeviceBuffer::new", ptr) {
                 // SAFETY: allocated just above, never shared, freed once.
                 unsafe {
@@ -123,16 +118,8 @@ impl<T: Pod> DeviceBuffer<T> {
                         bytes,
                     )
                 };
-                match alloc(&mut ptr) {
-                    // Memory the pool keeps but no buffer uses may be what is missing: give
-                    // it back and try once more.
-                    Err(Error::OutOfMemory { .. })
-                        if super::stream_pool::trim(&stream.device())? =>
-                    {
-                        alloc(&mut ptr)?
-                    }
-                    r => r?,
-                }
+                // Memory the pool keeps but no buffer uses may be what is missing.
+                super::stream_pool::retry_after_trim(&stream.device(), || alloc(&mut ptr))?;
                 check_align::<T>("DeviceBuffer::new_async", ptr)
             });
             if let Err(e) = tracked {

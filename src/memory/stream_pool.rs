@@ -14,7 +14,7 @@ use std::os::raw::c_void;
 use std::sync::Mutex;
 
 use crate::device::Device;
-use crate::error::{check, Result};
+use crate::error::{check, Error, Result};
 use crate::sys;
 
 /// A `cudaMemPool_t`, created once per device and never destroyed.
@@ -90,6 +90,18 @@ pub(crate) fn trim(device: &Device) -> Result<bool> {
         "cudaMemPoolTrimTo",
     )?;
     Ok(true)
+}
+
+/// Runs the allocation `alloc`; where it runs out of memory and `device`'s pool was made,
+/// gives back what the pool holds unused and runs it once more.
+pub(crate) fn retry_after_trim(
+    device: &Device,
+    mut alloc: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    match alloc() {
+        Err(Error::OutOfMemory { .. }) if trim(device)? => alloc(),
+        r => r,
+    }
 }
 
 /// Bytes `device`'s pool holds from the driver now, in use or cached (0 where it was never
