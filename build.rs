@@ -439,7 +439,7 @@ fn generate_bindings(tk: &Toolkit, clang_args: &[String], out_dir: &Path) -> Res
         .allowlist_type("cudaMemPoolProps|cudaMemPoolAttr|cudaMemAllocationType|cudaMemAllocationHandleType")
         .allowlist_type("cudaMemcpyAttributes|cudaMemcpySrcAccessOrder|cudaMemLocation|cudaMemLocationType|cudaMemcpyFlags")
         .allowlist_type("pinstream_.*")
-        .allowlist_function("pinstream_(normalize|denormalize)")
+        .allowlist_function("pinstream_(normalize|denormalize|resized_crop)")
         .allowlist_var("PINSTREAM_.*")
         .allowlist_var(
             "cuda(StreamNonBlocking|EventDefault|EventDisableTiming|EventBlockingSync\

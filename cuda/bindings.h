@@ -2,3 +2,4 @@
 // parameter structs of pinstream's own kernels.
 #include <cuda_runtime_api.h>
 #include "normalize.h"
+#include "resize.h"

@@ -16,7 +16,8 @@ use crate::error::{Error, Result};
 
 /// A crop of a source image in its pixel coordinates: rows `top .. top + height`, columns
 /// `left .. left + width` (fractional for resize-then-crop boxes), mirrored left-right when
-/// `flip`. The box is resized to the output size.
+/// `flip`. The box is resized to the output size
+/// ([`kernels::resized_crop`](crate::kernels::resized_crop)).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CropBox {
     /// First row.
@@ -29,6 +30,11 @@ pub struct CropBox {
     pub width: f32,
     /// Mirror left-right.
     pub flip: bool,
+    /// Where the resampling filter stops. `true`: at the box's edges, as when the box is cut
+    /// out first and then resized (torchvision's `RandomResizedCrop`; the box is then widened
+    /// to whole pixels). `false`: at the image's edges, as when the whole image is resized
+    /// and then cropped (`Resize` + `CenterCrop`): pixels just outside the box count too.
+    pub clamp_to_box: bool,
 }
 
 impl CropBox {
@@ -68,6 +74,7 @@ impl CropBox {
             height: (c * sy) as f32,
             width: (c * sx) as f32,
             flip: false,
+            clamp_to_box: false,
         })
     }
 }
@@ -214,6 +221,7 @@ impl RandomResizedCrop {
             height: h as f32,
             width: w as f32,
             flip,
+            clamp_to_box: true,
         })
     }
 

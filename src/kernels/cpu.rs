@@ -1,11 +1,15 @@
-//! CPU reference of every normalize / denormalize variant, computed in f64. The GPU tests compare
-//! against it, and `pinstream normalize --cpu` runs it instead of the GPU.
+//! CPU reference of every normalize / denormalize / resized-crop variant, computed in f64. The
+//! GPU tests compare against it, and `pinstream normalize --cpu` runs it instead of the GPU.
 
 use half::{bf16, f16};
 
 use super::sealed::Element;
 use super::spec::{Layout, Spec};
 use crate::error::{Error, Result};
+
+pub use super::resize_cpu::{
+    resize_tolerance, resize_worst_error, resized_crop, resized_crop_exact,
+};
 
 /// Output element types of `normalize` (f32, f16, bf16, u8, i8) and their conversion from the
 /// exact (f64) value: round to nearest even; integers saturate.

@@ -1,9 +1,13 @@
 //! Safe launchers for pinstream's CUDA kernels: the fused normalize / cast
-//! (`normalize`, `denormalize`), its CPU reference (`cpu`), and small utilities (`fill`, `iota`).
+//! (`normalize`, `denormalize`), the fused resized crop (`resized_crop`: crop, resize, mirror,
+//! normalize, cast), their CPU references (`cpu`), and small utilities (`fill`, `iota`).
 
 pub mod cpu;
 mod normalize;
+mod resize;
+mod resize_cpu;
 mod spec;
+mod table;
 
 /// Seals `OutputElement` and `DenormInput`: the launchers pass `Element::CODE` to the kernels,
 /// which then store or load elements of the type the code stands for. A type outside this crate
@@ -36,6 +40,7 @@ mod sealed {
 
 pub use cpu::{DenormInput, OutputElement, PerSample};
 pub use normalize::{denormalize, normalize, DevicePerSample};
+pub use resize::{resized_crop, ResizeSample, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE};
 pub use spec::{Crop, Layout, Normalize, Sample, Spec};
 
 use bytemuck::Pod;

@@ -79,7 +79,10 @@ fn code_size(code: i32) -> Option<usize> {
 /// Defence in depth behind the sealed element traits: the kernels access memory as elements of
 /// the size `T::CODE` stands for, so `T` must have exactly that size, and the device address
 /// `ptr` must be aligned to it.
-fn check_element<T: Element>(op: &'static str, ptr: *const std::ffi::c_void) -> Result<()> {
+pub(crate) fn check_element<T: Element>(
+    op: &'static str,
+    ptr: *const std::ffi::c_void,
+) -> Result<()> {
     let size = std::mem::size_of::<T>();
     match code_size(T::CODE) {
         Some(s) if s == size && (ptr as usize) % s == 0 => Ok(()),
@@ -205,52 +208,19 @@ where
         trackers.push((m.tracker, Access::Read));
         trackers.push((s.tracker, Access::Read));
     }
-    // The per-sample table, when the batch needs one. Up to `PINSTREAM_PARAM_ROWS` samples it
-    // goes in the launch's own parameters, which the launch copies when it is queued: nothing
-    // to upload, nothing that must outlive the call, no wait for the stream. A larger one is
-    // written into a free region of the stream's pinned table ring and uploaded from there into
-    // the stream's device scratch, on the stream (`memory::ring`): the call does not wait for
-    // the stream either, and no upload reads memory that is freed when this call returns. The
-    // tables stay locked until the launch is queued, so no other launch on this stream can
-    // overwrite the scratch in between.
+    // The per-sample table, when the batch needs one (`table::place`: in the launch's
+    // parameters up to `PINSTREAM_PARAM_ROWS` samples, else uploaded on the stream).
     let rows = if spec.is_uniform() {
         Vec::new()
     } else {
         sample_table(spec)?
     };
-    let in_params = !rows.is_empty()
-        && rows.len() <= sys::PINSTREAM_PARAM_ROWS as usize
-        && crate::memory::ring::upload_mode() == crate::memory::ring::Upload::Kernel;
-    let param_rows = if in_params {
-        rows.as_ptr()
-    } else {
-        std::ptr::null()
-    };
-    let table: &[u8] = if in_params {
-        &[]
-    } else {
-        bytemuck::cast_slice(&rows)
-    };
-    let mut tables = None;
-    if !table.is_empty() {
-        let mut guard = stream.tables(table.len())?;
-        let t = &mut *guard;
-        let (Some(buf), Some(ring)) = (t.scratch.as_ref(), t.ring.as_mut()) else {
-            return Err(Error::invalid(OP, "the stream's table memory is missing"));
-        };
-        // Not tracked on its own: only this stream uses the scratch, so the upload follows the
-        // last launch that read it, and the launch below (which is tracked) follows the upload.
-        ring.upload(stream, table, buf)?;
-        args.samples = buf.device_region().ptr.cast();
-        tables = Some(guard);
-    }
-    let table_region = tables
-        .as_ref()
-        .and_then(|g| g.scratch.as_ref())
-        .map(|b| b.device_region());
-    if let Some(r) = &table_region {
+    let placed = super::table::place(OP, stream, &rows, sys::PINSTREAM_PARAM_ROWS as usize)?;
+    let param_rows = placed.param;
+    args.samples = placed.device.cast();
+    if let Some(t) = placed.tracker() {
         // Written just before by the table's copy on this stream.
-        trackers.push((r.tracker, Access::Write));
+        trackers.push((t, Access::Write));
     }
     stream.enter()?;
     tracker::ordered_rw(stream, &trackers, || {

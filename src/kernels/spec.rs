@@ -62,6 +62,42 @@ impl Normalize {
         self
     }
 
+    /// Checks the statistics for `channels` channels: one mean and std per channel, finite,
+    /// std non-zero, and `scale / std` finite; `scale` and `shift` finite.
+    pub(crate) fn check(&self, op: &'static str, channels: usize) -> Result<()> {
+        let bad = |reason: String| Err(Error::invalid(op, reason));
+        let n = self;
+        if n.mean.len() != channels || n.std.len() != channels {
+            return bad(format!(
+                "{} means and {} stds for {} channels",
+                n.mean.len(),
+                n.std.len(),
+                channels
+            ));
+        }
+        for (c, (&m, &s)) in n.mean.iter().zip(&n.std).enumerate() {
+            if !m.is_finite() {
+                return bad(format!("mean[{c}] = {m} is not finite"));
+            }
+            if !s.is_finite() || s == 0.0 {
+                return bad(format!("std[{c}] = {s} must be finite and non-zero"));
+            }
+            if !(n.scale / s).is_finite() {
+                return bad(format!(
+                    "scale / std[{c}] = {} / {s} is not finite",
+                    n.scale
+                ));
+            }
+        }
+        if !n.scale.is_finite() || !n.shift.is_finite() {
+            return bad(format!(
+                "scale {} and shift {} must be finite",
+                n.scale, n.shift
+            ));
+        }
+        Ok(())
+    }
+
     /// `scale / std[c]` as the kernels use it (f32).
     pub(crate) fn k(&self, c: usize) -> f32 {
         self.scale / self.std[c]
@@ -258,35 +294,7 @@ impl Spec {
         if self.samples.len() > i32::MAX as usize {
             return bad(format!("{} samples is too many", self.samples.len()));
         }
-        let n = &self.norm;
-        if n.mean.len() != self.channels || n.std.len() != self.channels {
-            return bad(format!(
-                "{} means and {} stds for {} channels",
-                n.mean.len(),
-                n.std.len(),
-                self.channels
-            ));
-        }
-        for (c, (&m, &s)) in n.mean.iter().zip(&n.std).enumerate() {
-            if !m.is_finite() {
-                return bad(format!("mean[{c}] = {m} is not finite"));
-            }
-            if !s.is_finite() || s == 0.0 {
-                return bad(format!("std[{c}] = {s} must be finite and non-zero"));
-            }
-            if !(n.scale / s).is_finite() {
-                return bad(format!(
-                    "scale / std[{c}] = {} / {s} is not finite",
-                    n.scale
-                ));
-            }
-        }
-        if !n.scale.is_finite() || !n.shift.is_finite() {
-            return bad(format!(
-                "scale {} and shift {} must be finite",
-                n.scale, n.shift
-            ));
-        }
+        self.norm.check(op, self.channels)?;
         if let Some(f) = self.pad_to_4 {
             if !f.is_finite() {
                 return bad(format!("pad fill {f} is not finite"));
