@@ -10,9 +10,10 @@
 //!
 //! Where this differs from PIL (13): a 16-bit grayscale PNG keeps its high byte, as 16-bit RGB,
 //! RGBA and gray+alpha do in PIL, whereas PIL opens it as `I;16` and clamps each value to 255
-//! (which turns nearly every pixel white); a JPEG must have its end-of-image marker after the
-//! last scan (a file cut short is an error, not padded); and the CRCs of a PNG's image data are
-//! checked (PIL skips them). Chunks after a PNG's image data (and `IEND`) are not read.
+//! (which turns nearly every pixel white); and the CRCs of a PNG's image data are checked (PIL
+//! skips them). As in PIL, a JPEG without its end-of-image marker after the last scan is
+//! truncated, an error (zune-jpeg alone would pad it). Chunks after a PNG's image data (and
+//! `IEND`) are not read.
 //!
 //! JPEG goes through `zune-jpeg` (its AVX2/SSE paths are chosen at run time, so a binary built
 //! on one x86 machine runs on any other), PNG through the `png` crate. JPEG pixels can differ
