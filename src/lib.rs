@@ -34,6 +34,7 @@ mod copy;
 #[cfg(feature = "cudarc-any")]
 pub mod cudarc;
 pub mod dataset;
+pub mod decode;
 mod device;
 pub mod dlpack;
 mod error;
