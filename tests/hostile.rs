@@ -995,15 +995,20 @@ fn file_ranges() -> R {
     Ok(())
 }
 
-/// `pinned()` in a dry run (no pool), and on a batch made by the caller: `InvalidArgument`
-/// (turned into `Error::Loader` by the dry run), for any length.
+/// `pinned()` in a dry run (no pool), and on a batch made by the caller: ordinary memory of
+/// the length asked, and for a length no memory can have `InvalidArgument` (turned into
+/// `Error::Loader` by the dry run), not an abort.
 fn pinned_without_pool() -> R {
     let mut b = HostBatch::<i64>::default();
-    for len in [0, 1, usize::MAX] {
-        ensure(b.pinned(len).is_err_and(|e| is_invalid(&e)), || {
-            format!("pinned({len}) on a batch without a pool")
+    for len in [0, 1, 4096] {
+        let got = b.pinned(len).map(|p| p.len());
+        ensure(matches!(got, Ok(l) if l == len), || {
+            format!("pinned({len}) on a batch without a pool: {got:?}")
         })?;
     }
+    ensure(b.pinned(usize::MAX).is_err_and(|e| is_invalid(&e)), || {
+        "pinned(usize::MAX) on a batch without a pool".into()
+    })?;
     let got = within("pinned in a dry run", BOUND, || {
         let source = Source::new(|i, b: &mut HostBatch<i64>| {
             b.spec = small_spec();

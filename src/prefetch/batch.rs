@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::Pixels;
 use crate::error::{Error, Result};
-use crate::kernels::{Normalize, Spec};
+use crate::kernels::{Normalize, ResizeSpec, Spec};
 use crate::memory::{PinnedBuffer, PinnedPool, PoolBlock};
 use crate::staging::FileSource;
 
@@ -76,7 +76,8 @@ impl PinnedSupply {
 
 /// One batch on the host, as a source fills it: the pixels (u8, laid out as `spec` says; in
 /// pageable memory, page-locked memory or a file, see [`Pixels`]), the normalize `spec`
-/// (layouts, crops, mirrors, mean/std), and per-sample extras such as labels.
+/// (layouts, crops, mirrors, mean/std) or a `resize` spec (random-resized crops of decoded
+/// images of any sizes), and per-sample extras such as labels.
 ///
 /// A batch handed to a source by a [`Prefetcher`](super::Prefetcher) also carries the prefetcher's pinned pool, so
 /// that [`pinned`](Self::pinned) can give page-locked memory on the right device; one made with
@@ -87,6 +88,12 @@ pub struct HostBatch<E = i64> {
     pub pixels: Pixels,
     /// How to normalize `pixels`; also the batch's shape.
     pub spec: Spec,
+    /// `Some`: the batch is resampled with it instead
+    /// ([`kernels::resized_crop`](crate::kernels::resized_crop): each sample's crop box of its
+    /// own source image to one output size, mirrored, normalized, cast) and `spec` is not used.
+    /// The pixels then hold the source images anywhere inside them: at least
+    /// `input_extent()` bytes.
+    pub resize: Option<ResizeSpec>,
     /// Anything per batch that goes to the device as is (labels, boxes); may be empty.
     pub extras: Vec<E>,
     /// The prefetcher's pool (set by the loader thread before each call of the source).
@@ -111,6 +118,7 @@ impl<E: std::fmt::Debug> std::fmt::Debug for HostBatch<E> {
         f.debug_struct("HostBatch")
             .field("pixels", &self.pixels)
             .field("spec", &self.spec)
+            .field("resize", &self.resize)
             .field("extras", &self.extras)
             .field("pool", &self.pool.as_ref().map(|p| p.pool.device()))
             .finish()
@@ -124,6 +132,7 @@ impl<E> HostBatch<E> {
         HostBatch {
             pixels,
             spec,
+            resize: None,
             extras,
             pool: None,
             stash: Vec::new(),
@@ -172,18 +181,22 @@ impl<E> HostBatch<E> {
     ///
     /// The memory holds whatever an earlier batch left there (or zeros): **write every byte**.
     ///
-    /// Errors: `Error::InvalidArgument` for a batch without a pool (one made with
-    /// [`new`](Self::new) or `default()` rather than handed to a source by a prefetcher) and for
-    /// a length no block can have; the pool's errors (`Error::OutOfMemory`, ...) when it must
-    /// allocate.
+    /// A batch without a pool — in a [`DryRun`](super::DryRun), or one made with
+    /// [`new`](Self::new) or `default()` — gets ordinary memory instead (its pageable vector,
+    /// `len` bytes), so that the same source runs with and without a GPU.
+    ///
+    /// Errors: `Error::InvalidArgument` for a length no block (or vector) can have; the pool's
+    /// errors (`Error::OutOfMemory`, ...) when it must allocate.
     pub fn pinned(&mut self, len: usize) -> Result<&mut [u8]> {
-        let supply = self.pool.clone().ok_or_else(|| {
-            Error::invalid(
-                "HostBatch::pinned",
-                "this batch has no pinned pool: only batches a Prefetcher hands to its source \
-                 have one (use `pageable()`, or put a block of your own in `pixels`)",
-            )
-        })?;
+        let Some(supply) = self.pool.clone() else {
+            let v = self.pageable();
+            v.clear();
+            v.try_reserve_exact(len).map_err(|e| {
+                Error::invalid("HostBatch::pinned", format!("{len} bytes of host memory: {e}"))
+            })?;
+            v.resize(len, 0);
+            return Ok(&mut v[..]);
+        };
         let pool = &supply.pool;
         // Kept: an idle block of this device that holds `len` bytes and is at most four times
         // as long (a block from a batch much larger than this one goes back).
@@ -224,10 +237,28 @@ impl<E> HostBatch<E> {
             batch: global,
             message,
         };
-        self.spec
-            .validate("Prefetcher")
-            .and_then(|()| Ok((self.spec.input_len()?, self.spec.output_len()?)))
-            .map_err(|e| bad(e.to_string()))
+        let lens = match &self.resize {
+            // Resized: the pixels may be longer than the images need (a loader's arena).
+            Some(r) => r.validate("Prefetcher").and_then(|()| {
+                let need = r.input_extent()?;
+                if self.pixels.len() < need {
+                    return Err(Error::invalid(
+                        "Prefetcher",
+                        format!(
+                            "{} pixel bytes ({}), the resize spec's images reach byte {need}",
+                            self.pixels.len(),
+                            self.pixels.kind()
+                        ),
+                    ));
+                }
+                Ok((self.pixels.len(), r.output_len()?))
+            }),
+            None => self
+                .spec
+                .validate("Prefetcher")
+                .and_then(|()| Ok((self.spec.input_len()?, self.spec.output_len()?))),
+        };
+        lens.map_err(|e| bad(e.to_string()))
             .and_then(|(in_len, out_len)| {
                 if let Pixels::Foreign(f) = &self.pixels {
                     f.get()

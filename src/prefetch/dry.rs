@@ -7,13 +7,14 @@ use bytemuck::Pod;
 use super::pipeline::{Msg, Pipeline, Plan};
 use super::{HostBatch, LoaderStats, PrefetchConfig, Source};
 use crate::error::{Error, Result};
-use crate::kernels::{cpu, OutputElement, Spec};
+use crate::kernels::{cpu, OutputElement, ResizeSpec, Spec};
 
 /// A slot of the dry run: the batch as the GPU prefetcher would hand it out, on the host.
 struct HostSlot<O, E> {
     pixels: Vec<O>,
     extras: Vec<E>,
     spec: Spec,
+    resize: Option<ResizeSpec>,
     index: u64,
 }
 
@@ -41,10 +42,14 @@ fn fill<O: OutputElement, E: Pod>(
         message: e.to_string(),
     })?;
     fit(&mut slot.pixels, out_len)?;
-    cpu::normalize(&pixels, &batch.spec, None, &mut slot.pixels)?;
+    match &batch.resize {
+        Some(r) => cpu::resized_crop(&pixels, r, &mut slot.pixels)?,
+        None => cpu::normalize(&pixels, &batch.spec, None, &mut slot.pixels)?,
+    }
     fit(&mut slot.extras, batch.extras.len())?;
     slot.extras.copy_from_slice(&batch.extras);
     slot.spec.clone_from(&batch.spec);
+    slot.resize.clone_from(&batch.resize);
     slot.index = global;
     Ok(())
 }
@@ -55,8 +60,8 @@ fn fill<O: OutputElement, E: Pod>(
 /// into host memory. For testing a source without a GPU; it is slow (f64 per element) and not
 /// meant for training.
 ///
-/// Differences from the GPU prefetcher: no pinned pool, so [`HostBatch::pinned`] is an error
-/// in the source (page-locked pixels of your own, resident ranges and files all work);
+/// Differences from the GPU prefetcher: no pinned pool, so [`HostBatch::pinned`] gives
+/// ordinary memory (page-locked pixels of your own, resident ranges and files all work);
 /// `PrefetchConfig::stager`, `pool` and `numa_local` are not used; `depth` host slots stand
 /// for the device slots.
 ///
@@ -130,6 +135,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
                 pixels: Vec::new(),
                 extras: Vec::new(),
                 spec: HostBatch::<E>::default().spec,
+                resize: None,
                 index: 0,
             })
             .collect();
@@ -206,6 +212,18 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryBatch<'_, O, E> {
     /// The spec the source gave.
     pub fn spec(&self) -> Option<&Spec> {
         self.slot().map(|s| &s.spec)
+    }
+
+    /// The resize spec the source gave, for a resized batch.
+    pub fn resize_spec(&self) -> Option<&ResizeSpec> {
+        self.slot().and_then(|s| s.resize.as_ref())
+    }
+
+    /// `[n, c, h, w]` of the output (NCHW order whatever the layout), where every sample has
+    /// the same output size.
+    pub fn dims(&self) -> Option<[usize; 4]> {
+        let s = self.slot()?;
+        super::out_shape(&s.spec, s.resize.as_ref()).map(|(d, _)| d)
     }
 
     /// The normalized pixels, as the kernel would write them.

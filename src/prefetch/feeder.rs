@@ -122,15 +122,24 @@ impl Feeder {
                 &mut b.extras.slice_mut(..extras_len)?,
             )?;
         }
-        kernels::normalize::<O, _, _>(
-            stream,
-            &b.input.slice(..in_len)?,
-            &batch.spec,
-            &mut b.output.slice_mut(..out_len)?,
-            None,
-        )?;
+        match &batch.resize {
+            Some(r) => kernels::resized_crop::<O, _, _>(
+                stream,
+                &b.input.slice(..in_len)?,
+                r,
+                &mut b.output.slice_mut(..out_len)?,
+            )?,
+            None => kernels::normalize::<O, _, _>(
+                stream,
+                &b.input.slice(..in_len)?,
+                &batch.spec,
+                &mut b.output.slice_mut(..out_len)?,
+                None,
+            )?,
+        }
         stream.record(&slot.ready)?;
         slot.spec.clone_from(&batch.spec);
+        slot.resize.clone_from(&batch.resize);
         slot.index = global;
         slot.out_len = out_len;
         slot.extras_len = extras_len;

@@ -65,7 +65,7 @@ pub use source::{LoadError, Source};
 
 use crate::dlpack::{Element, Tensor, TensorParts};
 use crate::error::{Error, Result};
-use crate::kernels::{Layout, OutputElement, Spec};
+use crate::kernels::{Layout, OutputElement, ResizeSpec, Spec};
 use crate::memory::{DeviceView, PinnedPool, PoolStats};
 use crate::staging::Stager;
 use crate::stream::Stream;
@@ -403,15 +403,16 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
         self.slot().ok().map(|s| &s.spec)
     }
 
-    /// `[n, c, h, w]` of the output for a batch whose samples all have the same output size,
-    /// in NCHW order whatever the layout.
+    /// `[n, c, h, w]` of the output for a batch whose samples all have the same output size
+    /// (every resized batch), in NCHW order whatever the layout.
     pub fn dims(&self) -> Option<[usize; 4]> {
-        let spec = self.spec()?;
-        let first = spec.samples.first()?.out_hw();
-        spec.samples
-            .iter()
-            .all(|s| s.out_hw() == first)
-            .then(|| [spec.samples.len(), spec.out_channels(), first.0, first.1])
+        let s = self.slot().ok()?;
+        out_shape(&s.spec, s.resize.as_ref()).map(|(d, _)| d)
+    }
+
+    /// The resize spec of a resized batch (its boxes, flips and source sizes).
+    pub fn resize_spec(&self) -> Option<&ResizeSpec> {
+        self.slot().ok().and_then(|s| s.resize.as_ref())
     }
 
     /// The normalized pixels (`spec.output_len()` elements).
@@ -540,15 +541,25 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
     }
 }
 
-/// The pixels' shape for a batch of equal-sized samples, in the output layout's order.
-fn pixel_shape<O: Pod, E: Pod>(slot: &Slot<O, E>) -> Option<Vec<usize>> {
-    let spec = &slot.spec;
+/// `[n, c, h, w]` and the output layout of a batch whose samples all have the same output
+/// size: every resized batch, a normalized one where its samples agree.
+pub(crate) fn out_shape(spec: &Spec, resize: Option<&ResizeSpec>) -> Option<([usize; 4], Layout)> {
+    if let Some(r) = resize {
+        let dims = [r.samples.len(), r.out_channels(), r.out_h, r.out_w];
+        return Some((dims, r.out_layout));
+    }
     let first = spec.samples.first()?.out_hw();
     if !spec.samples.iter().all(|s| s.out_hw() == first) {
         return None;
     }
-    let (n, c, (h, w)) = (spec.samples.len(), spec.out_channels(), first);
-    let shape = match spec.out_layout {
+    let dims = [spec.samples.len(), spec.out_channels(), first.0, first.1];
+    Some((dims, spec.out_layout))
+}
+
+/// The pixels' shape for a batch of equal-sized samples, in the output layout's order.
+fn pixel_shape<O: Pod, E: Pod>(slot: &Slot<O, E>) -> Option<Vec<usize>> {
+    let ([n, c, h, w], layout) = out_shape(&slot.spec, slot.resize.as_ref())?;
+    let shape = match layout {
         Layout::Nchw => vec![n, c, h, w],
         Layout::Nhwc => vec![n, h, w, c],
     };

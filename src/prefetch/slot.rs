@@ -10,7 +10,7 @@ use super::HostBatch;
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::event::Event;
-use crate::kernels::Spec;
+use crate::kernels::{ResizeSpec, Spec};
 use crate::memory::DeviceBuffer;
 use crate::stream::Stream;
 
@@ -32,6 +32,8 @@ pub(crate) struct Slot<O: Pod, E: Pod> {
     pub(crate) spare_events: Vec<Event>,
     pub(crate) bufs: Option<Buffers<O, E>>,
     pub(crate) spec: Spec,
+    /// The resize spec of a resized batch (then `spec` is not its shape).
+    pub(crate) resize: Option<ResizeSpec>,
     pub(crate) index: u64,
     pub(crate) out_len: usize,
     pub(crate) extras_len: usize,
@@ -65,6 +67,7 @@ impl<O: Pod, E: Pod> Slot<O, E> {
                 extras: DeviceBuffer::new(device, 0)?,
             }),
             spec: HostBatch::<E>::default().spec,
+            resize: None,
             index: 0,
             out_len: 0,
             extras_len: 0,
