@@ -1189,7 +1189,9 @@ fn pinned_without_pool() -> R {
         || format!("pixels: {:?}", b.pixels),
     )?;
     let mut d = HostBatch::<i64>::default();
-    ensure(d.pinned(0).is_ok_and(|p| p.is_empty()), || "default batch".into())?;
+    ensure(d.pinned(0).is_ok_and(|p| p.is_empty()), || {
+        "default batch".into()
+    })?;
     ensure(
         matches!(d.pinned(usize::MAX), Err(Error::InvalidArgument { .. })),
         || "usize::MAX".into(),

@@ -192,7 +192,10 @@ impl<E> HostBatch<E> {
             let v = self.pageable();
             v.clear();
             v.try_reserve_exact(len).map_err(|e| {
-                Error::invalid("HostBatch::pinned", format!("{len} bytes of host memory: {e}"))
+                Error::invalid(
+                    "HostBatch::pinned",
+                    format!("{len} bytes of host memory: {e}"),
+                )
             })?;
             v.resize(len, 0);
             return Ok(&mut v[..]);

@@ -50,6 +50,7 @@ mod config;
 mod dry;
 mod export;
 mod feeder;
+mod images;
 mod loaders;
 mod pipeline;
 mod pixels;
@@ -60,6 +61,7 @@ mod turns;
 pub use batch::HostBatch;
 pub use config::PrefetchConfig;
 pub use dry::{DryBatch, DryRun};
+pub use images::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource, Skipped};
 pub use pixels::{ForeignBytes, HostBytes, Pixels};
 pub use source::{LoadError, Source};
 

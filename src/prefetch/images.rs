@@ -1,0 +1,468 @@
+//! An image-folder training feed: the files of an [`ImageList`] in a per-epoch seeded order
+//! (sharded by rank, `drop_last`), read and decoded on the loader threads straight into
+//! page-locked memory, their random-resized crops (or the validation transform) made on the
+//! GPU in one launch per batch, labels as extras — epoch after epoch from one prefetcher.
+//!
+//! ```no_run
+//! use pinstream::dataset::ImageList;
+//! use pinstream::prefetch::{ImageFeed, ImageFeedConfig};
+//! # fn main() -> pinstream::Result<()> {
+//! let stream = pinstream::Device::get(0)?.stream()?;
+//! let train = ImageList::folder("/data/imagenet/train")?;     // train/<class>/<image>.jpg
+//! let mut feed = ImageFeed::<pinstream::bf16>::new(&stream, train, ImageFeedConfig::default())?;
+//! for epoch in 0..90 {
+//!     while let Some(batch) = feed.next() {                   // None at the end of each epoch
+//!         let batch = batch?;
+//!         let (x, y) = (batch.pixels()?, batch.extras()?);    // 256 x 3 x 224 x 224, labels
+//!         // ... the training step on `stream`
+//! #       let _ = (x, y, epoch);
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::{DeviceBatch, HostBatch, PrefetchConfig, Prefetcher, Source};
+use crate::augment::{CropBox, RandomResizedCrop, Rng};
+use crate::dataset::ImageList;
+use crate::decode;
+use crate::error::{Error, Result};
+use crate::kernels::{Layout, Normalize, OutputElement, ResizeSpec};
+use crate::sampler::{Batches, Sampler};
+use crate::stream::Stream;
+
+/// Where each image's crop comes from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Augment {
+    /// torchvision's `RandomResizedCrop` + `RandomHorizontalFlip` (training).
+    Train(RandomResizedCrop),
+    /// `Resize(resize)` + `CenterCrop(out)` (validation): the output must be square.
+    Val {
+        /// The shorter side after the resize (256 for 224 crops).
+        resize: usize,
+    },
+}
+
+/// What happens to a file that cannot be read or decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadFiles {
+    /// The batch fails with an error naming the file (the default).
+    Error,
+    /// The file is left out of its batch (which is one sample shorter) and counted in
+    /// [`ImageSource::skipped`].
+    Skip,
+}
+
+/// How an [`ImageFeed`] (or an [`ImageSource`]) reads, orders and transforms the images.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ImageFeedConfig {
+    /// Images per batch (per rank).
+    pub batch: usize,
+    /// Output height and width.
+    pub out: (usize, usize),
+    /// Random-resized crops, or the validation transform.
+    pub augment: Augment,
+    /// On the 0..255 scale (`Normalize::imagenet()` by default).
+    pub norm: Normalize,
+    /// Output layout (`Nchw`; `Nhwc` for channels-last models).
+    pub layout: Layout,
+    /// Seed of the order and of the crops: the same seed and epoch give the same batches on
+    /// every machine.
+    pub seed: u64,
+    /// Shuffle every epoch (`false`: the list's order, as for validation).
+    pub shuffle: bool,
+    /// This process's rank and the number of ranks (`DistributedSampler`'s semantics).
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+    /// Leave out the last batch of an epoch when it is short.
+    pub drop_last: bool,
+    /// Undecodable files: an error, or skipped and counted.
+    pub bad_files: BadFiles,
+    /// Where to start: epoch and batch within it (a checkpoint's [`ImageFeed::position`]).
+    pub start: (u64, usize),
+    /// The prefetcher underneath (`loader_threads` decode in parallel).
+    pub prefetch: PrefetchConfig,
+}
+
+impl Default for ImageFeedConfig {
+    /// Batches of 256, 224 x 224 NCHW, `RandomResizedCrop` defaults, ImageNet statistics,
+    /// shuffled with seed 0, one rank, no `drop_last`, bad files an error, 4 loader threads.
+    fn default() -> Self {
+        ImageFeedConfig {
+            batch: 256,
+            out: (224, 224),
+            augment: Augment::Train(RandomResizedCrop::default()),
+            norm: Normalize::imagenet(),
+            layout: Layout::Nchw,
+            seed: 0,
+            shuffle: true,
+            rank: 0,
+            world: 1,
+            drop_last: false,
+            bad_files: BadFiles::Error,
+            start: (0, 0),
+            prefetch: PrefetchConfig::default(),
+        }
+    }
+}
+
+/// Files left out by [`BadFiles::Skip`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Skipped {
+    /// How many (each time one is met: a bad file counts once per epoch).
+    pub count: u64,
+    /// The first 16, with why.
+    pub first: Vec<(String, String)>,
+}
+
+struct Inner {
+    list: ImageList,
+    cfg: ImageFeedConfig,
+    sampler: Sampler,
+    per_epoch: usize,
+    /// The batches of the last epochs asked for (an epoch's order is computed once).
+    epochs: Mutex<Vec<(u64, Arc<Batches>)>>,
+    skipped: AtomicU64,
+    first_skipped: Mutex<Vec<(String, String)>>,
+}
+
+/// The batches of an [`ImageList`] as a prefetcher [`Source`]: global batch `g` is batch
+/// `g % per_epoch` of epoch `g / per_epoch`, counted from `config.start`, endlessly. Usable
+/// with a [`Prefetcher`] (see [`ImageFeed`]) and, without a GPU, a [`DryRun`](super::DryRun),
+/// which resamples with the kernel's CPU reference.
+#[derive(Clone)]
+pub struct ImageSource {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ImageSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageSource")
+            .field("images", &self.inner.list.len())
+            .field("per_epoch", &self.inner.per_epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+fn file_error(path: &Path, e: Error) -> Error {
+    match e {
+        Error::Format { format, detail, .. } => Error::Format {
+            format,
+            path: path.display().to_string(),
+            tensor: None,
+            detail,
+        },
+        Error::Io { op, message, .. } => Error::Io {
+            op,
+            path: path.display().to_string(),
+            offset: 0,
+            len: 0,
+            message,
+        },
+        other => other,
+    }
+}
+
+impl ImageSource {
+    /// The source of `list` under `config`. `Error::InvalidArgument` for a batch of 0, an
+    /// output of 0, a bad rank / world, a validation transform to a non-square output, or an
+    /// epoch with no batch (fewer images per rank than a batch, with `drop_last`).
+    pub fn new(list: ImageList, config: &ImageFeedConfig) -> Result<ImageSource> {
+        const OP: &str = "prefetch::ImageSource::new";
+        let c = config;
+        if c.batch == 0 || c.out.0 == 0 || c.out.1 == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("batch {} and output {:?} must be > 0", c.batch, c.out),
+            ));
+        }
+        if matches!(c.augment, Augment::Val { .. }) && c.out.0 != c.out.1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the validation transform makes square crops, not {:?}",
+                    c.out
+                ),
+            ));
+        }
+        if let Augment::Val { resize } = c.augment {
+            if resize < c.out.0 {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "Resize({resize}) is smaller than the {}-pixel crop",
+                        c.out.0
+                    ),
+                ));
+            }
+        }
+        // Checks the statistics for three channels (every image is decoded to RGB).
+        ResizeSpec::new(3, c.out.0, c.out.1, c.norm.clone())
+            .norm
+            .check(OP, 3)?;
+        let mut sampler = Sampler::new(list.len()).shard(c.rank, c.world)?;
+        if c.shuffle {
+            sampler = sampler.shuffle(c.seed);
+        }
+        let per_epoch = sampler.batches(0, c.batch, c.drop_last)?.total();
+        if per_epoch == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} images ({} per rank) make no batch of {} with drop_last",
+                    list.len(),
+                    sampler.per_rank(),
+                    c.batch
+                ),
+            ));
+        }
+        Ok(ImageSource {
+            inner: Arc::new(Inner {
+                list,
+                cfg: c.clone(),
+                sampler,
+                per_epoch,
+                epochs: Mutex::new(Vec::new()),
+                skipped: AtomicU64::new(0),
+                first_skipped: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// Batches in one epoch (of this rank).
+    pub fn batches_per_epoch(&self) -> usize {
+        self.inner.per_epoch
+    }
+
+    /// `(epoch, batch)` of the prefetcher's batch index `index` (counted from `config.start`).
+    pub fn position(&self, index: u64) -> (u64, usize) {
+        let g = self.global(index);
+        let per = self.inner.per_epoch as u64;
+        (g / per, (g % per) as usize)
+    }
+
+    fn global(&self, index: u64) -> u64 {
+        let (e, b) = self.inner.cfg.start;
+        e.saturating_mul(self.inner.per_epoch as u64)
+            .saturating_add(b as u64)
+            .saturating_add(index)
+    }
+
+    /// Files skipped so far ([`BadFiles::Skip`]).
+    pub fn skipped(&self) -> Skipped {
+        Skipped {
+            count: self.inner.skipped.load(Ordering::Relaxed),
+            first: crate::sync::lock(&self.inner.first_skipped).clone(),
+        }
+    }
+
+    /// The prefetcher source: endless (epoch after epoch).
+    pub fn source(&self) -> Source<i64> {
+        let me = self.clone();
+        Source::new(move |i, b: &mut HostBatch<i64>| {
+            me.load(i, b)
+                .map(|()| true)
+                .map_err(|e| Box::new(e) as super::LoadError)
+        })
+    }
+
+    fn batches(&self, epoch: u64) -> Result<Arc<Batches>> {
+        let inner = &self.inner;
+        if let Some((_, b)) = crate::sync::lock(&inner.epochs)
+            .iter()
+            .find(|(e, _)| *e == epoch)
+        {
+            return Ok(b.clone());
+        }
+        // Computed outside the lock (a shuffle of the whole list); two threads may both
+        // compute one epoch, which gives the same batches.
+        let b = Arc::new(
+            inner
+                .sampler
+                .batches(epoch, inner.cfg.batch, inner.cfg.drop_last)?,
+        );
+        let mut cache = crate::sync::lock(&inner.epochs);
+        if !cache.iter().any(|(e, _)| *e == epoch) {
+            if cache.len() >= 3 {
+                cache.remove(0);
+            }
+            cache.push((epoch, b.clone()));
+        }
+        Ok(b)
+    }
+
+    fn skip(&self, path: &Path, why: &Error) {
+        self.inner.skipped.fetch_add(1, Ordering::Relaxed);
+        let mut first = crate::sync::lock(&self.inner.first_skipped);
+        if first.len() < 16 {
+            first.push((path.display().to_string(), why.to_string()));
+        }
+    }
+
+    /// Fills `b` with the prefetcher's batch `index`: reads its files, decodes them into
+    /// `b.pinned(..)` (page-locked memory in a prefetcher, ordinary memory elsewhere), draws
+    /// the crops and sets `b.resize` and the labels. What the source does on a loader thread;
+    /// public so that a test can build the same batch on its own thread.
+    pub fn load(&self, index: u64, b: &mut HostBatch<i64>) -> Result<()> {
+        const OP: &str = "prefetch::ImageSource::load";
+        let inner = &self.inner;
+        let cfg = &inner.cfg;
+        let (epoch, k) = self.position(index);
+        let batches = self.batches(epoch)?;
+        let idx = batches
+            .get(k)
+            .ok_or_else(|| Error::invalid(OP, format!("epoch {epoch} has no batch {k}")))?;
+        // Read every file and its header first: the batch's length, then one block.
+        let mut files = Vec::with_capacity(idx.len());
+        let mut total = 0usize;
+        for &i in idx {
+            let (path, label) = &inner.list.items()[i];
+            let read = std::fs::read(path)
+                .map_err(|e| Error::Io {
+                    op: OP,
+                    path: path.display().to_string(),
+                    offset: 0,
+                    len: 0,
+                    message: e.to_string(),
+                })
+                .and_then(|bytes| {
+                    let info = decode::info(&bytes).map_err(|e| file_error(path, e))?;
+                    Ok((bytes, info))
+                });
+            match read {
+                Ok((bytes, info)) => {
+                    total = total.checked_add(info.rgb_len()).ok_or_else(|| {
+                        Error::invalid(OP, "the batch's decoded size overflows usize")
+                    })?;
+                    files.push((path, *label, bytes, info));
+                }
+                Err(e) if cfg.bad_files == BadFiles::Skip => self.skip(path, &e),
+                Err(e) => return Err(e),
+            }
+        }
+        let px = b.pinned(total)?;
+        let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
+            .layouts(Layout::Nhwc, cfg.layout);
+        let mut labels = Vec::with_capacity(files.len());
+        let mut rng = Rng::new(cfg.seed, (epoch << 32) ^ k as u64);
+        let mut offset = 0;
+        for (path, label, bytes, info) in &files {
+            let len = info.rgb_len();
+            let dst = &mut px[offset..offset + len];
+            match decode::decode_rgb_into(bytes, dst) {
+                Ok(_) => {
+                    let (h, w) = (info.height, info.width);
+                    let crop = match cfg.augment {
+                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w)?,
+                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0)?,
+                    };
+                    spec.push(offset, h, w, crop);
+                    labels.push(*label as i64);
+                }
+                Err(e) => {
+                    let e = file_error(path, e);
+                    if cfg.bad_files != BadFiles::Skip {
+                        return Err(e);
+                    }
+                    // Written in full all the same: the block must not show old data.
+                    dst.fill(0);
+                    self.skip(path, &e);
+                }
+            }
+            offset += len;
+        }
+        if spec.samples.is_empty() {
+            return Err(Error::invalid(
+                OP,
+                format!("every file of epoch {epoch}'s batch {k} was left out as undecodable"),
+            ));
+        }
+        b.resize = Some(spec);
+        b.extras.clear();
+        b.extras.extend(labels);
+        Ok(())
+    }
+}
+
+/// An [`ImageSource`] behind a [`Prefetcher`]: batches of `O` on the device with their labels,
+/// epoch after epoch, the prefetcher running across epoch boundaries (no drain, no rebuild).
+/// [`next`](Self::next) returns `None` at the end of each epoch; the call after it starts the
+/// next epoch.
+pub struct ImageFeed<O: OutputElement> {
+    prefetcher: Prefetcher<O, i64>,
+    source: ImageSource,
+    /// Prefetcher batches taken so far.
+    taken: u64,
+    /// Whether `None` was returned for the current epoch's end.
+    ended: bool,
+}
+
+impl<O: OutputElement> std::fmt::Debug for ImageFeed<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageFeed")
+            .field("source", &self.source)
+            .field("position", &self.position())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<O: OutputElement> ImageFeed<O> {
+    /// Starts the loaders on `list` for batches on `stream` (see [`ImageSource::new`] for the
+    /// errors).
+    pub fn new(stream: &Stream, list: ImageList, config: ImageFeedConfig) -> Result<Self> {
+        let source = ImageSource::new(list, &config)?;
+        let prefetcher = Prefetcher::new(stream, source.source(), config.prefetch.clone())?;
+        Ok(ImageFeed {
+            prefetcher,
+            source,
+            taken: 0,
+            ended: false,
+        })
+    }
+
+    /// The next batch of this epoch, `None` after its last (then the next call goes on with
+    /// the next epoch). Errors as [`Prefetcher::next`] reports them.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> Option<Result<DeviceBatch<'_, O, i64>>> {
+        let (_, k) = self.source.position(self.taken);
+        if k == 0 && self.taken > 0 && !self.ended {
+            self.ended = true;
+            return None;
+        }
+        self.ended = false;
+        let b = self.prefetcher.next()?;
+        if b.is_ok() {
+            self.taken += 1;
+        }
+        Some(b)
+    }
+
+    /// `(epoch, batch)` of the next batch: where to resume from (`ImageFeedConfig::start`).
+    pub fn position(&self) -> (u64, usize) {
+        self.source.position(self.taken)
+    }
+
+    /// Batches in one epoch.
+    pub fn batches_per_epoch(&self) -> usize {
+        self.source.batches_per_epoch()
+    }
+
+    /// Files skipped so far ([`BadFiles::Skip`]).
+    pub fn skipped(&self) -> Skipped {
+        self.source.skipped()
+    }
+
+    /// The source (its order, positions, and [`ImageSource::load`]).
+    pub fn source(&self) -> &ImageSource {
+        &self.source
+    }
+
+    /// The prefetcher underneath (its stream, loader and pool statistics).
+    pub fn prefetcher(&self) -> &Prefetcher<O, i64> {
+        &self.prefetcher
+    }
+}
