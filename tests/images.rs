@@ -376,7 +376,10 @@ fn gpu_feed() -> R {
             format!("epoch {epoch}: {seen} batches, want {per}")
         })?;
     }
-    ensure((2..=3).contains(&feed.skipped().count), || {
-        format!("{:?}", feed.skipped())
-    })
+    // Met at least once per epoch; the loaders may have met it again ahead of the consumer.
+    let s = feed.skipped();
+    ensure(
+        s.count >= 2 && s.first.iter().all(|(p, _)| p.ends_with("broken.jpg")),
+        || format!("{s:?}"),
+    )
 }

@@ -1,0 +1,184 @@
+//! An ImageNet-style training feed: a folder of class directories of JPEGs / PNGs, decoded on
+//! loader threads into page-locked memory, `RandomResizedCrop(224)` + flip + normalize on the
+//! GPU, labels beside them, epoch after epoch from one prefetcher. Prints images/s and CPU
+//! seconds per image for each epoch.
+//!
+//! ```sh
+//! cargo run --release --example imagenet_feed -- /data/imagenet/train
+//! cargo run --release --example imagenet_feed                 # the shared sample photographs
+//! cargo run --release --example imagenet_feed -- DIR --threads 8 --batch 256 --epochs 3 \
+//!     [--val] [--check] [--json]
+//! ```
+//!
+//! `--check` compares every batch with the kernel's CPU reference on the same host batch
+//! (slow: f64 on the CPU). `--val` runs the validation transform (`Resize(256)` +
+//! `CenterCrop(224)`, in order). Without a folder it feeds the photographs in
+//! `../shared/data/images` (one class each). Without a CUDA device it runs the same pipeline in
+//! a `DryRun` (the CPU reference instead of the kernel) for one epoch.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use pinstream::dataset::ImageList;
+use pinstream::kernels::cpu;
+use pinstream::prefetch::{
+    Augment, BadFiles, DryRun, HostBatch, ImageFeed, ImageFeedConfig, ImageSource,
+};
+use pinstream::timing::cpu_seconds;
+use pinstream::{bf16, Device};
+
+struct Args {
+    root: Option<PathBuf>,
+    threads: usize,
+    batch: usize,
+    epochs: u64,
+    val: bool,
+    check: bool,
+    json: bool,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        root: None,
+        threads: 8,
+        batch: 256,
+        epochs: 3,
+        val: false,
+        check: false,
+        json: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        let mut num = |name: &str| -> Result<usize, String> {
+            it.next()
+                .and_then(|v| v.parse().ok())
+                .ok_or(format!("{name} needs a number"))
+        };
+        match x.as_str() {
+            "--threads" => a.threads = num("--threads")?,
+            "--batch" => a.batch = num("--batch")?,
+            "--epochs" => a.epochs = num("--epochs")? as u64,
+            "--val" => a.val = true,
+            "--check" => a.check = true,
+            "--json" => a.json = true,
+            s if !s.starts_with("--") => a.root = Some(PathBuf::from(s)),
+            s => return Err(format!("unknown argument {s}")),
+        }
+    }
+    Ok(a)
+}
+
+/// The folder given, or the shared photographs (found at run time: next to the crate, or from
+/// the current directory), one class each.
+fn images(root: &Option<PathBuf>) -> Result<ImageList, Box<dyn std::error::Error>> {
+    match root {
+        Some(r) => Ok(ImageList::folder(r)?),
+        None => {
+            let base = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_else(|_| ".".into());
+            let dir = [
+                format!("{base}/../shared/data/images"),
+                "../shared/data/images".into(),
+            ]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|d| d.is_dir())
+            .ok_or("no folder given and ../shared/data/images not found")?;
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "jpg" || x == "png"))
+                .collect();
+            files.sort();
+            Ok(ImageList::from_pairs(
+                files.into_iter().enumerate().map(|(i, p)| (p, i)).collect(),
+            )?)
+        }
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = args()?;
+    let list = images(&a.root)?;
+    let mut cfg = ImageFeedConfig {
+        batch: a.batch.min(list.len()),
+        bad_files: BadFiles::Skip,
+        ..ImageFeedConfig::default()
+    };
+    cfg.prefetch.loader_threads = a.threads;
+    if a.val {
+        cfg.augment = Augment::Val { resize: 256 };
+        cfg.shuffle = false;
+    }
+    eprintln!(
+        "{} images of {} classes, batch {}, {} loader threads, {}",
+        list.len(),
+        list.num_classes(),
+        cfg.batch,
+        a.threads,
+        if a.val { "val" } else { "train" }
+    );
+    if !pinstream::available() {
+        // The same pipeline on the CPU: loaders, decoding, crops, the kernel's reference.
+        let src = ImageSource::new(list, &cfg)?;
+        let mut run = DryRun::<f32, i64>::new(src.source(), cfg.prefetch.clone())?;
+        for _ in 0..src.batches_per_epoch() {
+            let b = run.next().ok_or("ended")??;
+            println!(
+                "dry run: batch {} of {:?}, labels {:?}",
+                b.index(),
+                b.dims(),
+                b.extras()
+            );
+        }
+        return Ok(());
+    }
+    let stream = Device::get(0)?.stream()?;
+    let n_images = list.len();
+    let mut feed = ImageFeed::<bf16>::new(&stream, list, cfg.clone())?;
+    let source = feed.source().clone();
+    let mut index = 0u64;
+    for epoch in 0..a.epochs {
+        let (t0, c0) = (Instant::now(), cpu_seconds());
+        let (mut seen, mut worst) = (0usize, 0f64);
+        while let Some(batch) = feed.next() {
+            let batch = batch?;
+            let (x, y) = (batch.pixels()?, batch.extras()?);
+            seen += y.len();
+            if a.check {
+                let mut host = HostBatch::<i64>::default();
+                source.load(index, &mut host)?;
+                let spec = host.resize.clone().ok_or("no resize spec")?;
+                let exact = cpu::resized_crop_exact(&host.pixels.read()?, &spec)?;
+                let mut got = vec![bf16::ZERO; x.len()];
+                stream.copy_d2h(&x, &mut got[..])?.wait()?;
+                let w = cpu::resize_worst_error(&got, &exact, &spec)?.map_or(0.0, |w| w.units);
+                if w > 1.0 {
+                    return Err(format!("batch {index}: {w} units from the reference").into());
+                }
+                worst = worst.max(w);
+            } else {
+                stream.synchronize()?; // stands for the training step
+            }
+            index += 1;
+        }
+        let (secs, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        let skipped = feed.skipped().count;
+        if a.json {
+            println!(
+                "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"dataset\":{n_images}}}",
+                a.threads, a.check
+            );
+        }
+        println!(
+            "epoch {epoch}: {seen} images in {secs:.2} s = {:.0} images/s, {:.2} CPU ms per image{}",
+            seen as f64 / secs,
+            cpu / seen as f64 * 1e3,
+            if a.check {
+                format!(", every batch within {worst:.2} units of the reference")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}
