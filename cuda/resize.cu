@@ -28,6 +28,9 @@ constexpr int TH = 16;       // output rows per tile
 constexpr int THREADS = 256;
 constexpr int MAXT = 32;     // taps per filter in the separable path
 constexpr int RMAX = 64;     // source rows per tile in the separable path
+#ifndef RRC_MIN_BLOCKS
+#define RRC_MIN_BLOCKS 6     // blocks per SM the registers must allow (40 registers)
+#endif
 
 struct NoRows {};
 struct ParamRows {
@@ -88,17 +91,21 @@ template <typename Out, int C>
 __device__ __forceinline__ void store(const pinstream_rrc_args& a, uint32_t s, int y, int x, const float (&v)[C]) {
   Out* out = static_cast<Out*>(a.out);
   const size_t plane = (size_t)a.out_h * a.out_w;
-  const size_t base = (size_t)s * a.c_out * plane;
-  for (int c = 0; c < a.c_out; ++c) {
-    const float val = c < C ? (pick4<float, C>(v, c) - pick(a.mean, c)) * pick(a.k, c) + a.shift : a.fill;
-    const size_t i = a.out_layout == PINSTREAM_NHWC ? base + ((size_t)y * a.out_w + x) * a.c_out + c
-                                                    : base + (size_t)c * plane + (size_t)y * a.out_w + x;
-    out[i] = Conv<Out>::from(val);
+  const bool nhwc = a.out_layout == PINSTREAM_NHWC;
+  // Element 0 of this pixel, and the distance between its channels.
+  Out* p = out + (size_t)s * a.c_out * plane +
+           (nhwc ? ((size_t)y * a.out_w + x) * a.c_out : (size_t)y * a.out_w + x);
+  const size_t step = nhwc ? 1 : plane;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (c >= a.c_out) break;
+    const float val = c < C ? (v[c < C ? c : 0] - a.mean[c]) * a.k[c] + a.shift : a.fill;
+    p[c * step] = Conv<Out>::from(val);
   }
 }
 
 template <typename Out, int C, typename Rows>
-__global__ void __launch_bounds__(THREADS) resized_crop(pinstream_rrc_args a, const __grid_constant__ Rows rows) {
+__global__ void __launch_bounds__(THREADS, RRC_MIN_BLOCKS) resized_crop(pinstream_rrc_args a, const __grid_constant__ Rows rows) {
   __shared__ float wx[MAXT][TW];  // [tap][column]: a warp reads 32 banks
   __shared__ float wy[MAXT][TH];
   __shared__ int x0[TW], nx[TW], y0[TH], ny[TH];
@@ -157,17 +164,33 @@ __global__ void __launch_bounds__(THREADS) resized_crop(pinstream_rrc_args a, co
     const int ry0 = span[0], R = span[1] - span[0];
     if (R <= 0) continue;  // the tile is below the output (not for valid grids)
     if (all_fit && R <= RMAX) {
-      // Horizontal: source rows ry0 .. ry1 - 1 under each of the 32 columns.
+      // Horizontal: source rows ry0 .. ry1 - 1 under each of the 32 columns. Taps go four at
+      // a time, their loads issued together (a tap past the filter's end reads its first tap
+      // again, with weight 0), so that their latencies overlap.
+      const size_t plane = (size_t)r.src_h * r.src_w;
+      const int xstep = hwc ? C : 1;
       for (int it = tid; it < R * TW; it += THREADS) {
         const int rr = it / TW, col = it % TW;
         float acc[C];
 #pragma unroll
         for (int c = 0; c < C; ++c) acc[c] = 0.f;
         const int n = nx[col], xf = x0[col];
-        for (int j = 0; j < n; ++j) {
-          const float w = wx[j][col];
+        const uint8_t* row = img + (size_t)(ry0 + rr) * r.src_w * xstep + (size_t)xf * xstep;
+        for (int j0 = 0; j0 < n; j0 += 4) {
+          float w[4], p[4][C];
 #pragma unroll
-          for (int c = 0; c < C; ++c) acc[c] += w * pixel(img, hwc, C, r.src_h, r.src_w, ry0 + rr, xf + j, c);
+          for (int u = 0; u < 4; ++u) {
+            const bool in = j0 + u < n;
+            const int j = in ? j0 + u : j0;
+            w[u] = in ? wx[j][col] : 0.f;
+#pragma unroll
+            for (int c = 0; c < C; ++c)
+              p[u][c] = (float)(__ldg(row + (size_t)j * xstep + (hwc ? (size_t)c : (size_t)c * plane)));
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+#pragma unroll
+            for (int c = 0; c < C; ++c) acc[c] += w[u] * p[u][c];
         }
 #pragma unroll
         for (int c = 0; c < C; ++c) hbuf[c][rr][col] = acc[c];
