@@ -29,7 +29,11 @@ constexpr int THREADS = 256;
 constexpr int MAXT = 32;     // taps per filter in the separable path
 constexpr int RMAX = 64;     // source rows per tile in the separable path
 #ifndef RRC_MIN_BLOCKS
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+#define RRC_MIN_BLOCKS 4     // Turing: 1024 threads per SM
+#else
 #define RRC_MIN_BLOCKS 6     // blocks per SM the registers must allow (40 registers)
+#endif
 #endif
 
 struct NoRows {};

@@ -79,6 +79,15 @@ impl CropBox {
     }
 }
 
+/// One 64-bit stream number from two (an epoch and a batch, say), by SplitMix64 of each: no
+/// two pairs met in practice share one, unlike `(a << 32) ^ b`.
+pub fn mix(a: u64, b: u64) -> u64 {
+    let mut x = a;
+    let ha = splitmix(&mut x);
+    let mut y = b ^ ha;
+    splitmix(&mut y)
+}
+
 /// A small, fast, seeded generator (xoshiro256**, seeded through SplitMix64): the same seed and
 /// stream give the same numbers on every machine. `stream` separates sequences of one seed
 /// (the epoch, a loader thread).

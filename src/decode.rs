@@ -310,11 +310,38 @@ fn tolerable(e: &impl std::fmt::Display) -> bool {
 /// a file cut anywhere in or before its last scan fails this; trailing bytes after the marker
 /// are allowed. (zune-jpeg itself fills a scan that ends early with zeros.)
 fn ends_its_last_scan(bytes: &[u8]) -> bool {
-    let marker = |m: u8| bytes.windows(2).rposition(|w| w == [0xFF, m]);
-    match (marker(0xDA), marker(0xD9)) {
-        (Some(sos), Some(eoi)) => eoi > sos,
-        _ => false,
-    }
+    // The marker segments from SOI up to the first start of scan, each skipped by its length
+    // (so that nothing inside an APP segment, such as an EXIF thumbnail, counts); then an
+    // end-of-image marker somewhere after it. Entropy-coded data stuffs every 0xFF, so an
+    // FF D9 there is the end of the image (or of a scan's trailer): data appended after the
+    // end-of-image marker, which may hold any bytes, does not make a whole file truncated.
+    let len = bytes.len();
+    let mut i = 2;
+    let first_scan = loop {
+        while i < len && bytes[i] != 0xFF {
+            i += 1;
+        }
+        while i < len && bytes[i] == 0xFF {
+            i += 1;
+        }
+        if i >= len {
+            return false;
+        }
+        let m = bytes[i];
+        i += 1;
+        match m {
+            0xDA => break i,
+            0xD9 => return false,
+            0x01 | 0xD0..=0xD8 => {}
+            _ => {
+                let Some(l) = bytes.get(i..i + 2) else {
+                    return false;
+                };
+                i += usize::from(u16::from_be_bytes([l[0], l[1]]));
+            }
+        }
+    };
+    bytes[first_scan..].windows(2).any(|w| w == [0xFF, 0xD9])
 }
 
 fn decode_jpeg<'o>(

@@ -38,6 +38,7 @@ fn main() {
         Trial::test("dry/bad_file_error_names_it", dry_bad_error),
         Trial::test("dry/config_refused", config_refused),
         Trial::test("gpu/feed_two_epochs_vs_reference", gpu_feed).with_ignored_flag(no_gpu),
+        Trial::test("gpu/error_ends_the_feed_loudly", gpu_error_stays).with_ignored_flag(no_gpu),
     ];
     libtest_mimic::run(&args, trials).exit();
 }
@@ -382,4 +383,27 @@ fn gpu_feed() -> R {
         s.count >= 2 && s.first.iter().all(|(p, _)| p.ends_with("broken.jpg")),
         || format!("{s:?}"),
     )
+}
+
+/// After an error every call is an error: never a `None` that reads as the end of an epoch.
+fn gpu_error_stays() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let cfg = ImageFeedConfig {
+        bad_files: BadFiles::Error,
+        shuffle: false,
+        ..config(64)
+    };
+    let mut feed = ImageFeed::<f32>::new(&stream, list(), cfg)?;
+    let first = feed.next().map(|r| r.map(|_| ()));
+    ensure(matches!(first, Some(Err(_))), || {
+        format!("first: {first:?}")
+    })?;
+    for i in 0..5 {
+        let again = feed.next().map(|r| r.map(|_| ()));
+        ensure(matches!(again, Some(Err(_))), || {
+            format!("call {i} after the error: {again:?}")
+        })?;
+    }
+    Ok(())
 }

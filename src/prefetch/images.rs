@@ -30,7 +30,7 @@ use crate::augment::{CropBox, RandomResizedCrop, Rng};
 use crate::dataset::ImageList;
 use crate::decode;
 use crate::error::{Error, Result};
-use crate::kernels::{Layout, Normalize, OutputElement, ResizeSpec};
+use crate::kernels::{Layout, Normalize, OutputElement, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE};
 use crate::sampler::{Batches, Sampler};
 use crate::stream::Stream;
 
@@ -110,6 +110,17 @@ impl Default for ImageFeedConfig {
     }
 }
 
+/// The most pixels an image may have: PIL's limit for a decompression bomb
+/// (`2 * Image.MAX_IMAGE_PIXELS`); larger ones are bad files.
+pub const MAX_IMAGE_PIXELS: usize = 178_956_970;
+
+/// The largest image file read (1 GiB); larger ones are bad files.
+pub const MAX_FILE_BYTES: u64 = 1 << 30;
+
+/// Decoded bytes per byte of file beyond which a file's header is not believed (a tiny file
+/// claiming a huge image): neither DEFLATE nor JPEG compresses by much more than 1000:1.
+const MAX_RATIO: usize = 2048;
+
 /// Files left out by [`BadFiles::Skip`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Skipped {
@@ -146,6 +157,79 @@ impl std::fmt::Debug for ImageSource {
             .field("per_epoch", &self.inner.per_epoch)
             .finish_non_exhaustive()
     }
+}
+
+/// The file's bytes: a regular file (opened without blocking, so a FIFO or device named in a
+/// list is refused, not waited on) of at most [`MAX_FILE_BYTES`].
+fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |message: String| Error::Io {
+        op,
+        path: path.display().to_string(),
+        offset: 0,
+        len: 0,
+        message,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| io(e.to_string()))?;
+    let meta = f.metadata().map_err(|e| io(e.to_string()))?;
+    if !meta.is_file() {
+        return Err(io("not a regular file".into()));
+    }
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(io(format!(
+            "{} bytes: image files above {MAX_FILE_BYTES} bytes are not read",
+            meta.len()
+        )));
+    }
+    let mut bytes = Vec::new();
+    bytes
+        .try_reserve_exact(meta.len() as usize)
+        .map_err(|e| io(e.to_string()))?;
+    f.take(MAX_FILE_BYTES)
+        .read_to_end(&mut bytes)
+        .map_err(|e| io(e.to_string()))?;
+    Ok(bytes)
+}
+
+/// The header of `bytes`, refused (as a format error naming `path`) where the image is larger
+/// than the kernel takes ([`MAX_SIDE`]), than [`MAX_IMAGE_PIXELS`], or than the file can
+/// plausibly hold.
+fn checked_info(path: &Path, bytes: &[u8]) -> Result<decode::ImageInfo> {
+    let info = decode::info(bytes).map_err(|e| file_error(path, e))?;
+    let refuse = |detail: String| Error::Format {
+        format: info.format.name(),
+        path: path.display().to_string(),
+        tensor: None,
+        detail,
+    };
+    let (h, w) = (info.height, info.width);
+    if h > MAX_SIDE || w > MAX_SIDE {
+        return Err(refuse(format!(
+            "{h}x{w}: sides above {MAX_SIDE} are not supported"
+        )));
+    }
+    if h.saturating_mul(w) > MAX_IMAGE_PIXELS {
+        return Err(refuse(format!(
+            "{h}x{w} is more than {MAX_IMAGE_PIXELS} pixels (a decompression bomb)"
+        )));
+    }
+    if info.rgb_len()
+        > bytes
+            .len()
+            .saturating_mul(MAX_RATIO)
+            .saturating_add(1 << 20)
+    {
+        return Err(refuse(format!(
+            "a {h}x{w} image in {} bytes: the header is not believed",
+            bytes.len()
+        )));
+    }
+    Ok(info)
 }
 
 fn file_error(path: &Path, e: Error) -> Error {
@@ -189,12 +273,22 @@ impl ImageSource {
                 ),
             ));
         }
+        if c.out.0 > MAX_OUT_SIDE || c.out.1 > MAX_OUT_SIDE {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "output {:?}: sides above {MAX_OUT_SIDE} are not supported",
+                    c.out
+                ),
+            ));
+        }
         if let Augment::Val { resize } = c.augment {
-            if resize < c.out.0 {
+            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel.
+            if resize < c.out.0 || resize / 1024 > c.out.0 {
                 return Err(Error::invalid(
                     OP,
                     format!(
-                        "Resize({resize}) is smaller than the {}-pixel crop",
+                        "Resize({resize}) must be from the {}-pixel crop to 1024 times it",
                         c.out.0
                     ),
                 ));
@@ -217,6 +311,22 @@ impl ImageSource {
                     list.len(),
                     sampler.per_rank(),
                     c.batch
+                ),
+            ));
+        }
+        let (e, b) = c.start;
+        let start_ok = b < per_epoch
+            && e.checked_mul(per_epoch as u64)
+                .and_then(|g| g.checked_add(b as u64))
+                .and_then(|g| g.checked_add(1 << 62))
+                .is_some();
+        if !start_ok {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "start {:?}: the batch must be below {per_epoch} (batches per epoch) and the \
+                     position far from u64::MAX",
+                    c.start
                 ),
             ));
         }
@@ -245,11 +355,12 @@ impl ImageSource {
         (g / per, (g % per) as usize)
     }
 
+    /// The global batch number (checked in `new` to leave 2^62 batches of room).
     fn global(&self, index: u64) -> u64 {
         let (e, b) = self.inner.cfg.start;
-        e.saturating_mul(self.inner.per_epoch as u64)
-            .saturating_add(b as u64)
-            .saturating_add(index)
+        e.wrapping_mul(self.inner.per_epoch as u64)
+            .wrapping_add(b as u64)
+            .wrapping_add(index)
     }
 
     /// Files skipped so far ([`BadFiles::Skip`]).
@@ -321,18 +432,10 @@ impl ImageSource {
         let mut total = 0usize;
         for &i in idx {
             let (path, label) = &inner.list.items()[i];
-            let read = std::fs::read(path)
-                .map_err(|e| Error::Io {
-                    op: OP,
-                    path: path.display().to_string(),
-                    offset: 0,
-                    len: 0,
-                    message: e.to_string(),
-                })
-                .and_then(|bytes| {
-                    let info = decode::info(&bytes).map_err(|e| file_error(path, e))?;
-                    Ok((bytes, info))
-                });
+            let read = read_file(OP, path).and_then(|bytes| {
+                let info = checked_info(path, &bytes)?;
+                Ok((bytes, info))
+            });
             match read {
                 Ok((bytes, info)) => {
                     total = total.checked_add(info.rgb_len()).ok_or_else(|| {
@@ -348,7 +451,12 @@ impl ImageSource {
         let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
             .layouts(Layout::Nhwc, cfg.layout);
         let mut labels = Vec::with_capacity(files.len());
-        let mut rng = Rng::new(cfg.seed, (epoch << 32) ^ k as u64);
+        // The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a
+        // stream mixed from both numbers (no two batches share one).
+        let mut rng = Rng::new(
+            cfg.seed ^ 0x6372_6f70_7321_5eed,
+            crate::augment::mix(epoch, k as u64),
+        );
         let mut offset = 0;
         for (path, label, bytes, info) in &files {
             let len = info.rgb_len();
@@ -399,6 +507,8 @@ pub struct ImageFeed<O: OutputElement> {
     taken: u64,
     /// Whether `None` was returned for the current epoch's end.
     ended: bool,
+    /// The error that stopped the feed: every later call reports it again.
+    failed: Option<String>,
 }
 
 impl<O: OutputElement> std::fmt::Debug for ImageFeed<O> {
@@ -421,24 +531,43 @@ impl<O: OutputElement> ImageFeed<O> {
             source,
             taken: 0,
             ended: false,
+            failed: None,
         })
     }
 
     /// The next batch of this epoch, `None` after its last (then the next call goes on with
-    /// the next epoch). Errors as [`Prefetcher::next`] reports them.
+    /// the next epoch). Errors as [`Prefetcher::next`] reports them; an error ends the feed,
+    /// and every later call returns an error saying so (never a `None` that would look like
+    /// the end of an epoch).
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Option<Result<DeviceBatch<'_, O, i64>>> {
+        if let Some(m) = &self.failed {
+            return Some(Err(Error::invalid(
+                "prefetch::ImageFeed::next",
+                format!("the feed stopped at an earlier error: {m}"),
+            )));
+        }
         let (_, k) = self.source.position(self.taken);
         if k == 0 && self.taken > 0 && !self.ended {
             self.ended = true;
             return None;
         }
         self.ended = false;
-        let b = self.prefetcher.next()?;
-        if b.is_ok() {
-            self.taken += 1;
+        match self.prefetcher.next() {
+            Some(Ok(b)) => {
+                self.taken += 1;
+                Some(Ok(b))
+            }
+            Some(Err(e)) => {
+                self.failed = Some(e.to_string());
+                Some(Err(e))
+            }
+            None => {
+                let m = "the prefetcher ended (an endless source ended)".to_string();
+                self.failed = Some(m.clone());
+                Some(Err(Error::invalid("prefetch::ImageFeed::next", m)))
+            }
         }
-        Some(b)
     }
 
     /// `(epoch, batch)` of the next batch: where to resume from (`ImageFeedConfig::start`).
