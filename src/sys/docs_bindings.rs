@@ -16,6 +16,7 @@ pub const cudaEventDefault: u32 = 0;
 pub const cudaEventBlockingSync: u32 = 1;
 pub const cudaEventDisableTiming: u32 = 2;
 pub const PINSTREAM_PARAM_ROWS: u32 = 256;
+pub const PINSTREAM_RRC_PARAM_ROWS: u32 = 256;
 #[repr(u32)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub enum cudaError {
@@ -1130,6 +1131,116 @@ unsafe extern "C" {
     pub fn pinstream_denormalize(
         args: *const pinstream_norm_args,
         in_dtype: i32,
+        stream: cudaStream_t,
+    ) -> cudaError_t;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct pinstream_rrc_sample {
+    pub in_offset: u64,
+    pub src_h: i32,
+    pub src_w: i32,
+    pub win_y: i32,
+    pub win_x: i32,
+    pub win_h: i32,
+    pub win_w: i32,
+    pub top: f32,
+    pub left: f32,
+    pub scale_y: f32,
+    pub scale_x: f32,
+    pub mirror: i32,
+    pub reserved: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of pinstream_rrc_sample"][::std::mem::size_of::<pinstream_rrc_sample>() - 56usize];
+    ["Alignment of pinstream_rrc_sample"][::std::mem::align_of::<pinstream_rrc_sample>() - 8usize];
+    ["Offset of field: pinstream_rrc_sample::in_offset"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, in_offset) - 0usize];
+    ["Offset of field: pinstream_rrc_sample::src_h"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, src_h) - 8usize];
+    ["Offset of field: pinstream_rrc_sample::src_w"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, src_w) - 12usize];
+    ["Offset of field: pinstream_rrc_sample::win_y"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, win_y) - 16usize];
+    ["Offset of field: pinstream_rrc_sample::win_x"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, win_x) - 20usize];
+    ["Offset of field: pinstream_rrc_sample::win_h"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, win_h) - 24usize];
+    ["Offset of field: pinstream_rrc_sample::win_w"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, win_w) - 28usize];
+    ["Offset of field: pinstream_rrc_sample::top"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, top) - 32usize];
+    ["Offset of field: pinstream_rrc_sample::left"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, left) - 36usize];
+    ["Offset of field: pinstream_rrc_sample::scale_y"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, scale_y) - 40usize];
+    ["Offset of field: pinstream_rrc_sample::scale_x"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, scale_x) - 44usize];
+    ["Offset of field: pinstream_rrc_sample::mirror"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, mirror) - 48usize];
+    ["Offset of field: pinstream_rrc_sample::reserved"]
+        [::std::mem::offset_of!(pinstream_rrc_sample, reserved) - 52usize];
+};
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct pinstream_rrc_args {
+    pub in_: *const u8,
+    pub out: *mut ::std::os::raw::c_void,
+    pub samples: *const pinstream_rrc_sample,
+    pub mean: [f32; 4usize],
+    pub k: [f32; 4usize],
+    pub shift: f32,
+    pub fill: f32,
+    pub n: i32,
+    pub c_in: i32,
+    pub c_out: i32,
+    pub out_h: i32,
+    pub out_w: i32,
+    pub in_layout: i32,
+    pub out_layout: i32,
+    pub antialias: i32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of pinstream_rrc_args"][::std::mem::size_of::<pinstream_rrc_args>() - 96usize];
+    ["Alignment of pinstream_rrc_args"][::std::mem::align_of::<pinstream_rrc_args>() - 8usize];
+    ["Offset of field: pinstream_rrc_args::in_"]
+        [::std::mem::offset_of!(pinstream_rrc_args, in_) - 0usize];
+    ["Offset of field: pinstream_rrc_args::out"]
+        [::std::mem::offset_of!(pinstream_rrc_args, out) - 8usize];
+    ["Offset of field: pinstream_rrc_args::samples"]
+        [::std::mem::offset_of!(pinstream_rrc_args, samples) - 16usize];
+    ["Offset of field: pinstream_rrc_args::mean"]
+        [::std::mem::offset_of!(pinstream_rrc_args, mean) - 24usize];
+    ["Offset of field: pinstream_rrc_args::k"]
+        [::std::mem::offset_of!(pinstream_rrc_args, k) - 40usize];
+    ["Offset of field: pinstream_rrc_args::shift"]
+        [::std::mem::offset_of!(pinstream_rrc_args, shift) - 56usize];
+    ["Offset of field: pinstream_rrc_args::fill"]
+        [::std::mem::offset_of!(pinstream_rrc_args, fill) - 60usize];
+    ["Offset of field: pinstream_rrc_args::n"]
+        [::std::mem::offset_of!(pinstream_rrc_args, n) - 64usize];
+    ["Offset of field: pinstream_rrc_args::c_in"]
+        [::std::mem::offset_of!(pinstream_rrc_args, c_in) - 68usize];
+    ["Offset of field: pinstream_rrc_args::c_out"]
+        [::std::mem::offset_of!(pinstream_rrc_args, c_out) - 72usize];
+    ["Offset of field: pinstream_rrc_args::out_h"]
+        [::std::mem::offset_of!(pinstream_rrc_args, out_h) - 76usize];
+    ["Offset of field: pinstream_rrc_args::out_w"]
+        [::std::mem::offset_of!(pinstream_rrc_args, out_w) - 80usize];
+    ["Offset of field: pinstream_rrc_args::in_layout"]
+        [::std::mem::offset_of!(pinstream_rrc_args, in_layout) - 84usize];
+    ["Offset of field: pinstream_rrc_args::out_layout"]
+        [::std::mem::offset_of!(pinstream_rrc_args, out_layout) - 88usize];
+    ["Offset of field: pinstream_rrc_args::antialias"]
+        [::std::mem::offset_of!(pinstream_rrc_args, antialias) - 92usize];
+};
+unsafe extern "C" {
+    pub fn pinstream_resized_crop(
+        args: *const pinstream_rrc_args,
+        rows: *const pinstream_rrc_sample,
+        out_dtype: i32,
         stream: cudaStream_t,
     ) -> cudaError_t;
 }
