@@ -2091,9 +2091,20 @@ fn foreign_owner_drop_drops_the_run() -> R {
     let (tx, rx) = mpsc::channel();
     let tx = Mutex::new(tx);
     let h2 = hold.clone();
+    let parked = Arc::new(AtomicBool::new(false));
+    let parked2 = parked.clone();
     let source = Source::new(move |i, b: &mut HostBatch<i64>| {
         if i >= 1000 {
             return Ok(false);
+        }
+        // Past the two batches the consumer takes, wait until the run is parked: the owners
+        // these loads replace then drop after it is (otherwise all of them could drop before
+        // it, and nothing would drop it: the test was flaky, about 1 run in 25).
+        if i >= 2 {
+            let t = Instant::now();
+            while !parked2.load(Ordering::SeqCst) && t.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         b.spec = small_spec();
         b.extras.clear();
@@ -2111,6 +2122,7 @@ fn foreign_owner_drop_drops_the_run() -> R {
         run.next().ok_or("ended")??;
     }
     *hold.lock().unwrap_or_else(|e| e.into_inner()) = Some(run);
+    parked.store(true, Ordering::SeqCst);
     within("an owner's drop of its own dry run", BOUND, move || {
         // Every owner's drop signals (its `Done` goes); one of them dropped the run.
         let t = Instant::now();
