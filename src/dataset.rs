@@ -24,7 +24,8 @@ pub struct ImageList {
     items: Vec<(PathBuf, usize)>,
 }
 
-fn io(op: &'static str, path: &Path, e: impl std::fmt::Display) -> Error {
+/// `Error::Io` for `path` as a whole (no offset or length).
+pub(crate) fn io(op: &'static str, path: &Path, e: impl std::fmt::Display) -> Error {
     Error::Io {
         op,
         path: path.display().to_string(),

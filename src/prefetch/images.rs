@@ -164,13 +164,7 @@ impl std::fmt::Debug for ImageSource {
 fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    let io = |message: String| Error::Io {
-        op,
-        path: path.display().to_string(),
-        offset: 0,
-        len: 0,
-        message,
-    };
+    let io = |e: String| crate::dataset::io(op, path, e);
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
@@ -295,9 +289,7 @@ impl ImageSource {
             }
         }
         // Checks the statistics for three channels (every image is decoded to RGB).
-        ResizeSpec::new(3, c.out.0, c.out.1, c.norm.clone())
-            .norm
-            .check(OP, 3)?;
+        c.norm.check(OP, 3)?;
         let mut sampler = Sampler::new(list.len()).shard(c.rank, c.world)?;
         if c.shuffle {
             sampler = sampler.shuffle(c.seed);
