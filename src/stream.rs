@@ -54,8 +54,6 @@ struct Inner {
     tables: Mutex<Tables>,
     /// What keeps a borrowed stream alive (the other library's owner, e.g. a cudarc
     /// `Arc<CudaStream>`): dropped last, after the drop above has synchronized what it must.
-    #[cfg_attr(not(feature = "cudarc-any"), allow(dead_code))]
-    // held, read only by the feature
     keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -227,6 +225,16 @@ impl Stream {
     /// Whether pinstream created the stream (rather than [`from_raw`](Self::from_raw)).
     pub fn is_owned(&self) -> bool {
         self.inner.owned
+    }
+
+    /// Whether the stream stays the same live stream for as long as this `Stream` is held:
+    /// pinstream created it, holds what keeps it alive (`from_cudarc`), or it is the legacy
+    /// default stream (null or `cudaStreamLegacy`), which is never destroyed. A stream merely
+    /// lent by another library ([`from_raw`](Self::from_raw)) may be destroyed, and its handle
+    /// given to a new stream, once the call that lent it returns.
+    pub(crate) fn outlives_its_borrowers(&self) -> bool {
+        let raw = self.inner.raw as usize;
+        self.inner.owned || self.inner.keep.is_some() || raw == 0 || raw == 0x1
     }
 
     /// What keeps a borrowed stream alive, if the stream holds it (`Stream::from_cudarc`).

@@ -9,6 +9,7 @@ use super::abi::{
     DLDataType, DLDevice, DLManagedTensor, DLManagedTensorVersioned, DLTensor, FLAG_READ_ONLY,
     KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, VERSION,
 };
+use super::reaper::Scope;
 use super::{check_element, dtype_name, Element};
 use crate::device::Device;
 use crate::error::{Error, Result};
@@ -22,10 +23,9 @@ use crate::stream::Stream;
 pub(crate) enum Consumer<'a> {
     /// The tensor was never handed over: nothing but pinstream used it.
     Nobody,
-    /// The consumer's stream, named at the handover.
+    /// The consumer's stream, named at the handover (and known to be the same stream still:
+    /// see `Ctx`).
     Stream(&'a Stream),
-    /// Handed over with no stream (`-1`): the consumer's work is not known.
-    Unknown,
 }
 
 /// What keeps an exported tensor's memory alive, and gives it back.
@@ -40,26 +40,6 @@ pub(crate) trait Owner: Send + Sync + 'static {
     /// run once per tensor, and the memory goes back when the last one drops the owner.
     fn shareable(&self) -> bool {
         false
-    }
-}
-
-/// The owner of a tensor relabelled by [`Tensor::host_as_cpu`]: a release with no consumer
-/// stream (a host consumer's) is finished by the background reaper, after every device, so
-/// the consumer's deleter never waits for the GPU.
-struct HostConsumed(Arc<dyn Owner>);
-
-impl Owner for HostConsumed {
-    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
-        self.0.sync(consumer)
-    }
-    fn release(&self, consumer: Consumer<'_>) {
-        match consumer {
-            Consumer::Unknown => super::reaper::defer(self.0.clone()),
-            c => self.0.release(c),
-        }
-    }
-    fn shareable(&self) -> bool {
-        self.0.shareable()
     }
 }
 
@@ -140,6 +120,8 @@ pub struct Tensor {
     shape: Vec<i64>,
     strides: Vec<i64>,
     flags: u64,
+    /// The device the memory belongs to (for page-locked memory, the one it was allocated for).
+    home: Device,
     owner: Option<Box<dyn Owner>>,
 }
 
@@ -206,6 +188,7 @@ impl Tensor {
             shape: vec![len],
             strides: vec![1],
             flags: 0,
+            home: p.device,
             owner: Some(p.owner),
         })
     }
@@ -348,11 +331,9 @@ impl Tensor {
                 tensor: self,
             }));
         }
+        // A host consumer's release names no stream: it is deferred (`Ctx::release`), waiting
+        // for every device with a context, as for any page-locked tensor.
         self.device.device_type = KDL_CPU;
-        self.owner = self
-            .owner
-            .take()
-            .map(|o| Box::new(HostConsumed(Arc::from(o))) as Box<dyn Owner>);
         Ok(self)
     }
 
@@ -524,6 +505,7 @@ impl Tensor {
                 shape: Vec::new(),
                 strides: Vec::new(),
                 flags: self.flags,
+                home: self.home,
                 owner: Some(Box::new(Shared(owner.clone()))),
             };
             t = t.reshape(&shape)?;
@@ -584,11 +566,22 @@ impl Tensor {
             .as_ref()
             .ok_or_else(|| Error::invalid("dlpack::Tensor", "already handed over"))?;
         owner.sync(consumer)?;
+        // The release may use the consumer's stream only where that stream cannot be destroyed
+        // (and its handle reused) before then: one pinstream owns or holds alive, or the legacy
+        // default stream. A stream the consumer merely lent (`__dlpack__(stream=S)`, where the
+        // protocol does not make it keep S alive) is not touched after this call.
+        let kept = consumer.filter(|s| s.outlives_its_borrowers()).cloned();
+        let scope = if self.device.device_type == KDL_CUDA {
+            Scope::Device(self.home)
+        } else {
+            Scope::Active
+        };
         Ok(Ctx {
             shape: std::mem::take(&mut self.shape),
             strides: std::mem::take(&mut self.strides),
             owner: self.owner.take(),
-            consumer: consumer.cloned(),
+            consumer: kept,
+            scope,
         })
     }
 
@@ -618,10 +611,14 @@ impl Tensor {
     /// by calling its `deleter` once (from any thread).
     ///
     /// `consumer`: the stream the consumer will use it on (`__dlpack__(stream=...)`); it waits
-    /// on the GPU for pinstream's work on the memory, and the release orders the memory's
-    /// reuse after the work queued on it by then. `None` (`stream=-1`): no synchronisation at
-    /// the handover (the consumer has ordered itself), and the release waits for the whole
-    /// device on the host before the memory is reused.
+    /// on the GPU for pinstream's work on the memory. At the release, the memory's reuse is
+    /// ordered after the work queued on that stream by then where the stream cannot have been
+    /// destroyed meanwhile (pinstream's own streams, streams held alive as by
+    /// `Stream::from_cudarc`, the legacy default stream); a stream merely lent
+    /// ([`Stream::from_raw`]) is not touched after this call, and the memory goes back, from a
+    /// background thread, once the device has finished what was queued before the release.
+    /// `None` (`stream=-1`): no synchronisation at the handover (the consumer has ordered
+    /// itself), and the release is deferred the same way. The deleter never waits for the GPU.
     ///
     /// Errors: the CUDA error of the wait, with the tensor back ([`Refused`]).
     pub fn into_versioned(
@@ -718,18 +715,26 @@ struct Ctx {
     shape: Vec<i64>,
     strides: Vec<i64>,
     owner: Option<Box<dyn Owner>>,
+    /// The consumer's stream, where it is safe to use at the release (see `hand_over`).
     consumer: Option<Stream>,
+    /// What a release without that stream waits for.
+    scope: Scope,
 }
 
 impl Ctx {
+    /// The consumer is done: with its stream still known, the memory's reuse is ordered after
+    /// an event recorded on it (no wait); otherwise the background reaper gives the memory
+    /// back once the devices involved have finished what was queued before now (the deleter
+    /// never waits for the GPU, so it cannot stall behind other work or deadlock on the GIL).
     fn release(mut self) {
         if let Some(owner) = self.owner.take() {
-            let who = match &self.consumer {
-                Some(s) => Consumer::Stream(s),
-                None => Consumer::Unknown,
-            };
-            owner.release(who);
-            drop(owner);
+            match &self.consumer {
+                Some(s) => {
+                    owner.release(Consumer::Stream(s));
+                    drop(owner);
+                }
+                None => super::reaper::defer(owner, self.scope),
+            }
         }
     }
 }
@@ -781,7 +786,6 @@ fn release_tracked(
     let ordered = match consumer {
         Consumer::Nobody => Ok(()),
         Consumer::Stream(s) => t.record_use(s, Access::Write).or_else(|_| s.synchronize()),
-        Consumer::Unknown => device.synchronize(),
     };
     match ordered.or_else(|_| device.synchronize()) {
         Ok(()) => true,

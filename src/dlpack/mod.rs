@@ -7,10 +7,15 @@
 //! [`Tensor::into_legacy`] hand it over as the C struct, with the stream semantics of
 //! `__dlpack__(stream=...)`: the consumer names its stream and that stream waits on the GPU for
 //! the data (no host wait); `None` (the protocol's `-1`) means the consumer synchronises
-//! itself. The memory stays alive until the consumer calls the deleter, from any thread; at
-//! that point an event is recorded on the consumer's stream and the memory is freed — or a
-//! prefetcher slot refilled — only after it (with no consumer stream named, the deleter waits
-//! for the whole device first). A consumer that never calls the deleter leaks what it holds
+//! itself. The memory stays alive until the consumer calls the deleter, from any thread. The
+//! deleter never waits for the GPU: where the consumer's stream is one that cannot have been
+//! destroyed meanwhile (a pinstream stream, the legacy default stream), an event recorded on it
+//! orders the free — or a prefetcher slot's refill — after the consumer's work; where it is a
+//! stream the consumer only lent for the handover (the protocol does not make it keep that
+//! stream alive, and CUDA reuses a destroyed stream's handle), or no stream was named, a
+//! background thread gives the memory back once the tensor's device (for page-locked memory:
+//! every device the process has a context on) has finished what was queued before the
+//! release ([`wait_for_releases`] waits for those). A consumer that never calls the deleter leaks what it holds
 //! (as with any DLPack producer); a prefetcher replaces the slots such batches hold, up to
 //! [`PrefetchConfig::export_spares`](crate::prefetch::PrefetchConfig::export_spares), then
 //! `next()` says so with an error instead of waiting.

@@ -1,57 +1,114 @@
-//! Deferred releases of host tensors handed to host consumers ([`Tensor::host_as_cpu`]).
+//! Deferred releases: exported memory whose consumer's work cannot be ordered on the GPU.
 //!
-//! A host consumer (numpy, a PyTorch CPU tensor) releases with no stream, often from a
-//! deleter that holds Python's GIL. Its GPU work on the memory is unknown — PyTorch may still
-//! be copying from the page-locked memory with `non_blocking=True`, on any device — so the
-//! memory may go back only after every device has finished what was queued before the
-//! release. Waiting for that in the deleter would stall the caller behind unrelated GPU work
-//! (and deadlock with a host callback that needs the GIL); one background thread waits
-//! instead and gives the memory back afterwards.
+//! A consumer that names no stream (`-1`, a host consumer such as numpy or a PyTorch CPU
+//! tensor, or the per-thread default stream) or a stream pinstream may no longer touch (one
+//! the consumer lent only for the `__dlpack__` call: it may be destroyed, and its handle
+//! reused, before the release) leaves no point on the GPU to order the memory's reuse after.
+//! The memory may go back only after the devices involved have finished what was queued
+//! before the release. Waiting for that in the deleter would stall the caller behind
+//! unrelated GPU work, and deadlock with a queued host callback that needs the GIL the deleter
+//! holds; one background thread waits instead and gives the memory back afterwards.
 //!
-//! [`Tensor::host_as_cpu`]: super::Tensor::host_as_cpu
+//! Which devices are waited for ([`Scope`]): the device of device memory, or, for page-locked
+//! host memory (which any device may read), every device on which the process has a context —
+//! devices the job never used are not touched (no context is created on them). Where a wait
+//! fails, the owners that depended on that device are leaked (nobody can say when the memory
+//! is free again); the others go back.
 
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::export::{Consumer, Owner};
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// Which devices a deferred release waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// The device the memory is on (device memory: its consumer's work is queued there).
+    Device(Device),
+    /// Every device with an active context in this process (page-locked host memory).
+    Active,
+}
+
+/// An owner to give back, with what it waits for.
+type Job = (Box<dyn Owner>, Scope);
 
 /// Releases queued and not yet done.
 static PENDING: Mutex<usize> = Mutex::new(0);
 static DONE: Condvar = Condvar::new();
 /// The reaper thread's queue (`None` where the thread could not be started).
-type Queue = Option<Mutex<Sender<Arc<dyn Owner>>>>;
+type Queue = Option<Mutex<Sender<Job>>>;
 static QUEUE: OnceLock<Queue> = OnceLock::new();
 
 fn pending() -> std::sync::MutexGuard<'static, usize> {
     PENDING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Waits for every device, then releases `owners` (ordered: nothing of the consumer's is
-/// left) and drops them; where a device cannot be waited for, they are leaked.
-fn reap(owners: Vec<Arc<dyn Owner>>) {
-    let n = owners.len();
-    let waited: Result<()> = crate::sync::quietly(|| {
-        for d in Device::all()? {
-            d.synchronize()?;
-        }
-        Ok(())
-    })
-    .unwrap_or_else(|p| Err(crate::Error::invalid("dlpack release", p)));
-    match waited {
-        Ok(()) => {
-            for o in owners {
+/// The devices on which this process has a context. A device the driver cannot say about is
+/// included (waiting on it is safe, only maybe wasteful).
+fn active_devices() -> Result<Vec<Device>> {
+    Ok(Device::all()?
+        .into_iter()
+        .filter(|d| crate::sys::driver::primary_context_active(d.raw()).unwrap_or(true))
+        .collect())
+}
+
+/// Waits for the devices the jobs need, then releases each job's owner whose devices were all
+/// waited for (ordered: nothing of the consumer's is left) and drops it; the others are leaked.
+fn reap(jobs: Vec<Job>) {
+    let n = jobs.len();
+    let any_active = jobs.iter().any(|(_, s)| *s == Scope::Active);
+    let outcome: std::result::Result<(Vec<Device>, Vec<(Device, Error)>), Error> =
+        crate::sync::quietly(|| {
+            let mut wanted: Vec<Device> = jobs
+                .iter()
+                .filter_map(|(_, s)| match s {
+                    Scope::Device(d) => Some(*d),
+                    Scope::Active => None,
+                })
+                .collect();
+            if any_active {
+                wanted.extend(active_devices()?);
+            }
+            wanted.sort_by_key(|d| d.raw());
+            wanted.dedup();
+            let mut failed = Vec::new();
+            for d in &wanted {
+                if let Err(e) = d.synchronize() {
+                    failed.push((*d, e));
+                }
+            }
+            Ok((wanted, failed))
+        })
+        .unwrap_or_else(|p| Err(Error::invalid("dlpack release", p)));
+    for (owner, scope) in jobs {
+        let broken = match &outcome {
+            Err(e) => Some(e.clone()),
+            Ok((waited, failed)) => match scope {
+                Scope::Device(d) => failed
+                    .iter()
+                    .find(|(f, _)| *f == d)
+                    .map(|(_, e)| e.clone())
+                    .or_else(|| {
+                        (!waited.contains(&d))
+                            .then(|| Error::invalid("dlpack release", "device not waited for"))
+                    }),
+                Scope::Active => failed.first().map(|(_, e)| e.clone()),
+            },
+        };
+        match broken {
+            None => {
                 let _ = crate::sync::quietly(move || {
-                    o.release(Consumer::Nobody);
-                    drop(o);
+                    owner.release(Consumer::Nobody);
+                    drop(owner);
                 });
             }
-        }
-        Err(e) => {
-            crate::memory::tracker::leak("host memory released by a host consumer", 0, &e);
-            std::mem::forget(owners);
+            Some(e) => {
+                crate::memory::tracker::leak("memory released by a consumer", 0, &e);
+                std::mem::forget(owner);
+            }
         }
     }
     let mut p = pending();
@@ -59,10 +116,10 @@ fn reap(owners: Vec<Arc<dyn Owner>>) {
     DONE.notify_all();
 }
 
-fn queue() -> Option<&'static Mutex<Sender<Arc<dyn Owner>>>> {
+fn queue() -> Option<&'static Mutex<Sender<Job>>> {
     QUEUE
         .get_or_init(|| {
-            let (tx, rx) = channel::<Arc<dyn Owner>>();
+            let (tx, rx) = channel::<Job>();
             std::thread::Builder::new()
                 .name("pinstream-reaper".into())
                 .spawn(move || {
@@ -79,28 +136,27 @@ fn queue() -> Option<&'static Mutex<Sender<Arc<dyn Owner>>>> {
         .as_ref()
 }
 
-/// Gives `owner` back once every device has finished the work queued before now, from the
-/// background thread (or here, where that thread cannot be started).
-pub(crate) fn defer(owner: Arc<dyn Owner>) {
+/// Gives `owner` back once the devices of `scope` have finished the work queued before now,
+/// from the background thread (or here, where that thread cannot be started). The caller
+/// never waits for the GPU.
+pub(crate) fn defer(owner: Box<dyn Owner>, scope: Scope) {
     *pending() += 1;
     let sent = match queue() {
         Some(q) => q
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .send(owner)
+            .send((owner, scope))
             .map_err(|e| e.0),
-        None => Err(owner),
+        None => Err((owner, scope)),
     };
-    if let Err(owner) = sent {
-        reap(vec![owner]);
+    if let Err(job) = sent {
+        reap(vec![job]);
     }
 }
 
-/// Waits until the host tensors that host consumers released (numpy arrays and CPU tensors
-/// over [`Tensor::host_as_cpu`](super::Tensor::host_as_cpu) memory) have gone back to their
-/// pools, at most `timeout`. Whether they all have. For tests and memory accounting: the
-/// memory is given back in the background after every device finished what was queued
-/// before each release.
+/// Waits until the tensors whose release was deferred (see the module: consumers that named
+/// no stream, host consumers, streams lent only for the handover) have gone back to their
+/// owners, at most `timeout`. Whether they all have. For tests and memory accounting.
 pub fn wait_for_releases(timeout: Duration) -> bool {
     let end = Instant::now() + timeout;
     let mut p = pending();

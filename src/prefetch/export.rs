@@ -208,7 +208,6 @@ impl<S: Leased> Owner for LeaseOwner<S> {
     fn release(&self, consumer: Consumer<'_>) {
         let recorded = match consumer {
             Consumer::Nobody => return,
-            Consumer::Unknown => None,
             // Without the event, the device is waited for before the slot is reused.
             Consumer::Stream(s) => {
                 let ev = match lock(&self.0.slot).as_mut() {

@@ -54,3 +54,5 @@ extern "C" {
     /// timeout, which sets `flag[1] = 1`.
     pub fn pinstream_gate(flag: *mut u32, timeout_ns: u64, stream: cudaStream_t) -> cudaError_t;
 }
+
+pub mod driver;
