@@ -541,6 +541,10 @@ fn packed_export() -> R {
         "arena freed with a tensor left".into()
     })?;
     drop(ic);
+    // `ic` was handed over with no stream: its release is deferred until the device is idle.
+    ensure(pinstream::dlpack::wait_for_releases(Duration::from_secs(60)), || {
+        "the deferred release never happened".into()
+    })?;
     ensure(weak.upgrade().is_none(), || {
         "arena kept after the last release".into()
     })

@@ -34,6 +34,8 @@ pub(crate) enum Scope {
 
 /// An owner to give back, with what it waits for.
 type Job = (Box<dyn Owner>, Scope);
+/// The devices waited for, and those whose wait failed.
+type Waited = (Vec<Device>, Vec<(Device, Error)>);
 
 /// Releases queued and not yet done.
 static PENDING: Mutex<usize> = Mutex::new(0);
@@ -60,29 +62,28 @@ fn active_devices() -> Result<Vec<Device>> {
 fn reap(jobs: Vec<Job>) {
     let n = jobs.len();
     let any_active = jobs.iter().any(|(_, s)| *s == Scope::Active);
-    let outcome: std::result::Result<(Vec<Device>, Vec<(Device, Error)>), Error> =
-        crate::sync::quietly(|| {
-            let mut wanted: Vec<Device> = jobs
-                .iter()
-                .filter_map(|(_, s)| match s {
-                    Scope::Device(d) => Some(*d),
-                    Scope::Active => None,
-                })
-                .collect();
-            if any_active {
-                wanted.extend(active_devices()?);
+    let outcome: Result<Waited> = crate::sync::quietly(|| {
+        let mut wanted: Vec<Device> = jobs
+            .iter()
+            .filter_map(|(_, s)| match s {
+                Scope::Device(d) => Some(*d),
+                Scope::Active => None,
+            })
+            .collect();
+        if any_active {
+            wanted.extend(active_devices()?);
+        }
+        wanted.sort_by_key(|d| d.raw());
+        wanted.dedup();
+        let mut failed = Vec::new();
+        for d in &wanted {
+            if let Err(e) = d.synchronize() {
+                failed.push((*d, e));
             }
-            wanted.sort_by_key(|d| d.raw());
-            wanted.dedup();
-            let mut failed = Vec::new();
-            for d in &wanted {
-                if let Err(e) = d.synchronize() {
-                    failed.push((*d, e));
-                }
-            }
-            Ok((wanted, failed))
-        })
-        .unwrap_or_else(|p| Err(Error::invalid("dlpack release", p)));
+        }
+        Ok((wanted, failed))
+    })
+    .unwrap_or_else(|p| Err(Error::invalid("dlpack release", p)));
     for (owner, scope) in jobs {
         let broken = match &outcome {
             Err(e) => Some(e.clone()),
