@@ -713,12 +713,14 @@ fn consumer_waits_on_gpu() -> R {
     let imp = unsafe { Imported::from_versioned(raw)? };
     // Ordered by the handover's wait alone: `imp`'s tracker is fresh.
     consumer.copy_d2d(&imp.device_view::<u32>()?, &mut out)?;
+    // The handover ordered the consumer on the GPU: the producer's spin is still running.
+    let busy = !producer.is_idle()?;
     let queued = t0.elapsed();
     let got = download(&consumer, &out, n)?;
     drop(pending);
     same("consumer copy after the handover", &got, &v, seed)?;
-    ensure(queued < Duration::from_millis(150), || {
-        format!("the handover blocked the host for {queued:?}")
+    ensure(busy, || {
+        format!("the handover waited on the host for the producer ({queued:?})")
     })
 }
 
@@ -1100,7 +1102,8 @@ fn batch_never_released() -> R {
                 .into())
             }
         }
-        ensure(t0.elapsed() < Duration::from_secs(1), || {
+        // A watchdog, not a speed bound: the refusal must not wait for a release.
+        ensure(t0.elapsed() < Duration::from_secs(60), || {
             "the refusal waited".into()
         })?;
         // Release one batch (both tensors): next() works again and in order.
