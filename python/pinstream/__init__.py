@@ -23,12 +23,14 @@ from ._native import (
     device_count,
     device_name,
     empty_cache,
+    memory_stats,
     stream_handle,
     synchronize,
 )
 from . import _native
 from .errors import (
     CudaError,
+    ForkedError,
     InvalidArgumentError,
     IoError,
     LoaderError,
@@ -49,6 +51,7 @@ __all__ = [
     "device_count",
     "device_name",
     "empty_cache",
+    "memory_stats",
     "stream_handle",
     "synchronize",
     "errors",
@@ -59,6 +62,7 @@ __all__ = [
     "InvalidArgumentError",
     "IoError",
     "LoaderError",
+    "ForkedError",
 ]
 
 
@@ -184,18 +188,36 @@ def prefetch(
     layout="nchw",
     input_layout="nchw",
     loader_threads=2,
+    zero_copy=False,
+    dry_run=False,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
     Each item is a uint8 image batch (``[N, C, H, W]``, or ``[N, H, W, C]`` with
     ``input_layout="nhwc"``; numpy, a torch CPU tensor, anything with ``__dlpack__``) or a
     tuple ``(images, labels, *rest)``: a ``DataLoader`` with ``pin_memory=False``, a generator.
-    A background thread pulls the items (holding the GIL only to pull them; the arrays are not
-    copied), pinstream's staging engine uploads them outside the GIL, and one fused kernel
-    normalizes (``normalize=(mean, std)`` on the 0..255 scale, e.g. ``pinstream.IMAGENET``),
-    casts to ``dtype`` (float32, float16, bfloat16, uint8) and lays out (``layout``) each batch,
-    ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is passed through as it is.
-    Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch`` gives torch tensors)."""
+    A background thread pulls the items (holding the GIL only to pull them) and copies each
+    item's pixels into page-locked memory before it asks the iterable for the next one, so an
+    iterable may refill and yield the same array again. pinstream's engine uploads them, and
+    one fused kernel normalizes (``normalize=(mean, std)`` on the 0..255 scale, e.g.
+    ``pinstream.IMAGENET``), casts to ``dtype`` (float32, float16, bfloat16, uint8) and lays out
+    (``layout``) each batch, ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is
+    passed through as it is. Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch``
+    gives torch tensors).
+
+    ``zero_copy=True`` skips the copy: the array is held and read later, by the upload. Use it
+    only for iterables that yield a new array for every item and never write to an array after
+    yielding it (a ``DataLoader``, whose batches are fresh tensors); one that refills its array
+    would then deliver another item's pixels.
+
+    ``dry_run=True`` runs the same loader threads and checks without a GPU: each batch comes as
+    numpy arrays (pixels normalized by pinstream's float64 CPU reference, bfloat16 as its
+    uint16 bits; labels as int64), for testing an iterable on a machine without a device. It
+    is slow and not meant for training.
+
+    ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
+    the prefetcher stays usable. In a process forked after the prefetcher started, its calls
+    raise ``ForkedError`` (see docs/python.md for DataLoader workers and multiprocessing)."""
     mean, std = normalize if normalize is not None else (None, None)
     p = _native.prefetch(
         iterable,
@@ -207,6 +229,8 @@ def prefetch(
         layout,
         input_layout,
         loader_threads,
+        bool(zero_copy),
+        bool(dry_run),
     )
     _LIVE.add(p)
     return p

@@ -59,6 +59,12 @@ class LoaderError(PinstreamError):
     batch = None
 
 
+class ForkedError(PinstreamError):
+    """A call in a process forked after pinstream started CUDA or a prefetcher's threads in
+    its parent: neither survives a fork. Make pinstream's objects in the process that uses
+    them (start workers with ``spawn`` or ``forkserver``); see docs/python.md."""
+
+
 __all__ = [
     "PinstreamError",
     "NoDeviceError",
@@ -72,4 +78,5 @@ __all__ = [
     "FormatError",
     "PanickedError",
     "LoaderError",
+    "ForkedError",
 ]

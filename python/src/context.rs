@@ -28,10 +28,13 @@ pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
             format!("device {ordinal} is not a device ordinal"),
         )
     })?;
+    // A forked child has the parent's contexts in its memory but cannot use them.
+    crate::fork::check_cuda("pinstream")?;
     let table = CONTEXTS.get_or_init(|| Mutex::new(Vec::new()));
     if let Some(c) = lock(table).get(ordinal).and_then(Clone::clone) {
         return Ok(c);
     }
+    crate::fork::note_cuda();
     let made = py
         .detach(|| -> pinstream::Result<Ctx> {
             let device = Device::get(ordinal)?;
@@ -52,6 +55,16 @@ pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
     }
     // Another thread may have made one meanwhile: keep the first.
     Ok(t[ordinal].get_or_insert_with(|| Arc::new(made)).clone())
+}
+
+/// The context of device `ordinal` if it was made (in this process), else `None`.
+pub(crate) fn existing_ctx(ordinal: i64) -> Option<Arc<Ctx>> {
+    if crate::fork::cuda_forked() {
+        return None;
+    }
+    let ordinal = usize::try_from(ordinal).ok()?;
+    let table = CONTEXTS.get()?;
+    lock(table).get(ordinal).and_then(Clone::clone)
 }
 
 /// Locks `m`, ignoring poisoning: the binding's tables and slots hold no invariant a panic

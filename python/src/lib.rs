@@ -9,6 +9,7 @@ mod bench;
 mod capsule;
 mod context;
 mod errors;
+mod fork;
 mod prefetch;
 mod safetensors;
 mod source;
@@ -31,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor::upload_packed, m)?)?;
     m.add_function(wrap_pyfunction!(tensor::download, m)?)?;
     m.add_function(wrap_pyfunction!(prefetch::prefetch, m)?)?;
+    m.add_function(wrap_pyfunction!(prefetch::memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors::load_safetensors, m)?)?;
     m.add_function(wrap_pyfunction!(bench::rust_upload_times, m)?)?;
     m.add_function(wrap_pyfunction!(torch_many::upload_torch_packed, m)?)?;

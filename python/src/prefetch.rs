@@ -1,26 +1,35 @@
 //! `pinstream.Prefetcher`: a prefetcher over any Python iterable of CPU batches. A loader
-//! thread pulls the next items (holding the GIL only for `next()` and for taking the arrays
-//! through DLPack, no copy), the staging engine uploads the pixels outside the GIL, the fused
-//! kernel normalizes and casts them, and `__next__` hands out DLPack tensors whose consumer
-//! stream waits for them on the GPU.
+//! thread pulls the next items (holding the GIL for `next()` and for taking the arrays) and
+//! copies each item's pixels into page-locked memory before it asks the iterable for the next
+//! one (the GIL released for the copy: an iterable may refill the array it yielded once it is
+//! asked again, as the iterator convention allows); `zero_copy=True` reads the array itself
+//! instead, later, for iterables that yield a fresh array each time. The engine uploads the
+//! pixels, the fused kernel normalizes and casts them, and `__next__` hands out DLPack tensors
+//! whose consumer stream waits for them on the GPU. `__next__` waits in slices, checking for
+//! signals between them (Ctrl-C raises `KeyboardInterrupt` and leaves the prefetcher usable).
+//! With `dry_run=True` the same loaders and pipeline run without a device (the CPU reference
+//! normalizes; batches are numpy arrays), for testing an iterable where there is no GPU.
 
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use pinstream::dlpack::{self, Element};
 use pinstream::kernels::{Layout, Normalize, OutputElement, Spec};
 use pinstream::prefetch::{
-    ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher, Source,
+    DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher,
+    Source,
 };
-use pinstream::{bf16, f16, Error};
+use pinstream::{bf16, f16, Error, PinnedPool};
 use pyo3::exceptions::{PyStopIteration, PyTypeError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
 use pyo3::PyTraverseError;
 
-use crate::context::{ctx, lock};
+use crate::context::{ctx, existing_ctx, lock};
 use crate::errors::{invalid, to_py, OrPy};
 use crate::source::{self, Host};
 use crate::tensor::{dtype_name, Tensor};
@@ -35,8 +44,30 @@ struct Side {
     rest: HashMap<u64, Vec<Py<PyAny>>>,
 }
 
-/// The pixels of one item, held (a DLPack import or a buffer) until the upload has read them.
+/// How long `__next__` waits for a batch between two checks for signals (Ctrl-C).
+const SLICE: Duration = Duration::from_millis(50);
+
+/// Items whose arrays are held (exported) by a zero-copy prefetcher now, for `memory_stats`.
+static HELD: AtomicUsize = AtomicUsize::new(0);
+/// Native prefetchers alive now (their threads and memory), for `memory_stats`.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// The pixels of one item, held (a DLPack import or a buffer) until the upload has read them
+/// (`zero_copy=True` only).
 struct Held(Host);
+
+impl Held {
+    fn new(h: Host) -> Held {
+        HELD.fetch_add(1, Ordering::Relaxed);
+        Held(h)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        HELD.fetch_sub(1, Ordering::Relaxed);
+    }
+}
 
 impl HostBytes for Held {
     fn bytes(&self) -> &[u8] {
@@ -77,6 +108,17 @@ fn pulling(id: usize) -> bool {
 /// reference, through `PyPrefetcher::__traverse__`); `None` once cleared.
 type Iterable = Arc<Mutex<Option<Py<PyAny>>>>;
 
+/// Where an item's pixels go when it is pulled.
+enum Take {
+    /// Copied into a block of the device's page-locked pool, on the pulling thread, before the
+    /// iterable is asked for its next item (the default).
+    Pinned(PinnedPool),
+    /// Copied into ordinary memory (the dry run, which has no device).
+    Host,
+    /// Not copied: the array is held and read by the upload later (`zero_copy=True`).
+    Zero,
+}
+
 /// The iterator the loader threads take turns on: each `next` attaches to Python, pulls one
 /// item and takes its arrays.
 struct Items {
@@ -90,6 +132,7 @@ struct Items {
     in_layout: Layout,
     out_layout: Layout,
     side: Arc<Mutex<Side>>,
+    take: Take,
 }
 
 impl Items {
@@ -142,9 +185,12 @@ impl Items {
             Layout::Nchw => (a, b, c),
             Layout::Nhwc => (c, a, b),
         };
+        // Everything sized from the shape is checked before anything is allocated from it.
+        let len = host.bytes().map_err(to_py)?.0.len();
+        check_shape(i, [n, ch, h, w], &host.shape, len, self.norm.as_ref())?;
         let norm = match &self.norm {
             Some((m, s)) => Normalize::new(m, s),
-            None => Normalize::new(&vec![0.0; ch], &vec![1.0; ch]),
+            None => Normalize::new(&[0.0; 4][..ch], &[1.0; 4][..ch]),
         };
         let spec = Spec::uniform(n, ch, h, w, norm)
             .map_err(to_py)?
@@ -153,16 +199,90 @@ impl Items {
         if let Some(labels) = parts.next() {
             extras = labels_of(i, n, &labels)?;
         }
+        let pixels = self.take_pixels(py, i, host)?;
         let rest: Vec<Py<PyAny>> = parts.map(Bound::unbind).collect();
         if !rest.is_empty() {
             lock(&self.side).rest.insert(i, rest);
         }
-        Ok(Some(HostBatch::new(
-            Pixels::Foreign(ForeignBytes::new(Held(host))),
-            spec,
-            extras,
-        )))
+        Ok(Some(HostBatch::new(pixels, spec, extras)))
     }
+
+    /// The item's pixels as the batch keeps them: copied now (the iterable may refill its
+    /// array once it is asked for the next item, which happens only after this returns), or
+    /// held for the upload to read (`zero_copy`). The copy runs without the GIL.
+    fn take_pixels(&self, py: Python<'_>, i: u64, host: Host) -> PyResult<Pixels> {
+        let failed = |e: String| invalid(OP, format!("batch {i}: {e}"));
+        match &self.take {
+            Take::Zero => Ok(Pixels::Foreign(ForeignBytes::new(Held::new(host)))),
+            Take::Pinned(pool) => {
+                let block = py.detach(|| -> pinstream::Result<_> {
+                    let src = host.bytes()?.0;
+                    let mut block = pool.alloc::<u8>(src.len())?;
+                    block.as_mut_slice()?.copy_from_slice(src);
+                    Ok(block)
+                });
+                // The export ends here, with the GIL held.
+                drop(host);
+                Ok(Pixels::Pinned(block.map_err(to_py)?))
+            }
+            Take::Host => {
+                let v = py.detach(|| -> Result<Vec<u8>, String> {
+                    let src = host.bytes().map_err(|e| e.to_string())?.0;
+                    let mut v = Vec::new();
+                    v.try_reserve_exact(src.len())
+                        .map_err(|e| format!("cannot copy {} bytes: {e}", src.len()))?;
+                    v.extend_from_slice(src);
+                    Ok(v)
+                });
+                drop(host);
+                Ok(Pixels::Pageable(v.map_err(failed)?))
+            }
+        }
+    }
+}
+
+/// The checks on a batch's shape that need no allocation: 1 to 4 channels (as many as the
+/// mean and std give, where they are given), no empty dimension, a size the kernels take,
+/// and as many bytes as the shape says. `dims` is `[n, c, h, w]`.
+fn check_shape(
+    i: u64,
+    dims: [usize; 4],
+    shape: &[usize],
+    len: usize,
+    norm: Option<&(Vec<f32>, Vec<f32>)>,
+) -> PyResult<()> {
+    let [n, ch, h, w] = dims;
+    let bad = |why: String| {
+        Err(invalid(
+            OP,
+            format!("batch {i}: the pixels have shape {shape:?}: {why}"),
+        ))
+    };
+    if dims.contains(&0) {
+        return bad("a batch needs at least one image of at least one pixel".into());
+    }
+    if !(1..=4).contains(&ch) {
+        return bad(format!("{ch} channels (1 to 4 are supported)"));
+    }
+    if let Some((m, _)) = norm {
+        if m.len() != ch {
+            return bad(format!(
+                "{ch} channels, and normalize= gave {} means",
+                m.len()
+            ));
+        }
+    }
+    let limit = i32::MAX as usize;
+    if n > limit || h > limit || w > limit || h.saturating_mul(w) > u32::MAX as usize {
+        return bad("too large for the kernels".into());
+    }
+    let total = [n, ch, h, w]
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d));
+    if total != Some(len) {
+        return bad(format!("{len} bytes"));
+    }
+    Ok(())
 }
 
 /// A batch's labels: any integer array (or sequence of ints) of `n` values, as int64.
@@ -222,32 +342,111 @@ fn describe(py: Python<'_>, e: &PyErr) -> String {
     format!("{name}: {}", e.value(py))
 }
 
-/// One prefetcher of each output type.
-enum Inner {
+/// One prefetcher of each output type, on the device or as a dry run.
+enum Kind {
     F32(Prefetcher<f32, i64>),
     F16(Prefetcher<f16, i64>),
     Bf16(Prefetcher<bf16, i64>),
     U8(Prefetcher<u8, i64>),
+    DryF32(DryRun<f32, i64>),
+    DryF16(DryRun<f16, i64>),
+    DryBf16(DryRun<bf16, i64>),
+    DryU8(DryRun<u8, i64>),
 }
 
-type Next = Option<pinstream::Result<(u64, dlpack::Tensor, dlpack::Tensor)>>;
+/// A running prefetcher, counted in `LIVE` while it lives.
+struct Inner(Kind);
+
+impl Inner {
+    fn new(k: Kind) -> Inner {
+        LIVE.fetch_add(1, Ordering::Relaxed);
+        Inner(k)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A batch: DLPack tensors on the device, or a dry run's host arrays.
+enum Out {
+    Device(dlpack::Tensor, dlpack::Tensor),
+    Host {
+        pixels: Vec<u8>,
+        /// numpy's name of the element type (bfloat16 as its bits, `uint16`).
+        dtype: &'static str,
+        shape: Vec<usize>,
+        extras: Vec<i64>,
+    },
+}
+
+type Next = Option<pinstream::Result<(u64, Out)>>;
 
 fn next_of<O: OutputElement + Element>(p: &mut Prefetcher<O, i64>) -> Next {
     p.next().map(|r| {
         r.and_then(|b| {
             let i = b.index();
-            b.into_dlpack().map(|(px, ex)| (i, px, ex))
+            b.into_dlpack().map(|(px, ex)| (i, Out::Device(px, ex)))
+        })
+    })
+}
+
+fn dry_next_of<O: OutputElement + bytemuck::Pod>(
+    p: &mut DryRun<O, i64>,
+    dtype: &'static str,
+) -> Next {
+    p.next().map(|r| {
+        r.map(|b| {
+            let pixels: Vec<u8> = bytemuck::cast_slice(b.pixels()).to_vec();
+            let n = b.pixels().len();
+            let shape = match (b.dims(), b.spec().map(|s| s.out_layout)) {
+                (Some([n, c, h, w]), Some(Layout::Nhwc)) => vec![n, h, w, c],
+                (Some(d), _) => d.to_vec(),
+                (None, _) => vec![n],
+            };
+            let shape = if shape.iter().product::<usize>() == n {
+                shape
+            } else {
+                vec![n]
+            };
+            let out = Out::Host {
+                pixels,
+                dtype,
+                shape,
+                extras: b.extras().to_vec(),
+            };
+            (b.index(), out)
         })
     })
 }
 
 impl Inner {
     fn next(&mut self) -> Next {
-        match self {
-            Inner::F32(p) => next_of(p),
-            Inner::F16(p) => next_of(p),
-            Inner::Bf16(p) => next_of(p),
-            Inner::U8(p) => next_of(p),
+        match &mut self.0 {
+            Kind::F32(p) => next_of(p),
+            Kind::F16(p) => next_of(p),
+            Kind::Bf16(p) => next_of(p),
+            Kind::U8(p) => next_of(p),
+            Kind::DryF32(p) => dry_next_of(p, "float32"),
+            Kind::DryF16(p) => dry_next_of(p, "float16"),
+            Kind::DryBf16(p) => dry_next_of(p, "uint16"),
+            Kind::DryU8(p) => dry_next_of(p, "uint8"),
+        }
+    }
+
+    /// Waits up to `d` for `next` to have something to return at once.
+    fn poll(&mut self, d: Duration) -> bool {
+        match &mut self.0 {
+            Kind::F32(p) => p.poll(d),
+            Kind::F16(p) => p.poll(d),
+            Kind::Bf16(p) => p.poll(d),
+            Kind::U8(p) => p.poll(d),
+            Kind::DryF32(p) => p.poll(d),
+            Kind::DryF16(p) => p.poll(d),
+            Kind::DryBf16(p) => p.poll(d),
+            Kind::DryU8(p) => p.poll(d),
         }
     }
 }
@@ -263,6 +462,9 @@ pub(crate) struct PyPrefetcher {
     side: Arc<Mutex<Side>>,
     labels: Mutex<Option<bool>>,
     iterable: Iterable,
+    /// The process that made it (`fork`): in a forked child, whose copy of it has no threads,
+    /// `__next__` raises `ForkedError` and closing or dropping it leaks it.
+    pid: u32,
 }
 
 impl PyPrefetcher {
@@ -271,7 +473,17 @@ impl PyPrefetcher {
         Arc::as_ptr(&self.side) as usize
     }
 
+    /// Whether this is a forked child's copy.
+    fn forked(&self) -> bool {
+        self.pid != crate::fork::pid()
+    }
+
     fn close_inner(&self, py: Python<'_>, what: &str) -> PyResult<()> {
+        if self.forked() {
+            // Its threads and CUDA work are the parent's: nothing to stop or wait for here.
+            std::mem::forget(lock(&self.inner).take());
+            return Ok(());
+        }
         if pulling(self.id()) {
             return Err(reentered(what));
         }
@@ -326,6 +538,10 @@ fn retire(p: Option<Inner>, own_loader: bool) {
 
 impl Drop for PyPrefetcher {
     fn drop(&mut self) {
+        if self.forked() {
+            std::mem::forget(lock(&self.inner).take());
+            return;
+        }
         let own_loader = pulling(self.id());
         let p = lock(&self.inner).take();
         retire(p, own_loader);
@@ -339,11 +555,30 @@ impl PyPrefetcher {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        if self.forked() {
+            return Err(crate::fork::forked("Prefetcher.__next__", self.pid));
+        }
         if pulling(self.id()) {
             return Err(reentered("__next__"));
         }
-        let got = py.detach(|| lock(&self.inner).as_mut().and_then(Inner::next));
-        let (i, px, ex) = match got {
+        // Waits in slices, the GIL released, and checks for signals between them: Ctrl-C
+        // raises KeyboardInterrupt here and the batch still on its way comes with the next
+        // call. The lock is held for one slice at a time, so `close` from another thread
+        // gets it within a slice.
+        let got = loop {
+            let polled = py.detach(|| {
+                let mut g = lock(&self.inner);
+                match g.as_mut() {
+                    None => Some(None),
+                    Some(p) => p.poll(SLICE).then(|| p.next()),
+                }
+            });
+            if let Some(got) = polled {
+                break got;
+            }
+            py.check_signals()?;
+        };
+        let (i, out) = match got {
             None => {
                 self.close_inner(py, "__next__")?;
                 return Err(PyStopIteration::new_err(()));
@@ -363,14 +598,34 @@ impl PyPrefetcher {
             Some(Ok(b)) => b,
         };
         let rest = lock(&self.side).rest.remove(&i).unwrap_or_default();
-        let pixels = Bound::new(py, Tensor::new(px))?.into_any();
-        let has_labels = *lock(&self.labels).get_or_insert(!ex.shape().contains(&0));
+        let (pixels, labels, labelled) = match out {
+            Out::Device(px, ex) => {
+                let labelled = !ex.shape().contains(&0);
+                let px = Bound::new(py, Tensor::new(px))?.into_any();
+                (px, Bound::new(py, Tensor::new(ex))?.into_any(), labelled)
+            }
+            Out::Host {
+                pixels,
+                dtype,
+                shape,
+                extras,
+            } => {
+                let np = py.import("numpy")?;
+                let px = np
+                    .call_method1("frombuffer", (PyByteArray::new(py, &pixels), dtype))?
+                    .call_method1("reshape", (shape,))?;
+                let bytes: Vec<u8> = bytemuck::cast_slice(&extras).to_vec();
+                let ex = np.call_method1("frombuffer", (PyByteArray::new(py, &bytes), "int64"))?;
+                (px, ex, !extras.is_empty())
+            }
+        };
+        let has_labels = *lock(&self.labels).get_or_insert(labelled);
         if !has_labels && rest.is_empty() {
             return Ok(pixels);
         }
         let mut out = vec![pixels];
         if has_labels {
-            out.push(Bound::new(py, Tensor::new(ex))?.into_any());
+            out.push(labels);
         }
         out.extend(rest.into_iter().map(|r| r.into_bound(py)));
         Ok(PyTuple::new(py, out)?.into_any())
@@ -396,6 +651,10 @@ impl PyPrefetcher {
     fn __clear__(&self) {
         let it = lock(&self.iterable).take();
         drop(it);
+        if self.forked() {
+            std::mem::forget(lock(&self.inner).take());
+            return;
+        }
         let own_loader = pulling(self.id());
         let p = lock(&self.inner).take();
         retire(p, own_loader);
@@ -431,7 +690,8 @@ fn layout(name: &str, what: &str) -> PyResult<Layout> {
 /// Makes a prefetcher over `iterable` (see `pinstream.prefetch`).
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
-                    layout_out = "nchw", layout_in = "nchw", loader_threads = 2))]
+                    layout_out = "nchw", layout_in = "nchw", loader_threads = 2,
+                    zero_copy = false, dry_run = false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefetch(
     py: Python<'_>,
@@ -444,13 +704,25 @@ pub(crate) fn prefetch(
     layout_out: &str,
     layout_in: &str,
     loader_threads: usize,
+    zero_copy: bool,
+    dry_run: bool,
 ) -> PyResult<PyPrefetcher> {
     let (in_layout, out_layout) = (
         layout(layout_in, "layout_in")?,
         layout(layout_out, "layout_out")?,
     );
     let norm = match (mean, std) {
-        (Some(m), Some(s)) => Some((m, s)),
+        (Some(m), Some(s)) if m.len() == s.len() => Some((m, s)),
+        (Some(m), Some(s)) => {
+            return Err(invalid(
+                OP,
+                format!(
+                    "{} means and {} stds: give one of each per channel",
+                    m.len(),
+                    s.len()
+                ),
+            ))
+        }
         (None, None) => None,
         _ => return Err(invalid(OP, "give both mean and std, or neither")),
     };
@@ -463,7 +735,16 @@ pub(crate) fn prefetch(
     let it = iterable
         .try_iter()
         .map_err(|_| PyTypeError::new_err("pinstream.prefetch: the source is not iterable"))?;
-    let c = ctx(py, device)?;
+    let c = if dry_run {
+        None
+    } else {
+        Some(ctx(py, device)?)
+    };
+    let take = match (&c, zero_copy) {
+        (_, true) => Take::Zero,
+        (Some(c), false) => Take::Pinned(c.pinned.clone()),
+        (None, false) => Take::Host,
+    };
     let side = Arc::new(Mutex::new(Side::default()));
     let iterable: Iterable = Arc::new(Mutex::new(Some(it.into_any().unbind())));
     let items = Items {
@@ -475,6 +756,7 @@ pub(crate) fn prefetch(
         in_layout,
         out_layout,
         side: side.clone(),
+        take,
     };
     let config = PrefetchConfig {
         depth,
@@ -482,16 +764,20 @@ pub(crate) fn prefetch(
         ..PrefetchConfig::default()
     };
     let source = Source::iter(items);
-    let stream = c.stream.clone();
+    let stream = c.map(|c| c.stream.clone());
     let dtype = dtype.to_string();
     let inner = py
-        .detach(move || -> pinstream::Result<Inner> {
-            Ok(match dtype.as_str() {
-                "float32" => Inner::F32(Prefetcher::new(&stream, source, config)?),
-                "float16" => Inner::F16(Prefetcher::new(&stream, source, config)?),
-                "bfloat16" => Inner::Bf16(Prefetcher::new(&stream, source, config)?),
-                "uint8" => Inner::U8(Prefetcher::new(&stream, source, config)?),
-                other => {
+        .detach(move || -> pinstream::Result<Kind> {
+            Ok(match (dtype.as_str(), stream) {
+                ("float32", Some(s)) => Kind::F32(Prefetcher::new(&s, source, config)?),
+                ("float16", Some(s)) => Kind::F16(Prefetcher::new(&s, source, config)?),
+                ("bfloat16", Some(s)) => Kind::Bf16(Prefetcher::new(&s, source, config)?),
+                ("uint8", Some(s)) => Kind::U8(Prefetcher::new(&s, source, config)?),
+                ("float32", None) => Kind::DryF32(DryRun::new(source, config)?),
+                ("float16", None) => Kind::DryF16(DryRun::new(source, config)?),
+                ("bfloat16", None) => Kind::DryBf16(DryRun::new(source, config)?),
+                ("uint8", None) => Kind::DryU8(DryRun::new(source, config)?),
+                (other, _) => {
                     return Err(Error::InvalidArgument {
                         op: OP,
                         reason: format!("dtype {other:?}: float32, float16, bfloat16 or uint8"),
@@ -501,9 +787,32 @@ pub(crate) fn prefetch(
         })
         .py_err()?;
     Ok(PyPrefetcher {
-        inner: Mutex::new(Some(inner)),
+        inner: Mutex::new(Some(Inner::new(inner))),
         side,
         labels: Mutex::new(None),
         iterable,
+        pid: crate::fork::pid(),
     })
+}
+
+/// What pinstream holds now: `prefetchers` (native prefetchers alive: their threads, slots and
+/// pools), `held_arrays` (items of iterables a `zero_copy` prefetcher still holds exported),
+/// and, for a device whose context exists, `pinned_in_use_bytes` and `pinned_cached_bytes`
+/// (the page-locked pool behind downloads and prefetched pixels) and `device_reserved_bytes`
+/// (pinstream's stream-ordered device pool: in use and cached; call `empty_cache` first to
+/// see what is in use). Makes no context.
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+pub(crate) fn memory_stats<'py>(py: Python<'py>, device: i64) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("prefetchers", LIVE.load(Ordering::Relaxed))?;
+    d.set_item("held_arrays", HELD.load(Ordering::Relaxed))?;
+    if let Some(c) = existing_ctx(device) {
+        let p = c.pinned.stats();
+        d.set_item("pinned_in_use_bytes", p.in_use_bytes)?;
+        d.set_item("pinned_cached_bytes", p.cached_bytes)?;
+        let reserved = py.detach(|| c.device.pool_reserved()).py_err()?;
+        d.set_item("device_reserved_bytes", reserved)?;
+    }
+    Ok(d)
 }

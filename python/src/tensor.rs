@@ -62,6 +62,19 @@ pub(crate) struct Tensor {
     /// DLPack device type: `kDLCUDA`, or `kDLCPU` for page-locked downloads.
     kind: i32,
     device: i32,
+    /// The process that made it (`fork`): in a forked child it is refused and leaked.
+    pid: u32,
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        if self.pid != crate::fork::pid() {
+            // A forked child: the memory is the parent's context's; releasing it here would
+            // call CUDA in a process that cannot use it.
+            let t = lock(&self.inner).take();
+            std::mem::forget(t);
+        }
+    }
 }
 
 impl Tensor {
@@ -77,6 +90,7 @@ impl Tensor {
             dtype: t.dtype(),
             kind: t.device().device_type,
             device,
+            pid: crate::fork::pid(),
             inner: Mutex::new(Some(t)),
         }
     }
@@ -162,6 +176,9 @@ impl Tensor {
         dl_device: Option<(i32, i32)>,
         copy: Option<bool>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        if self.pid != crate::fork::pid() {
+            return Err(crate::fork::forked("Tensor.__dlpack__", self.pid));
+        }
         if let Some(want) = dl_device {
             if want != self.__dlpack_device__() {
                 let (kind, id) = want;

@@ -96,6 +96,8 @@ fn fill<O: OutputElement, E: Pod>(
 pub struct DryRun<O: OutputElement, E: Pod + Send + 'static = i64> {
     current: Option<HostSlot<O, E>>,
     pipe: Pipeline<E, HostSlot<O, E>>,
+    /// A message [`poll`](DryRun::poll) received, for the next `next()`.
+    early: Option<Msg<HostSlot<O, E>>>,
     finished: bool,
 }
 
@@ -149,6 +151,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
         Ok(DryRun {
             current: None,
             pipe: Pipeline::start(source, plan, slots, fill::<O, E>)?,
+            early: None,
             finished: false,
         })
     }
@@ -163,7 +166,11 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
         if self.finished {
             return None;
         }
-        match self.pipe.recv() {
+        let msg = match self.early.take() {
+            Some(m) => m,
+            None => self.pipe.recv(),
+        };
+        match msg {
             Msg::Ready(slot) => {
                 self.current = Some(slot);
                 Some(Ok(DryBatch { p: self }))
@@ -176,6 +183,24 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
                 self.finished = true;
                 None
             }
+        }
+    }
+
+    /// As [`Prefetcher::poll`](super::Prefetcher::poll): waits up to `timeout` for
+    /// [`next`](Self::next) to have something to return without waiting.
+    pub fn poll(&mut self, timeout: std::time::Duration) -> bool {
+        if let Some(slot) = self.current.take() {
+            self.pipe.give_back(slot);
+        }
+        if self.early.is_some() || self.finished {
+            return true;
+        }
+        match self.pipe.recv_timeout(timeout) {
+            Some(m) => {
+                self.early = Some(m);
+                true
+            }
+            None => false,
         }
     }
 

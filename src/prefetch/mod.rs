@@ -123,6 +123,8 @@ pub struct Prefetcher<O: OutputElement, E: Pod + Send + 'static = i64> {
     exports: Arc<Exports<Box<Slot<O, E>>>>,
     /// An error found while giving a slot back from `Drop`, reported by the next `next()`.
     pending: Option<Error>,
+    /// A message [`poll`](Prefetcher::poll) received, for the next `next()`.
+    early: Option<Msg<Box<Slot<O, E>>>>,
     finished: bool,
     _types: PhantomData<fn() -> O>,
 }
@@ -207,6 +209,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             device_bytes,
             exports: Arc::new(Exports::new(config.depth, config.export_spares)),
             pending: None,
+            early: None,
             finished: false,
             _types: PhantomData,
         })
@@ -230,7 +233,9 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         if self.finished {
             return None;
         }
-        let msg = if self.exports.circulating() == 0 {
+        let msg = if let Some(m) = self.early.take() {
+            m
+        } else if self.exports.circulating() == 0 {
             // Every slot is held by a DLPack consumer: no batch can come before a release.
             // The end of the epoch or an error still can (the feeder sends them without a
             // slot): wait for a message as long as the feeder is not stuck on a loaded batch.
@@ -276,6 +281,27 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
                 self.finished = true;
                 None
             }
+        }
+    }
+
+    /// Waits up to `timeout` for [`next`](Self::next) to have something to return without
+    /// waiting: `true` once it has (a batch, the end, or an error), `false` if `timeout`
+    /// passed first. For callers that must stay responsive while they wait (a Python binding
+    /// checking for Ctrl-C between slices, an event loop); a received batch is kept for
+    /// `next`, nothing is lost.
+    pub fn poll(&mut self, timeout: std::time::Duration) -> bool {
+        self.give_back();
+        if self.early.is_some() || self.pending.is_some() || self.finished {
+            return true;
+        }
+        match self.pipe.recv_timeout(timeout) {
+            Some(m) => {
+                self.early = Some(m);
+                true
+            }
+            // Every slot held by DLPack consumers and the feeder stuck on a loaded batch:
+            // `next` returns its error at once.
+            None => self.exports.circulating() == 0 && self.pipe.starved(),
         }
     }
 
