@@ -164,9 +164,11 @@ fn could_be_a_stream(raw: usize) -> bool {
 #[pymethods]
 impl Tensor {
     /// The DLPack protocol: the tensor as a capsule, moved to the consumer. `stream`: the
-    /// consumer's stream (it waits on the GPU for the data; the memory is freed only after
-    /// the work the consumer queued on it before releasing the tensor); it must stay alive
-    /// until the consumer releases the tensor (PyTorch's and CuPy's current streams do).
+    /// consumer's stream (it waits on the GPU for the data). The stream is used only during
+    /// this call (the consumer may destroy it afterwards): on the legacy default stream (1,
+    /// PyTorch's default) the memory's reuse is ordered after an event recorded at the
+    /// release; otherwise it goes back once the device has finished the work queued before
+    /// the release, from a background thread (the deleter never waits for the GPU).
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
