@@ -277,8 +277,11 @@ impl ImageSource {
             ));
         }
         if let Augment::Val { resize } = c.augment {
-            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel.
-            if resize < c.out.0 || resize / 1024 > c.out.0 {
+            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel (the
+            // kernel's least box). Exact: `resize / 1024 > out` let 1024 * out + 1 ..= + 1023
+            // through (issue 29, finding 12).
+            let most = c.out.0.checked_mul(1024).unwrap_or(usize::MAX);
+            if resize < c.out.0 || resize > most {
                 return Err(Error::invalid(
                     OP,
                     format!(
@@ -442,6 +445,11 @@ impl ImageSource {
         let px = b.pinned(total)?;
         let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
             .layouts(Layout::Nhwc, cfg.layout);
+        // One sample at a time, checked as the feeder will check the batch: an image that
+        // cannot be resized under this configuration is a bad file of its own, not a batch
+        // that fails as a whole (issue 29, finding 12).
+        let mut probe = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
+            .layouts(Layout::Nhwc, cfg.layout);
         let mut labels = Vec::with_capacity(files.len());
         // The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a
         // stream mixed from both numbers (no two batches share one).
@@ -453,18 +461,36 @@ impl ImageSource {
         for (path, label, bytes, info) in &files {
             let len = info.rgb_len();
             let dst = &mut px[offset..offset + len];
-            match decode::decode_rgb_into(bytes, dst) {
-                Ok(_) => {
+            let decoded = decode::decode_rgb_into(bytes, dst)
+                .map_err(|e| file_error(path, e))
+                .and_then(|_| {
                     let (h, w) = (info.height, info.width);
                     let crop = match cfg.augment {
-                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w)?,
-                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0)?,
+                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w),
+                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
                     };
-                    spec.push(offset, h, w, crop);
+                    let resizable = crop.and_then(|crop| {
+                        probe.samples.clear();
+                        probe.push(0, h, w, crop);
+                        probe.validate(OP).map(|()| crop)
+                    });
+                    resizable.map_err(|e| {
+                        Error::invalid(
+                            OP,
+                            format!(
+                                "{}: the {h}x{w} image cannot be resized under this \
+                                 configuration: {e}",
+                                path.display()
+                            ),
+                        )
+                    })
+                });
+            match decoded {
+                Ok(crop) => {
+                    spec.push(offset, info.height, info.width, crop);
                     labels.push(*label as i64);
                 }
                 Err(e) => {
-                    let e = file_error(path, e);
                     if cfg.bad_files != BadFiles::Skip {
                         return Err(e);
                     }
@@ -585,5 +611,74 @@ impl<O: OutputElement> ImageFeed<O> {
     /// The prefetcher underneath (its stream, loader and pool statistics).
     pub fn prefetcher(&self) -> &Prefetcher<O, i64> {
         &self.prefetcher
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_pixel(w, h, image::Rgb([10, 20, 30]));
+        let mut v = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut v), image::ImageFormat::Png)
+            .unwrap();
+        v
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "pinstream-images-{name}-{}-{:x}",
+            std::process::id(),
+            Rng::new(std::process::id() as u64, 7).next_u64()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("a")).unwrap();
+        d
+    }
+
+    /// Issue 29, finding 12: an image that cannot be resized under the configuration (here a
+    /// 1-pixel image under a `Resize` that `new` now refuses, set behind its back) is a bad
+    /// file of its own: skipped under `BadFiles::Skip` (the batch validates without it), an
+    /// error naming it otherwise. Before, its sample went into the batch, whose validation in
+    /// the feeder then failed as a whole.
+    #[test]
+    fn an_image_that_cannot_be_resized_is_a_bad_file() {
+        let root = tmp("unresizable");
+        let (tiny, good) = (root.join("a/0.png"), root.join("a/1.png"));
+        std::fs::write(&tiny, png(1, 1)).unwrap();
+        std::fs::write(&good, png(40, 30)).unwrap();
+        let list = ImageList::from_pairs(vec![(tiny.clone(), 0), (good.clone(), 1)]).unwrap();
+        for bad_files in [BadFiles::Skip, BadFiles::Error] {
+            let c = ImageFeedConfig {
+                batch: 2,
+                out: (8, 8),
+                augment: Augment::Val { resize: 8 * 1024 },
+                shuffle: false,
+                bad_files,
+                ..ImageFeedConfig::default()
+            };
+            let mut src = ImageSource::new(list.clone(), &c).unwrap();
+            Arc::get_mut(&mut src.inner).unwrap().cfg.augment = Augment::Val {
+                resize: 8 * 1024 + 1,
+            };
+            let mut b = HostBatch::<i64>::default();
+            let r = src.load(0, &mut b);
+            match bad_files {
+                BadFiles::Skip => {
+                    r.unwrap();
+                    assert_eq!(b.extras, [1]);
+                    assert_eq!(src.skipped().count, 1);
+                    assert!(src.skipped().first[0].0.ends_with("0.png"));
+                    b.resize.as_ref().unwrap().validate("test").unwrap();
+                }
+                BadFiles::Error => {
+                    let e = r.unwrap_err();
+                    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                    assert!(e.to_string().contains("0.png"), "{e}");
+                }
+            }
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }
