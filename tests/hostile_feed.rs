@@ -1017,3 +1017,58 @@ fn unnest(base: &Path) {
         }
     }
 }
+
+/// Issue 29, finding 10: valid tiny JPEGs and PNGs followed by sparse trailers (bytes after
+/// the end marker) made `ImageSource::load` hold batch x file size: eight such files added
+/// 2 GiB of RSS for a few KiB of pixels (an OOM kill at the defaults, not a typed error). Each
+/// file is now read up to the end of its image only. Bounded by bytes, not by time: the load's
+/// peak RSS grows by far less than the 2 GiB of trailers (the bound leaves room for other
+/// trials of this binary running at the same time), and the pixels are those of the files
+/// without their trailers.
+#[test]
+fn bug_trailers_make_load_hold_whole_files() {
+    let root = tmp("trailers");
+    let plain = root.join("plain");
+    let padded = root.join("padded");
+    for d in [&plain, &padded] {
+        std::fs::create_dir_all(d.join("a")).unwrap();
+    }
+    for k in 0..8u32 {
+        let (name, bytes) = if k % 2 == 0 {
+            (format!("a/{k}.jpg"), small_jpeg(5 + k, 3 + k))
+        } else {
+            (format!("a/{k}.png"), small_png(3 + k, 5 + k))
+        };
+        std::fs::write(plain.join(&name), &bytes).unwrap();
+        let p = padded.join(&name);
+        std::fs::write(&p, &bytes).unwrap();
+        // 256 MiB of zeros after the end marker, as a hole: no disk until read.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .set_len(256 << 20)
+            .unwrap();
+    }
+    let c = ImageFeedConfig {
+        shuffle: false,
+        bad_files: BadFiles::Error,
+        ..cfg(8)
+    };
+    let load = |dir: &Path| {
+        let src = ImageSource::new(ImageList::folder(dir).unwrap(), &c).unwrap();
+        let mut b = HostBatch::<i64>::default();
+        src.load(0, &mut b).map(|()| b)
+    };
+    let a = load(&plain).unwrap();
+    let before = vm_hwm_kib();
+    let b = load(&padded);
+    let grew = vm_hwm_kib().saturating_sub(before) / 1024;
+    std::fs::remove_dir_all(&root).unwrap();
+    let b = b.unwrap();
+    eprintln!("8 images with 256 MiB trailers: peak RSS grew by {grew} MiB");
+    assert!(grew < 1024, "peak RSS grew by {grew} MiB for 8 tiny images");
+    assert_eq!(b.extras, a.extras);
+    assert_eq!(b.resize, a.resize);
+    assert_eq!(b.pixels.read().unwrap(), a.pixels.read().unwrap());
+}
