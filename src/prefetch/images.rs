@@ -362,7 +362,7 @@ impl ImageSource {
             // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel (the
             // kernel's least box). Exact: `resize / 1024 > out` let 1024 * out + 1 ..= + 1023
             // through (issue 29, finding 12).
-            let most = c.out.0.checked_mul(1024).unwrap_or(usize::MAX);
+            let most = c.out.0.saturating_mul(1024);
             if resize < c.out.0 || resize > most {
                 return Err(Error::invalid(
                     OP,
