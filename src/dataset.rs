@@ -41,40 +41,221 @@ fn is_image(p: &Path) -> bool {
         .is_some_and(|e| EXTENSIONS.iter().any(|x| e.eq_ignore_ascii_case(x)))
 }
 
-/// Every image file under `dir`, sorted within each directory as `os.walk` + `sorted` would
-/// visit them; symbolic links followed, each directory visited once (a link cycle ends).
-fn walk(dir: &Path, seen: &mut HashSet<PathBuf>, out: &mut Vec<PathBuf>) -> Result<()> {
+/// The most directories nested below a class directory that [`ImageList::folder`] walks into;
+/// a deeper tree is refused (`Error::InvalidArgument`), as no image dataset nests so deep.
+pub const MAX_DEPTH: usize = 256;
+
+/// A directory opened for the walk (closed on drop).
+struct Dir(std::os::fd::OwnedFd);
+
+/// What a walk asked of the kernel: `path_bytes` counts the bytes of every path handed to a
+/// system call, which is what the kernel's path lookups cost. The walk opens each directory
+/// relative to its parent's descriptor by its name alone, so this grows with the number of
+/// entries, not with their depth times it (as canonicalizing and `stat`-ing full paths did:
+/// depth^2 bytes per directory, depth^3 for a chain, issue 29 finding 11).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct WalkCost {
+    /// Directories opened.
+    pub(crate) dirs: usize,
+    /// Bytes of the paths handed to the kernel.
+    pub(crate) path_bytes: usize,
+}
+
+fn c_name(name: &std::ffi::OsStr) -> std::io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(name.as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+}
+
+impl Dir {
+    /// Opens the directory `name` (a whole path for the class directory, else one name)
+    /// relative to `parent` (the working directory where `None`), following links; anything
+    /// but a directory is refused by `O_DIRECTORY` without being waited on.
+    fn open(
+        parent: Option<&Dir>,
+        name: &std::ffi::OsStr,
+        cost: &mut WalkCost,
+    ) -> std::io::Result<Dir> {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let c = c_name(name)?;
+        cost.dirs += 1;
+        cost.path_bytes += c.as_bytes().len();
+        let at = parent.map_or(libc::AT_FDCWD, |p| p.0.as_raw_fd());
+        // SAFETY: `at` is AT_FDCWD or a descriptor `parent` owns, open for the call; `c` is a
+        // NUL-terminated name that outlives it.
+        let fd = unsafe {
+            libc::openat(
+                at,
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | libc::O_NONBLOCK,
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just opened here and is owned by nothing else.
+        Ok(Dir(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// `(st_dev, st_ino)` of the directory.
+    fn identity(&self) -> std::io::Result<(u64, u64)> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: an all-zero `stat` is a valid value of the plain C struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: the descriptor is open (owned by `self`); `st` is writable for the call.
+        if unsafe { libc::fstat(self.0.as_raw_fd(), &mut st) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok((st.st_dev, st.st_ino))
+    }
+
+    /// The names in the directory (not `.` and `..`).
+    fn names(&self) -> std::io::Result<Vec<std::ffi::OsString>> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::ffi::OsStrExt;
+        // A duplicate for `fdopendir`, which takes its descriptor over (closed by `closedir`).
+        // SAFETY: F_DUPFD_CLOEXEC on a descriptor `self` owns makes a new one.
+        let dup = unsafe { libc::fcntl(self.0.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        if dup < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `dup` is an open directory descriptor owned by nothing else; on success the
+        // stream owns it.
+        let dir = unsafe { libc::fdopendir(dup) };
+        if dir.is_null() {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: `fdopendir` failed, so `dup` is still ours to close.
+            unsafe { libc::close(dup) };
+            return Err(e);
+        }
+        struct Stream(*mut libc::DIR);
+        impl Drop for Stream {
+            fn drop(&mut self) {
+                // SAFETY: the stream was opened by `fdopendir` above and is closed only here.
+                unsafe { libc::closedir(self.0) };
+            }
+        }
+        let stream = Stream(dir);
+        // The duplicate shares the offset with `self`: start from the first entry.
+        // SAFETY: `stream.0` is an open directory stream.
+        unsafe { libc::rewinddir(stream.0) };
+        let mut out = Vec::new();
+        loop {
+            // readdir reports an error only through errno: clear it first.
+            // SAFETY: errno is this thread's; writing it is what the C API expects.
+            unsafe { *libc::__errno_location() = 0 };
+            // SAFETY: `stream.0` is an open directory stream, used by this thread only.
+            let ent = unsafe { libc::readdir(stream.0) };
+            if ent.is_null() {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error().is_some_and(|c| c != 0) {
+                    return Err(e);
+                }
+                break;
+            }
+            // SAFETY: `ent` points to the entry `readdir` returned, valid until the next call
+            // on the stream; `d_name` is NUL-terminated. The name is copied out at once.
+            let name = unsafe { std::ffi::CStr::from_ptr((*ent).d_name.as_ptr()) };
+            let b = name.to_bytes();
+            if b != b"." && b != b".." {
+                out.push(std::ffi::OsStr::from_bytes(b).to_os_string());
+            }
+        }
+        Ok(out)
+    }
+
+    /// `stat` of `name` in the directory, following links (`None` where that fails: a dangling
+    /// link, a name removed since).
+    fn stat(&self, name: &std::ffi::OsStr, cost: &mut WalkCost) -> Option<libc::stat> {
+        use std::os::fd::AsRawFd;
+        let c = c_name(name).ok()?;
+        cost.path_bytes += c.as_bytes().len();
+        // SAFETY: an all-zero `stat` is a valid value of the plain C struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: the descriptor is open (owned by `self`); `c` is NUL-terminated; `st` is
+        // writable for the call.
+        let rc = unsafe { libc::fstatat(self.0.as_raw_fd(), c.as_ptr(), &mut st, 0) };
+        (rc == 0).then_some(st)
+    }
+}
+
+/// Every image file under `dir` (opened already, at `path`, `depth` directories below its class
+/// directory), sorted within each directory as `os.walk` + `sorted` would visit them; symbolic
+/// links followed, each directory visited once (by device and inode: a link cycle ends). The
+/// work is linear in the entries: every directory is opened by its name relative to its
+/// parent's descriptor.
+fn walk(
+    dir: &Dir,
+    path: &Path,
+    depth: usize,
+    seen: &mut HashSet<(u64, u64)>,
+    out: &mut Vec<PathBuf>,
+    cost: &mut WalkCost,
+) -> Result<()> {
     const OP: &str = "dataset::ImageList::folder";
-    let real = std::fs::canonicalize(dir).map_err(|e| io(OP, dir, e))?;
-    if !seen.insert(real) {
+    if !seen.insert(dir.identity().map_err(|e| io(OP, path, e))?) {
         return Ok(());
     }
     let mut files = Vec::new();
     let mut dirs = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(|e| io(OP, dir, e))? {
-        let entry = entry.map_err(|e| io(OP, dir, e))?;
-        let path = entry.path();
+    for name in dir.names().map_err(|e| io(OP, path, e))? {
         // Follows links: a link to a directory is a directory.
-        match std::fs::metadata(&path) {
-            Ok(m) if m.is_dir() => dirs.push(path),
-            Ok(m) if m.is_file() && is_image(&path) => files.push(path),
+        match dir.stat(&name, cost) {
+            Some(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => dirs.push(name),
+            Some(st)
+                if st.st_mode & libc::S_IFMT == libc::S_IFREG && is_image(Path::new(&name)) =>
+            {
+                files.push(name)
+            }
             _ => {} // other files, dangling links, sockets: not images
         }
     }
     files.sort();
     dirs.sort();
-    out.extend(files);
+    out.extend(files.into_iter().map(|f| path.join(f)));
     for d in dirs {
-        walk(&d, seen, out)?;
+        let sub = path.join(&d);
+        if depth >= MAX_DEPTH {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{}: directories nested more than {MAX_DEPTH} deep below the class \
+                     directory (dataset::MAX_DEPTH)",
+                    sub.display()
+                ),
+            ));
+        }
+        let child = Dir::open(Some(dir), &d, cost).map_err(|e| io(OP, &sub, e))?;
+        walk(&child, &sub, depth + 1, seen, out, cost)?;
     }
     Ok(())
 }
 
+/// The images of one class directory, and what the walk cost.
+fn walk_class(class_dir: &Path) -> Result<(Vec<PathBuf>, WalkCost)> {
+    const OP: &str = "dataset::ImageList::folder";
+    let mut cost = WalkCost::default();
+    let dir =
+        Dir::open(None, class_dir.as_os_str(), &mut cost).map_err(|e| io(OP, class_dir, e))?;
+    let mut files = Vec::new();
+    walk(
+        &dir,
+        class_dir,
+        0,
+        &mut HashSet::new(),
+        &mut files,
+        &mut cost,
+    )?;
+    Ok((files, cost))
+}
+
 impl ImageList {
     /// torchvision's `ImageFolder(root)`: each directory of `root` is a class (sorted by name,
-    /// labelled 0, 1, ...), and every `.jpg` / `.jpeg` / `.png` below it (any depth, sorted) an
-    /// image of it. `Error::Io` when `root` cannot be read or has no class directory,
-    /// `Error::InvalidArgument` when a class holds no image (as torchvision refuses).
+    /// labelled 0, 1, ...), and every `.jpg` / `.jpeg` / `.png` below it (up to [`MAX_DEPTH`]
+    /// directories deep, sorted) an image of it. `Error::Io` when `root` cannot be read or has
+    /// no class directory, `Error::InvalidArgument` when a class holds no image (as torchvision
+    /// refuses) or directories nested deeper than [`MAX_DEPTH`]. The walk is linear in the
+    /// number of entries, however deep they lie.
     pub fn folder(root: impl AsRef<Path>) -> Result<ImageList> {
         const OP: &str = "dataset::ImageList::folder";
         let root = root.as_ref();
@@ -97,8 +278,7 @@ impl ImageList {
         classes.sort();
         let mut items = Vec::new();
         for (label, class) in classes.iter().enumerate() {
-            let mut files = Vec::new();
-            walk(&root.join(class), &mut HashSet::new(), &mut files)?;
+            let (files, _) = walk_class(&root.join(class))?;
             if files.is_empty() {
                 return Err(Error::invalid(
                     OP,
@@ -244,6 +424,38 @@ mod tests {
         std::os::unix::fs::symlink(root.join("a"), root.join("a/loop")).unwrap();
         let l = ImageList::folder(&root).unwrap();
         assert_eq!(l.len(), 1);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Issue 29, finding 11: the walk's kernel work is linear in the entries however deep they
+    /// lie. A chain of `MAX_DEPTH` nested directories costs the kernel a few bytes of path per
+    /// directory (each opened by its one-byte name relative to its parent), where
+    /// canonicalizing and `stat`-ing full paths cost about depth^2 / 2 bytes per level.
+    #[test]
+    fn a_deep_chain_costs_linear_work() {
+        let root = tmp("chain");
+        let mut deep = root.join("a");
+        for _ in 0..MAX_DEPTH {
+            deep.push("d");
+        }
+        touch(&deep.join("x.jpg"));
+        touch(&root.join("a/y.png"));
+        let class = root.join("a");
+        let (files, cost) = walk_class(&class).unwrap();
+        assert_eq!(files, [class.join("y.png"), deep.join("x.jpg")]);
+        assert_eq!(cost.dirs, MAX_DEPTH + 1);
+        // The class directory's path once, then per directory its name (open + stat) and per
+        // file its name.
+        let linear = class.as_os_str().len() + 2 * MAX_DEPTH + 2 * "x.jpg".len();
+        assert!(
+            cost.path_bytes <= linear,
+            "{} path bytes for a chain of {MAX_DEPTH} (linear: {linear})",
+            cost.path_bytes
+        );
+        // One level more is refused, naming the path.
+        touch(&deep.join("d/z.jpg"));
+        let e = ImageList::folder(&root).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
         std::fs::remove_dir_all(&root).unwrap();
     }
 

@@ -208,6 +208,115 @@ fn decode_with<'o>(
     }
 }
 
+/// Where an image's encoded data ends in a buffer that holds the start of its file: what
+/// [`end_of_image`] finds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum End {
+    /// The decoder needs `bytes[..n]` and nothing after: a JPEG's end-of-image marker after
+    /// its last scan, or a PNG's first chunk after its image data (its header: the decoder
+    /// reads no chunk after the image data).
+    At(usize),
+    /// The end is not in the buffer yet: the file goes on past it, or is cut short.
+    More,
+    /// Not found by the walk (a structure it does not follow): the decoder gets the whole file.
+    Unknown,
+}
+
+/// Where the image that `bytes` starts with ends (see [`End`]), by walking its structure: a
+/// JPEG's marker segments by their lengths and its entropy-coded data up to the next marker
+/// (stuffed `FF 00` bytes and restart markers are data), a PNG's chunks by their lengths. A
+/// reader stops there, so that bytes after the image (a trailer of any size) are never read.
+pub(crate) fn end_of_image(bytes: &[u8]) -> End {
+    match Format::detect(bytes) {
+        Some(Format::Jpeg) => jpeg_end(bytes),
+        Some(Format::Png) => png_end(bytes),
+        None if bytes.len() < PNG_MAGIC.len() => End::More,
+        None => End::Unknown,
+    }
+}
+
+fn jpeg_end(b: &[u8]) -> End {
+    let n = b.len();
+    let mut i = 2;
+    let (mut scan, mut scanned) = (false, false);
+    loop {
+        if scan {
+            // Entropy-coded data, up to a marker that is neither a stuffed byte nor a restart.
+            loop {
+                let Some(&x) = b.get(i) else {
+                    return End::More;
+                };
+                if x != 0xFF {
+                    i += 1;
+                    continue;
+                }
+                let Some(&m) = b.get(i + 1) else {
+                    return End::More;
+                };
+                match m {
+                    0x00 | 0xD0..=0xD7 => i += 2,
+                    0xFF => i += 1,
+                    _ => break,
+                }
+            }
+            scan = false;
+        }
+        // A marker: skipped to, past its fill bytes (bytes between headers are tolerated, as
+        // the decoder tolerates them).
+        while i < n && b[i] != 0xFF {
+            i += 1;
+        }
+        while i < n && b[i] == 0xFF {
+            i += 1;
+        }
+        let Some(&m) = b.get(i) else {
+            return End::More;
+        };
+        i += 1;
+        match m {
+            // End of image: after a scan, the end; before any, not an image the walk follows.
+            0xD9 if scanned => return End::At(i),
+            0xD9 => return End::Unknown,
+            0x00 | 0x01 | 0xD0..=0xD8 => {}
+            _ => {
+                let Some(l) = b.get(i..i + 2) else {
+                    return End::More;
+                };
+                let len = usize::from(u16::from_be_bytes([l[0], l[1]]));
+                if len < 2 {
+                    return End::Unknown;
+                }
+                i += len;
+                if m == 0xDA {
+                    (scan, scanned) = (true, true);
+                }
+            }
+        }
+    }
+}
+
+fn png_end(b: &[u8]) -> End {
+    let mut i = PNG_MAGIC.len();
+    let mut image_data = false;
+    loop {
+        let Some(head) = b.get(i..i + 8) else {
+            return End::More;
+        };
+        let len = u32::from_be_bytes([head[0], head[1], head[2], head[3]]);
+        if len > i32::MAX as u32 {
+            return End::Unknown;
+        }
+        let kind = &head[4..8];
+        if kind == b"IDAT" {
+            image_data = true;
+        } else if image_data || kind == b"IEND" {
+            // The image data has ended: the decoder stops at this chunk's header.
+            return End::At(i + 8);
+        }
+        i += 12 + len as usize;
+    }
+}
+
 /// Runs a decoder, turning a panic into `Error::Format`.
 fn guarded<T>(format: Format, f: impl FnOnce() -> Result<T>) -> Result<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
@@ -937,6 +1046,64 @@ mod tests {
     fn sample_jpeg() -> Vec<u8> {
         let img = image::RgbImage::from_raw(40, 30, gradient(40, 30)).unwrap();
         encode(&DynamicImage::ImageRgb8(img), ImageFormat::Jpeg)
+    }
+
+    /// `bytes[..n]` for `End::At(n)` decodes as the whole file does, and bytes after the
+    /// image (any trailer) are left out.
+    #[test]
+    fn end_of_image_is_what_the_decoder_needs() {
+        let mut rng = SmallRng::seed_from_u64(29);
+        let mut files = vec![
+            hex(PROGRESSIVE_JPEG),
+            hex(RESTART_JPEG),
+            hex(CMYK_JPEG),
+            sample_jpeg(),
+            sample_png(&mut rng),
+        ];
+        // A PNG whose image data is split over several IDAT chunks, with a chunk after them.
+        let img = DynamicImage::ImageRgb8(image::RgbImage::from_fn(37, 23, |x, y| {
+            image::Rgb([x as u8 * 5, y as u8 * 9, (x * y) as u8])
+        }));
+        let whole = encode(&img, ImageFormat::Png);
+        let mut out = whole[..8].to_vec();
+        let chunk = |out: &mut Vec<u8>, kind: &[u8], data: &[u8]| {
+            let mut c = (data.len() as u32).to_be_bytes().to_vec();
+            c.extend_from_slice(kind);
+            c.extend_from_slice(data);
+            let crc = crc32(&c[4..]);
+            c.extend_from_slice(&crc.to_be_bytes());
+            out.extend(c);
+        };
+        for (at, kind, len) in png_chunks(&whole) {
+            let data = &whole[at + 8..at + 8 + len];
+            if &kind == b"IDAT" {
+                for part in data.chunks(data.len().div_ceil(3).max(1)) {
+                    chunk(&mut out, b"IDAT", part);
+                }
+                chunk(&mut out, b"tEXt", b"ab\0cd");
+            } else {
+                chunk(&mut out, &kind, data);
+            }
+        }
+        files.push(out);
+        for f in files {
+            let full = decode_checked(&f);
+            let mut with_trailer = f.clone();
+            with_trailer.extend((0..5000).map(|_| rng.random::<u8>()));
+            with_trailer.extend_from_slice(&[0xFF, 0xD9, 0xFF, 0xDA, 0, 4, 1, 2]);
+            let End::At(n) = end_of_image(&with_trailer) else {
+                panic!("no end found in a {}-byte file", f.len());
+            };
+            assert!(n <= f.len(), "{n} of {}", f.len());
+            assert_eq!(decode_checked(&with_trailer[..n]), full);
+            // Cut anywhere before its end: more is needed.
+            for cut in [n / 3, n / 2, n - 1] {
+                assert_ne!(end_of_image(&f[..cut]), End::At(cut));
+                assert!(!matches!(end_of_image(&f[..cut]), End::At(_)));
+            }
+        }
+        assert_eq!(end_of_image(b"\xFF\xD8"), End::More);
+        assert_eq!(end_of_image(b"GIF89a-not-an-image"), End::Unknown);
     }
 
     #[test]

@@ -139,6 +139,8 @@ struct Inner {
     epochs: Mutex<Vec<(u64, Arc<Batches>)>>,
     skipped: AtomicU64,
     first_skipped: Mutex<Vec<(String, String)>>,
+    /// Encoded bytes a batch's load holds at once ([`MAX_BATCH_FILE_BYTES`]; smaller in tests).
+    held_bytes: usize,
 }
 
 /// The batches of an [`ImageList`] as a prefetcher [`Source`]: global batch `g` is batch
@@ -159,13 +161,33 @@ impl std::fmt::Debug for ImageSource {
     }
 }
 
-/// The file's bytes: a regular file (opened without blocking, so a FIFO or device named in a
-/// list is refused, not waited on) of at most [`MAX_FILE_BYTES`].
+/// Bytes read of a file before its header is known (whatever metadata comes before the image's
+/// size), and beyond what its image may take (see [`read_file`]).
+const METADATA_BYTES: usize = 16 << 20;
+
+/// Encoded bytes per decoded RGB byte beyond which a file is not read further: a PNG of 16-bit
+/// RGBA samples stored uncompressed takes 8/3 of its RGB size, a JPEG's entropy-coded data at
+/// most about 3.4 times it (blocks padded to whole MCUs aside, which `METADATA_BYTES` covers).
+const ENCODED_PER_RGB: usize = 8;
+
+/// The bytes of encoded images held at once by one batch's load ([`ImageSource::load`]): files
+/// read once the batch holds this many are not kept, but read again when they are decoded, one
+/// at a time. Each file is read only up to the end of its image (bytes after it, a trailer of
+/// any size, are never read).
+pub const MAX_BATCH_FILE_BYTES: usize = 256 << 20;
+
+/// The bytes of the image in the file at `path`: a regular file (opened without blocking, so a
+/// FIFO or device named in a list is refused, not waited on) of at most [`MAX_FILE_BYTES`],
+/// read in growing chunks up to the end of its image (`decode::end_of_image`: a JPEG's
+/// end-of-image marker, a PNG's image data), never past it. A file whose image does not end
+/// within what its header says the image may take (8 bytes per RGB byte, plus 16 MiB of
+/// metadata) is refused (`Error::Format` naming it), so that memory is bounded by the image,
+/// not by the file.
 fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let io = |e: String| crate::dataset::io(op, path, e);
-    let f = std::fs::OpenOptions::new()
+    let mut f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
         .open(path)
@@ -180,14 +202,74 @@ fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
             meta.len()
         )));
     }
-    let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(meta.len() as usize)
-        .map_err(|e| io(e.to_string()))?;
-    f.take(MAX_FILE_BYTES)
-        .read_to_end(&mut bytes)
-        .map_err(|e| io(e.to_string()))?;
-    Ok(bytes)
+    // At most MAX_FILE_BYTES (1 GiB): fits in usize.
+    let file_len = meta.len() as usize;
+    let mut bytes: Vec<u8> = Vec::new();
+    // What may be read: the metadata allowance until the header is known, then what the
+    // image may take.
+    let mut limit = METADATA_BYTES;
+    let mut info = None;
+    let mut chunk = 64 << 10;
+    loop {
+        let target = file_len
+            .min(bytes.len().saturating_add(chunk))
+            .min(limit.saturating_add(1));
+        let want = target.saturating_sub(bytes.len());
+        bytes
+            .try_reserve_exact(want)
+            .map_err(|e| io(e.to_string()))?;
+        let got = (&mut f)
+            .take(want as u64)
+            .read_to_end(&mut bytes)
+            .map_err(|e| io(e.to_string()))?;
+        match decode::end_of_image(&bytes) {
+            decode::End::At(n) => {
+                bytes.truncate(n);
+                bytes.shrink_to_fit();
+                return Ok(bytes);
+            }
+            decode::End::More | decode::End::Unknown => {}
+        }
+        // The whole file (or it was cut short since it was opened): the decoder judges it.
+        if bytes.len() >= file_len || got < want {
+            return Ok(bytes);
+        }
+        if info.is_none() {
+            if let Ok(i) = decode::info(&bytes) {
+                info = Some(i);
+                limit = i
+                    .rgb_len()
+                    .saturating_mul(ENCODED_PER_RGB)
+                    .saturating_add(METADATA_BYTES);
+            }
+        }
+        if bytes.len() > limit {
+            let (format, detail) = match info {
+                Some(i) => (
+                    i.format.name(),
+                    format!(
+                        "the {}x{} image does not end within {limit} bytes (what such an \
+                         image may take, with its metadata); the file has {file_len}",
+                        i.height, i.width
+                    ),
+                ),
+                None => (
+                    decode::Format::detect(&bytes).map_or("image", decode::Format::name),
+                    format!(
+                        "no image header within the first {METADATA_BYTES} bytes (the file \
+                         has {file_len})"
+                    ),
+                ),
+            };
+            return Err(Error::Format {
+                format,
+                path: path.display().to_string(),
+                tensor: None,
+                detail,
+            });
+        }
+        chunk = chunk.saturating_mul(2).min(64 << 20);
+    }
 }
 
 /// The header of `bytes`, refused (as a format error naming `path`) where the image is larger
@@ -277,8 +359,11 @@ impl ImageSource {
             ));
         }
         if let Augment::Val { resize } = c.augment {
-            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel.
-            if resize < c.out.0 || resize / 1024 > c.out.0 {
+            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel (the
+            // kernel's least box). Exact: `resize / 1024 > out` let 1024 * out + 1 ..= + 1023
+            // through (issue 29, finding 12).
+            let most = c.out.0.saturating_mul(1024);
+            if resize < c.out.0 || resize > most {
                 return Err(Error::invalid(
                     OP,
                     format!(
@@ -331,6 +416,7 @@ impl ImageSource {
                 epochs: Mutex::new(Vec::new()),
                 skipped: AtomicU64::new(0),
                 first_skipped: Mutex::new(Vec::new()),
+                held_bytes: MAX_BATCH_FILE_BYTES,
             }),
         })
     }
@@ -419,9 +505,12 @@ impl ImageSource {
         let idx = batches
             .get(k)
             .ok_or_else(|| Error::invalid(OP, format!("epoch {epoch} has no batch {k}")))?;
-        // Read every file and its header first: the batch's length, then one block.
+        // Read every file and its header first: the batch's length, then one block. The
+        // encoded bytes are kept up to `held_bytes` for the batch; files read beyond that are
+        // read again when they are decoded, one at a time (issue 29, finding 10).
         let mut files = Vec::with_capacity(idx.len());
         let mut total = 0usize;
+        let mut held = 0usize;
         for &i in idx {
             let (path, label) = &inner.list.items()[i];
             let read = read_file(OP, path).and_then(|bytes| {
@@ -433,7 +522,14 @@ impl ImageSource {
                     total = total.checked_add(info.rgb_len()).ok_or_else(|| {
                         Error::invalid(OP, "the batch's decoded size overflows usize")
                     })?;
-                    files.push((path, *label, bytes, info));
+                    let kept = match held.checked_add(bytes.len()) {
+                        Some(h) if h <= inner.held_bytes => {
+                            held = h;
+                            Some(bytes)
+                        }
+                        _ => None,
+                    };
+                    files.push((path, *label, kept, info));
                 }
                 Err(e) if cfg.bad_files == BadFiles::Skip => self.skip(path, &e),
                 Err(e) => return Err(e),
@@ -441,6 +537,11 @@ impl ImageSource {
         }
         let px = b.pinned(total)?;
         let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
+            .layouts(Layout::Nhwc, cfg.layout);
+        // One sample at a time, checked as the feeder will check the batch: an image that
+        // cannot be resized under this configuration is a bad file of its own, not a batch
+        // that fails as a whole (issue 29, finding 12).
+        let mut probe = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
             .layouts(Layout::Nhwc, cfg.layout);
         let mut labels = Vec::with_capacity(files.len());
         // The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a
@@ -450,21 +551,56 @@ impl ImageSource {
             crate::augment::mix(epoch, k as u64),
         );
         let mut offset = 0;
-        for (path, label, bytes, info) in &files {
+        for (path, label, kept, info) in &mut files {
             let len = info.rgb_len();
             let dst = &mut px[offset..offset + len];
-            match decode::decode_rgb_into(bytes, dst) {
-                Ok(_) => {
+            // Read again where it was not kept; the file must still hold the same image.
+            let bytes = match kept.take() {
+                Some(b) => Ok(b),
+                None => read_file(OP, path).and_then(|b| {
+                    if checked_info(path, &b)? == *info {
+                        Ok(b)
+                    } else {
+                        Err(crate::dataset::io(
+                            OP,
+                            path,
+                            "the file changed while its batch was read",
+                        ))
+                    }
+                }),
+            };
+            let decoded = bytes
+                .and_then(|bytes| {
+                    decode::decode_rgb_into(&bytes, dst).map_err(|e| file_error(path, e))
+                })
+                .and_then(|_| {
                     let (h, w) = (info.height, info.width);
                     let crop = match cfg.augment {
-                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w)?,
-                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0)?,
+                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w),
+                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
                     };
-                    spec.push(offset, h, w, crop);
+                    let resizable = crop.and_then(|crop| {
+                        probe.samples.clear();
+                        probe.push(0, h, w, crop);
+                        probe.validate(OP).map(|()| crop)
+                    });
+                    resizable.map_err(|e| {
+                        Error::invalid(
+                            OP,
+                            format!(
+                                "{}: the {h}x{w} image cannot be resized under this \
+                                 configuration: {e}",
+                                path.display()
+                            ),
+                        )
+                    })
+                });
+            match decoded {
+                Ok(crop) => {
+                    spec.push(offset, info.height, info.width, crop);
                     labels.push(*label as i64);
                 }
                 Err(e) => {
-                    let e = file_error(path, e);
                     if cfg.bad_files != BadFiles::Skip {
                         return Err(e);
                     }
@@ -585,5 +721,163 @@ impl<O: OutputElement> ImageFeed<O> {
     /// The prefetcher underneath (its stream, loader and pool statistics).
     pub fn prefetcher(&self) -> &Prefetcher<O, i64> {
         &self.prefetcher
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_pixel(w, h, image::Rgb([10, 20, 30]));
+        let mut v = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut v), image::ImageFormat::Png)
+            .unwrap();
+        v
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "pinstream-images-{name}-{}-{:x}",
+            std::process::id(),
+            Rng::new(std::process::id() as u64, 7).next_u64()
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("a")).unwrap();
+        d
+    }
+
+    fn jpeg(w: u32, h: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8 * 9, y as u8, 77]));
+        let mut v = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut v), image::ImageFormat::Jpeg)
+            .unwrap();
+        v
+    }
+
+    /// `bytes`, then a sparse hole up to `len` bytes (no disk, no page cache until read).
+    fn with_trailer(path: &Path, bytes: &[u8], len: u64) {
+        std::fs::write(path, bytes).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
+    /// Issue 29, finding 10: a valid image followed by a trailer (here a sparse GiB) is read up
+    /// to the end of its image, not whole: the bytes held are the image's, counted exactly.
+    /// Before, `read_file` read the whole file (a GiB per file, batch x file size per load).
+    #[test]
+    fn files_are_read_up_to_the_end_of_their_image() {
+        let root = tmp("trailers");
+        for (name, bytes) in [("a/j.jpg", jpeg(3, 2)), ("a/p.png", png(2, 3))] {
+            let p = root.join(name);
+            with_trailer(&p, &bytes, MAX_FILE_BYTES - 1);
+            let got = read_file("test", &p).unwrap();
+            assert!(
+                got.len() <= bytes.len() && got.len() + 64 >= bytes.len(),
+                "{name}: {} bytes read of a {}-byte image",
+                got.len(),
+                bytes.len()
+            );
+            assert_eq!(
+                decode::decode_rgb(&got).unwrap(),
+                decode::decode_rgb(&bytes).unwrap()
+            );
+        }
+        // A 1x1 PNG whose image data comes only after 40 MiB (an ancillary chunk): refused at
+        // what a 1-pixel image may take, naming the file.
+        let p = root.join("a/late.png");
+        let mut head = png(1, 1)[..33].to_vec(); // signature + IHDR
+        head.extend((40u32 << 20).to_be_bytes());
+        head.extend(b"zzZz");
+        with_trailer(&p, &head, 60 << 20);
+        let e = read_file("test", &p).unwrap_err();
+        assert!(
+            matches!(&e, Error::Format { path, .. } if path.ends_with("late.png")),
+            "{e:?}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Issue 29, finding 10: a batch holds at most `held_bytes` of encoded images; files read
+    /// past that are read again when decoded, to the same pixels.
+    #[test]
+    fn a_batch_over_its_byte_budget_reads_files_again() {
+        let root = tmp("budget");
+        let mut items = Vec::new();
+        for k in 0..6u32 {
+            let p = root.join(format!("a/{k}.jpg"));
+            std::fs::write(&p, jpeg(20 + k, 11 + k)).unwrap();
+            items.push((p, k as usize));
+        }
+        let list = ImageList::from_pairs(items).unwrap();
+        let c = ImageFeedConfig {
+            batch: 6,
+            out: (8, 8),
+            shuffle: false,
+            ..ImageFeedConfig::default()
+        };
+        let whole = ImageSource::new(list.clone(), &c).unwrap();
+        let mut a = HostBatch::<i64>::default();
+        whole.load(0, &mut a).unwrap();
+        for budget in [0, 1500] {
+            let mut src = ImageSource::new(list.clone(), &c).unwrap();
+            Arc::get_mut(&mut src.inner).unwrap().held_bytes = budget;
+            let mut b = HostBatch::<i64>::default();
+            src.load(0, &mut b).unwrap();
+            assert_eq!(b.extras, a.extras);
+            assert_eq!(b.resize, a.resize);
+            let n = a.resize.as_ref().unwrap().input_extent().unwrap();
+            assert_eq!(b.pixels.read().unwrap()[..n], a.pixels.read().unwrap()[..n]);
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Issue 29, finding 12: an image that cannot be resized under the configuration (here a
+    /// 1-pixel image under a `Resize` that `new` now refuses, set behind its back) is a bad
+    /// file of its own: skipped under `BadFiles::Skip` (the batch validates without it), an
+    /// error naming it otherwise. Before, its sample went into the batch, whose validation in
+    /// the feeder then failed as a whole.
+    #[test]
+    fn an_image_that_cannot_be_resized_is_a_bad_file() {
+        let root = tmp("unresizable");
+        let (tiny, good) = (root.join("a/0.png"), root.join("a/1.png"));
+        std::fs::write(&tiny, png(1, 1)).unwrap();
+        std::fs::write(&good, png(40, 30)).unwrap();
+        let list = ImageList::from_pairs(vec![(tiny.clone(), 0), (good.clone(), 1)]).unwrap();
+        for bad_files in [BadFiles::Skip, BadFiles::Error] {
+            let c = ImageFeedConfig {
+                batch: 2,
+                out: (8, 8),
+                augment: Augment::Val { resize: 8 * 1024 },
+                shuffle: false,
+                bad_files,
+                ..ImageFeedConfig::default()
+            };
+            let mut src = ImageSource::new(list.clone(), &c).unwrap();
+            Arc::get_mut(&mut src.inner).unwrap().cfg.augment = Augment::Val {
+                resize: 8 * 1024 + 1,
+            };
+            let mut b = HostBatch::<i64>::default();
+            let r = src.load(0, &mut b);
+            match bad_files {
+                BadFiles::Skip => {
+                    r.unwrap();
+                    assert_eq!(b.extras, [1]);
+                    assert_eq!(src.skipped().count, 1);
+                    assert!(src.skipped().first[0].0.ends_with("0.png"));
+                    b.resize.as_ref().unwrap().validate("test").unwrap();
+                }
+                BadFiles::Error => {
+                    let e = r.unwrap_err();
+                    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+                    assert!(e.to_string().contains("0.png"), "{e}");
+                }
+            }
+        }
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

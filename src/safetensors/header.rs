@@ -11,9 +11,9 @@ use std::path::{Path, PathBuf};
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserializer;
 
+use super::open::{Identity, Opened};
 use crate::dlpack::abi::{DLDataType, KDL_BFLOAT, KDL_BOOL, KDL_FLOAT, KDL_INT, KDL_UINT};
 use crate::error::{Error, Result};
-use crate::staging::FileSource;
 
 /// The largest header accepted, in bytes (the reference implementation's bound).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -199,6 +199,9 @@ pub struct Header {
     path: String,
     /// The file it was read from (`None` for `parse`).
     source: Option<PathBuf>,
+    /// That file's `(st_dev, st_ino)`: a load of this header refuses another file put at the
+    /// same path since.
+    identity: Option<Identity>,
     header_len: u64,
     file_len: u64,
     tensors: Vec<TensorInfo>,
@@ -211,21 +214,33 @@ impl Header {
     /// data region is not read).
     pub fn read(path: impl AsRef<Path>) -> Result<Header> {
         let path = path.as_ref();
-        let mut h = Header::read_from(&FileSource::open(path)?)?;
+        Header::read_opened(path, &Opened::open("safetensors::Header::read", path)?)
+    }
+
+    /// As [`read`](Self::read), from a file opened once ([`Opened`]; its length as it was at
+    /// open), which `path` named.
+    pub(crate) fn read_opened(path: &Path, file: &Opened) -> Result<Header> {
+        const OP: &str = "safetensors::Header::read";
+        let shown = file.shown();
+        let file_len = file.len();
+        let src = file.source();
+        let head = src
+            .read_range(OP, 0, file_len.min(8) as usize)
+            .map_err(|e| file.rename(e, src))?;
+        let n = header_len(shown, prefix_of(shown, file_len, &head)?, file_len)?;
+        // `n` is at most MAX_HEADER_BYTES: it fits in usize.
+        let json = src
+            .read_range(OP, 8, n as usize)
+            .map_err(|e| file.rename(e, src))?;
+        let mut h = parse_json(shown, &json, n, file_len)?;
         h.source = Some(path.to_path_buf());
+        h.identity = Some(file.identity());
         Ok(h)
     }
 
-    /// As [`read`](Self::read), from an open file (its length as it was at open).
-    fn read_from(file: &FileSource) -> Result<Header> {
-        const OP: &str = "safetensors::Header::read";
-        let path = file.path();
-        let file_len = file.len();
-        let head = file.read_range(OP, 0, file_len.min(8) as usize)?;
-        let n = header_len(path, prefix_of(path, file_len, &head)?, file_len)?;
-        // `n` is at most MAX_HEADER_BYTES: it fits in usize.
-        let json = file.read_range(OP, 8, n as usize)?;
-        parse_json(path, &json, n, file_len)
+    /// `(st_dev, st_ino)` of the file it was read from.
+    pub(crate) fn identity(&self) -> Option<Identity> {
+        self.identity
     }
 
     /// Parses and checks a header from memory: `bytes` starts at the file's first byte and
@@ -509,6 +524,7 @@ fn check(path: &str, raw: Raw, n: u64, file_len: u64) -> Result<Header> {
     Ok(Header {
         path: path.to_string(),
         source: None,
+        identity: None,
         header_len: n,
         file_len,
         tensors,

@@ -43,6 +43,7 @@
 //! ([`Weights::bytes_of`]).
 
 mod header;
+mod open;
 mod residency;
 
 pub use header::{
@@ -58,8 +59,9 @@ use crate::device::Device;
 use crate::dlpack::{self, Element};
 use crate::error::{Error, Result};
 use crate::memory::{DeviceBuffer, DeviceView, DeviceViewMut};
-use crate::staging::{FileSource, Stager, StagerConfig};
+use crate::staging::{Stager, StagerConfig};
 use crate::stream::Stream;
+use open::Opened;
 
 /// `O_DIRECT` offsets are multiples of this; the arena's head margin is below it.
 const BLOCK: u64 = 4096;
@@ -132,12 +134,18 @@ pub fn load(
     options: LoadOptions,
 ) -> Result<Weights> {
     stream.same_device("safetensors::load", stager.device())?;
-    load_header(stager, stream, Header::read(path)?, options)
+    // One open of the path: the header, the residency, the upload and the O_DIRECT read all go
+    // through it (issue 29, finding 9).
+    let path = path.as_ref();
+    let file = Opened::open("safetensors::load", path)?;
+    let header = Header::read_opened(path, &file)?;
+    load_checked(stager, stream, path, file, header, options)
 }
 
 /// As [`load`], for a header read before with [`Header::read`] (to look at the tensors or the
 /// metadata first). The file is opened again: one whose length is no longer the header's
-/// (changed or cut since) is an [`Error::Io`]; a header parsed from memory
+/// (changed or cut since), or another file put at the path since, is an [`Error::Io`]; a
+/// FIFO, device or directory there is refused without blocking; a header parsed from memory
 /// ([`Header::parse`]) names no file and is refused (`Error::InvalidArgument`).
 pub fn load_header(
     stager: &Stager,
@@ -153,9 +161,18 @@ pub fn load_header(
             "the header was parsed from memory (Header::parse) and names no file",
         ));
     };
-    let file = FileSource::open(&path)?;
+    let file = Opened::open(OP, &path)?;
     if file.len() != header.file_len() {
         return Err(changed(header.path(), header.file_len(), file.len()));
+    }
+    if header.identity().is_some_and(|id| id != file.identity()) {
+        return Err(Error::Io {
+            op: OP,
+            path: header.path().to_string(),
+            offset: 0,
+            len: 0,
+            message: "another file was put at this path after its header was read".into(),
+        });
     }
     load_checked(stager, stream, &path, file, header, options)
 }
@@ -167,11 +184,14 @@ pub fn load_header(
 ///
 /// Without a usable GPU: [`Error::NoDevice`] (after the header's checks).
 pub fn load_file(path: impl AsRef<Path>, device: usize) -> Result<Weights> {
-    let header = Header::read(path)?;
+    // One open of the path, kept for the load (issue 29, finding 9).
+    let path = path.as_ref();
+    let file = Opened::open("safetensors::load_file", path)?;
+    let header = Header::read_opened(path, &file)?;
     let dev = Device::get(device)?;
     let stream = dev.stream()?;
     let stager = Stager::new(&dev, StagerConfig::from_env()?)?;
-    let weights = load_header(&stager, &stream, header, LoadOptions::default())?;
+    let weights = load_checked(&stager, &stream, path, file, header, LoadOptions::default())?;
     // The stager's slots may still be read by the last DMAs: its drop waits for them.
     drop(stager);
     Ok(weights)
@@ -217,12 +237,16 @@ fn load_checked(
     stager: &Stager,
     stream: &Stream,
     path: &Path,
-    file: FileSource,
+    file: Opened,
     header: Header,
     options: LoadOptions,
 ) -> Result<Weights> {
+    // Through the descriptor opened once, never the path again: a FIFO put at the path since
+    // cannot block here.
     let resident = match options.direct {
-        Direct::Auto => residency::resident_fraction(path, header.data_start(), header.data_len()),
+        Direct::Auto => {
+            residency::resident_fraction_of(file.file(), header.data_start(), header.data_len())
+        }
         _ => None,
     };
     // Auto reads directly only where that keeps the tensors aligned (a region at a multiple
@@ -231,7 +255,7 @@ fn load_checked(
     let direct = if residency::wants_direct(options.direct, resident, header.data_len())
         && (aligned || options.direct == Direct::Always)
     {
-        match FileSource::open_direct(path) {
+        match file.open_direct(path) {
             Ok(d) if d.len() == file.len() => Some(d),
             Ok(d) => return Err(changed(header.path(), file.len(), d.len())),
             // tmpfs and others refuse O_DIRECT: Auto keeps the page cache.
@@ -252,12 +276,14 @@ fn load_checked(
             // A filesystem that opened with O_DIRECT but refuses its reads: Auto reads the whole
             // region again through the page cache (the arena's tracker orders the two uploads).
             Err(Error::Io { .. }) if options.direct == Direct::Auto => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(file.rename(e, d)),
         }
     }
     if !used_direct {
         let mut region = arena.slice_mut(pad..)?;
-        stager.upload_file(stream, &file, header.data_start(), &mut region)?;
+        stager
+            .upload_file(stream, file.source(), header.data_start(), &mut region)
+            .map_err(|e| file.rename(e, file.source()))?;
     }
     Ok(Weights {
         arena,

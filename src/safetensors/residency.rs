@@ -37,12 +37,22 @@ pub(crate) fn wants_direct(mode: Direct, resident: Option<f64>, data_len: u64) -
 /// The fraction of `[offset, offset + len)` of the file at `path` that is in the page cache
 /// (what [`Direct::Auto`] decides by; `mmap` + `mincore`, nothing is read): every page of a
 /// range up to 1 GiB (4 KiB pages), 1024 evenly spread windows of 1 MiB of a larger one. `None`
-/// where the file cannot be mapped (or the range is empty).
+/// where the path is not a regular file (a FIFO, a device, a directory: it is opened without
+/// blocking and looked at with `fstat`, never waited on), cannot be mapped, or the range is
+/// empty.
 pub fn resident_fraction(path: &Path, offset: u64, len: u64) -> Option<f64> {
     if len == 0 {
         return None;
     }
-    let file = File::open(path).ok()?;
+    let (file, _, _) = super::open::open_regular("safetensors::resident_fraction", path).ok()?;
+    resident_fraction_of(&file, offset, len)
+}
+
+/// [`resident_fraction`] of a file already opened (and checked to be a regular file).
+pub(crate) fn resident_fraction_of(file: &File, offset: u64, len: u64) -> Option<f64> {
+    if len == 0 {
+        return None;
+    }
     // SAFETY: sysconf only reads a configuration value.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     let page = u64::try_from(page).ok().filter(|&p| p > 0)?;
