@@ -89,6 +89,10 @@ fn main() {
         ),
         Trial::test("gpu/batch/never_released_is_an_error", batch_never_released),
         Trial::test(
+            "gpu/batch/deferred_release_is_waited_for",
+            batch_deferred_release_is_waited_for,
+        ),
+        Trial::test(
             "gpu/batch/record_stream_beats_the_refill",
             batch_record_stream,
         ),
@@ -542,9 +546,10 @@ fn packed_export() -> R {
     })?;
     drop(ic);
     // `ic` was handed over with no stream: its release is deferred until the device is idle.
-    ensure(pinstream::dlpack::wait_for_releases(Duration::from_secs(60)), || {
-        "the deferred release never happened".into()
-    })?;
+    ensure(
+        pinstream::dlpack::wait_for_releases(Duration::from_secs(60)),
+        || "the deferred release never happened".into(),
+    )?;
     ensure(weak.upgrade().is_none(), || {
         "arena kept after the last release".into()
     })
@@ -1025,6 +1030,45 @@ fn check_batch(got: &[f32], seed: u64, i: u64) -> R {
 /// An exported batch keeps its slot: the prefetcher goes on through several refills (on
 /// spare and remaining slots) while the exported pixels stay batch 0's; the release brings
 /// the slot back.
+/// Prefetched batches whose release is deferred (handed over on a lent stream, released with
+/// every slot held): `next()` waits for those releases instead of saying every slot is held,
+/// and the batches stay in order and intact.
+fn batch_deferred_release_is_waited_for() -> R {
+    within(
+        "batch_deferred_release_is_waited_for",
+        Duration::from_secs(120),
+        || {
+            let dev = Device::get(0)?;
+            let s = dev.stream()?;
+            let theirs = dev.stream()?;
+            let seed = rand::random::<u64>();
+            let config = PrefetchConfig {
+                depth: 1,
+                export_spares: 0,
+                ..PrefetchConfig::default()
+            };
+            let mut p = Prefetcher::<f32, i64>::new(&s, source(seed, 8), config)?;
+            for i in 0..8u64 {
+                let b = p.next().ok_or("ended early")??;
+                let (px, ex) = b.into_dlpack()?;
+                // SAFETY: `theirs` is live for this block.
+                let lent = unsafe { Stream::from_raw(&dev, theirs.as_raw())? };
+                // SAFETY: handed over just above.
+                let pixels = unsafe { Imported::from_versioned(px.into_versioned(Some(&lent))?)? };
+                // SAFETY: as above.
+                let extras = unsafe { Imported::from_versioned(ex.into_versioned(None)?)? };
+                let v = download(&theirs, &pixels.device_view::<f32>()?, N * 3 * HW * HW)?;
+                check_batch(&v, seed, i)?;
+                // Keep the device busy so that the deferred release cannot finish at once.
+                theirs.spin(Duration::from_millis(50))?;
+                drop((pixels, extras));
+            }
+            let more = p.next().is_some();
+            ensure(!more, || "more than 8 batches".into())
+        },
+    )
+}
+
 fn batch_held_until_release() -> R {
     within("batch_held_until_release", Duration::from_secs(60), || {
         let dev = Device::get(0)?;

@@ -39,6 +39,7 @@ mod reaper;
 pub(crate) use export::{Owner, TensorParts};
 pub use export::{Part, Refused, Tensor};
 pub use import::{HostTensor, Imported};
+pub(crate) use reaper::pending_releases;
 pub use reaper::wait_for_releases;
 
 use abi::{DLDataType, KDL_BFLOAT, KDL_FLOAT, KDL_INT, KDL_UINT};

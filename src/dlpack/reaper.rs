@@ -155,6 +155,11 @@ pub(crate) fn defer(owner: Box<dyn Owner>, scope: Scope) {
     }
 }
 
+/// How many deferred releases are queued and not yet done.
+pub(crate) fn pending_releases() -> usize {
+    *pending()
+}
+
 /// Waits until the tensors whose release was deferred (see the module: consumers that named
 /// no stream, host consumers, streams lent only for the handover) have gone back to their
 /// owners, at most `timeout`. Whether they all have. For tests and memory accounting.

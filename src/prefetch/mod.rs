@@ -239,11 +239,20 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             // Every slot is held by a DLPack consumer: no batch can come before a release.
             // The end of the epoch or an error still can (the feeder sends them without a
             // slot): wait for a message as long as the feeder is not stuck on a loaded batch.
+            let mut waited_for_releases = false;
             loop {
                 if let Some(m) = self.pipe.recv_timeout(std::time::Duration::ZERO) {
                     break m;
                 }
                 if self.pipe.starved() && self.exports.circulating() == 0 {
+                    // Releases deferred to the background (a consumer stream pinstream may
+                    // not touch after the handover, or none) give their slots back once the
+                    // device has finished what was queued before them: wait for those once.
+                    if !waited_for_releases && crate::dlpack::pending_releases() > 0 {
+                        waited_for_releases = true;
+                        crate::dlpack::wait_for_releases(std::time::Duration::from_secs(120));
+                        continue;
+                    }
                     return Some(Err(Error::invalid(
                         "Prefetcher::next",
                         format!(
@@ -301,7 +310,12 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             }
             // Every slot held by DLPack consumers and the feeder stuck on a loaded batch:
             // `next` returns its error at once.
-            None => self.exports.circulating() == 0 && self.pipe.starved(),
+            // (Unless deferred releases may still give slots back: keep polling.)
+            None => {
+                self.exports.circulating() == 0
+                    && self.pipe.starved()
+                    && crate::dlpack::pending_releases() == 0
+            }
         }
     }
 
