@@ -27,6 +27,7 @@ fn main() {
         let r = match which.as_str() {
             "exit_gated" => child_exit(true),
             "exit_busy" => child_exit(false),
+            "exit_backlog" => child_exit_backlog(),
             other => Err(format!("unknown child {other}").into()),
         };
         match r {
@@ -43,9 +44,18 @@ fn main() {
         bad_ordinals,
     )];
     let gpu = vec![
-        Trial::test("gpu/prefetch/next_after_gated_deferred_release", next_after_gated),
-        Trial::test("gpu/prefetch/next_after_deferred_release_loop", next_release_loop),
-        Trial::test("gpu/prefetch/dropped_while_batches_in_reaper", prefetcher_dropped),
+        Trial::test(
+            "gpu/prefetch/next_after_gated_deferred_release",
+            next_after_gated,
+        ),
+        Trial::test(
+            "gpu/prefetch/next_after_deferred_release_loop",
+            next_release_loop,
+        ),
+        Trial::test(
+            "gpu/prefetch/dropped_while_batches_in_reaper",
+            prefetcher_dropped,
+        ),
         Trial::test("gpu/split/half_stream_half_none", split_mixed),
         Trial::test("gpu/legacy_handles_0_1_2", legacy_handles),
         Trial::test("gpu/owned_stream_dropped_after_handover", owned_dropped),
@@ -314,8 +324,8 @@ fn split_mixed() -> R {
         let mut out_b = DeviceBuffer::<u8>::new(&dev, n)?;
         let own = dev.stream()?;
         let reader = dev.stream()?;
-        let mut parts = Tensor::from_device(d)?
-            .split(&[Part::of::<u8>(0, &[n]), Part::of::<u8>(n, &[n])])?;
+        let mut parts =
+            Tensor::from_device(d)?.split(&[Part::of::<u8>(0, &[n]), Part::of::<u8>(n, &[n])])?;
         let b = parts.pop().ok_or("no part")?.into_versioned(None)?;
         let a = parts.pop().ok_or("no part")?.into_versioned(Some(&own))?;
         slow_read(&own, data_of(a), &mut out_a, n)?;
@@ -336,7 +346,12 @@ fn split_mixed() -> R {
         dev.synchronize()?;
         let ga = download(&s, &out_a, n)?;
         let gb = download(&s, &out_b, n)?;
-        same(&format!("order {order}: part a (stream)"), &ga, &v[..n], seed)?;
+        same(
+            &format!("order {order}: part a (stream)"),
+            &ga,
+            &v[..n],
+            seed,
+        )?;
         same(&format!("order {order}: part b (none)"), &gb, &v[n..], seed)?;
     }
     ensure(wait_for_releases(Duration::from_secs(30)), || {
@@ -373,7 +388,12 @@ fn legacy_handles() -> R {
         poison(&s, n)?;
         s.synchronize()?;
         dev.synchronize()?;
-        same(&format!("legacy handle {raw:#x}"), &download(&s, &out, n)?, &v, seed)?;
+        same(
+            &format!("legacy handle {raw:#x}"),
+            &download(&s, &out, n)?,
+            &v,
+            seed,
+        )?;
     }
     Ok(())
 }
@@ -515,7 +535,11 @@ fn wait_races() -> R {
             let (stop, waits) = (stop.clone(), waits.clone());
             waiters.push(std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    let d = if k == 0 { Duration::ZERO } else { Duration::from_millis(1) };
+                    let d = if k == 0 {
+                        Duration::ZERO
+                    } else {
+                        Duration::from_millis(1)
+                    };
                     wait_for_releases(d);
                     waits.fetch_add(1, Ordering::Relaxed);
                 }
@@ -532,7 +556,8 @@ fn wait_races() -> R {
                     let d = DeviceBuffer::<u8>::new_async(&s, 4096).map_err(|e| e.to_string())?;
                     let t = Tensor::from_device(d).map_err(|e| e.to_string())?;
                     let raw = if i % 3 == 0 {
-                        t.into_versioned(Some(&s)).map_err(|e| e.error.to_string())?
+                        t.into_versioned(Some(&s))
+                            .map_err(|e| e.error.to_string())?
                     } else {
                         t.into_versioned(None).map_err(|e| e.error.to_string())?
                     };
@@ -552,7 +577,9 @@ fn wait_races() -> R {
         ensure(wait_for_releases(Duration::from_secs(30)), || {
             "releases never finished".into()
         })?;
-        ensure(leaked() == before, || format!("{} leaks", leaked() - before))
+        ensure(leaked() == before, || {
+            format!("{} leaks", leaked() - before)
+        })
     })
 }
 
@@ -589,11 +616,33 @@ fn child_exit(gated: bool) -> R {
     Ok(())
 }
 
+/// A thread releases many tiny device tensors with no stream, then the process exits at once
+/// with the reaper's backlog still queued (this crashed at exit before the reaper stopped at
+/// `atexit`).
+fn child_exit_backlog() -> R {
+    let dev = Device::get(0)?;
+    let h = std::thread::spawn(move || -> R {
+        let s = dev.stream()?;
+        for _ in 0..200_000 {
+            let d = DeviceBuffer::<u8>::new_async(&s, 256)?;
+            let t = Tensor::from_device(d)?.into_versioned(None)?;
+            // SAFETY: handed over just above.
+            unsafe { release(t) };
+        }
+        Ok(())
+    });
+    h.join().map_err(|_| "release thread panicked")?
+}
+
 fn exit_pending() -> R {
     let exe = std::env::current_exe()?;
     let mut bad = Vec::new();
-    for round in 0..6 {
-        let which = if round % 2 == 0 { "exit_busy" } else { "exit_gated" };
+    for round in 0..10 {
+        let which = match round % 3 {
+            0 => "exit_busy",
+            1 => "exit_gated",
+            _ => "exit_backlog",
+        };
         let mut child = std::process::Command::new(&exe)
             .env(CHILD, which)
             .stdout(std::process::Stdio::piped())
@@ -604,7 +653,7 @@ fn exit_pending() -> R {
             if let Some(st) = child.try_wait()? {
                 break Some(st);
             }
-            if t0.elapsed() > Duration::from_secs(30) {
+            if t0.elapsed() > Duration::from_secs(120) {
                 let _ = child.kill();
                 break None;
             }
@@ -619,7 +668,9 @@ fn exit_pending() -> R {
             bad.push(format!("{which}: {status:?}\n{text}"));
         }
     }
-    ensure(bad.is_empty(), || format!("BROKE:\n{}", bad.join("\n---\n")))
+    ensure(bad.is_empty(), || {
+        format!("BROKE:\n{}", bad.join("\n---\n"))
+    })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -690,7 +741,9 @@ fn fork_child() -> R {
             let t0 = Instant::now();
             loop {
                 // SAFETY: our own child.
-                let r = unsafe { waitpid(pid, &mut status, 1 /* WNOHANG */) };
+                let r = unsafe {
+                    waitpid(pid, &mut status, 1 /* WNOHANG */)
+                };
                 if r == pid {
                     break;
                 }
@@ -708,7 +761,10 @@ fn fork_child() -> R {
                 format!("signal {}", status & 0x7f)
             };
             let kind = if k % 20 == 19 { "stream" } else { "none" };
-            outcomes.entry(format!("{kind}: {what}")).or_default().push(k);
+            outcomes
+                .entry(format!("{kind}: {what}"))
+                .or_default()
+                .push(k);
         }
         stop.store(true, Ordering::Relaxed);
         let n = hammer.join().map_err(|_| "hammer panicked")??;

@@ -15,6 +15,7 @@
 //! fails, the owners that depended on that device are leaked (nobody can say when the memory
 //! is free again); the others go back.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -34,8 +35,6 @@ pub(crate) enum Scope {
 
 /// An owner to give back, with what it waits for.
 type Job = (Box<dyn Owner>, Scope);
-/// The devices waited for, and those whose wait failed.
-type Waited = (Vec<Device>, Vec<(Device, Error)>);
 
 /// Releases queued and not yet done.
 static PENDING: Mutex<usize> = Mutex::new(0);
@@ -57,12 +56,60 @@ fn active_devices() -> Result<Vec<Device>> {
         .collect())
 }
 
+/// Set at process exit (`atexit`), before the CUDA runtime tears itself down: the reaper
+/// touches CUDA no more and leaves what it holds to the operating system.
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+/// Held by the reaper around each batch of releases, and for good by the exit handler once
+/// the reaper is idle: no CUDA call of the reaper's can overlap the runtime's teardown.
+static BUSY: Mutex<()> = Mutex::new(());
+
+/// The `atexit` handler: stops the reaper from touching CUDA. Waits (a bounded time) for the
+/// batch in progress, then keeps the reaper out for good.
+extern "C" fn stop_reaper() {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        match BUSY.try_lock() {
+            Ok(guard) => {
+                std::mem::forget(guard);
+                return;
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                std::mem::forget(p.into_inner());
+                return;
+            }
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return,
+        }
+    }
+}
+
+/// Counts a batch of jobs as done when dropped, even if the batch unwinds.
+struct Done(usize);
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        let mut p = pending();
+        *p = p.saturating_sub(self.0);
+        DONE.notify_all();
+    }
+}
+
 /// Waits for the devices the jobs need, then releases each job's owner whose devices were all
-/// waited for (ordered: nothing of the consumer's is left) and drops it; the others are leaked.
+/// waited for (ordered: nothing of the consumer's is left) and drops it; the others are leaked,
+/// as is everything once the process is exiting.
 fn reap(jobs: Vec<Job>) {
-    let n = jobs.len();
+    let _done = Done(jobs.len());
+    let _busy = BUSY.lock().unwrap_or_else(|e| e.into_inner());
+    if SHUTDOWN.load(Ordering::SeqCst) {
+        std::mem::forget(jobs);
+        return;
+    }
+    // The devices each scope needs, and the errors of those that could not be waited for.
     let any_active = jobs.iter().any(|(_, s)| *s == Scope::Active);
-    let outcome: Result<Waited> = crate::sync::quietly(|| {
+    let outcome = crate::sync::quietly(|| {
         let mut wanted: Vec<Device> = jobs
             .iter()
             .filter_map(|(_, s)| match s {
@@ -70,35 +117,49 @@ fn reap(jobs: Vec<Job>) {
                 Scope::Active => None,
             })
             .collect();
-        if any_active {
-            wanted.extend(active_devices()?);
+        // Enumerating the devices can fail apart from waiting for them: that leaks only the
+        // jobs that needed the enumeration.
+        let active = if any_active {
+            active_devices()
+        } else {
+            Ok(Vec::new())
+        };
+        if let Ok(a) = &active {
+            wanted.extend(a.iter().copied());
         }
         wanted.sort_by_key(|d| d.raw());
         wanted.dedup();
-        let mut failed = Vec::new();
+        let mut failed: Vec<(Device, Error)> = Vec::new();
         for d in &wanted {
+            if SHUTDOWN.load(Ordering::SeqCst) {
+                failed.push((
+                    *d,
+                    Error::invalid("dlpack release", "the process is exiting"),
+                ));
+                continue;
+            }
             if let Err(e) = d.synchronize() {
                 failed.push((*d, e));
             }
         }
-        Ok((wanted, failed))
+        (active.err(), failed)
     })
-    .unwrap_or_else(|p| Err(Error::invalid("dlpack release", p)));
+    .map_err(|p| Error::invalid("dlpack release", p));
     for (owner, scope) in jobs {
         let broken = match &outcome {
             Err(e) => Some(e.clone()),
-            Ok((waited, failed)) => match scope {
-                Scope::Device(d) => failed
-                    .iter()
-                    .find(|(f, _)| *f == d)
-                    .map(|(_, e)| e.clone())
-                    .or_else(|| {
-                        (!waited.contains(&d))
-                            .then(|| Error::invalid("dlpack release", "device not waited for"))
-                    }),
-                Scope::Active => failed.first().map(|(_, e)| e.clone()),
+            Ok((active_err, failed)) => match scope {
+                Scope::Device(d) => failed.iter().find(|(f, _)| *f == d).map(|(_, e)| e.clone()),
+                Scope::Active => active_err
+                    .clone()
+                    .or_else(|| failed.first().map(|(_, e)| e.clone())),
             },
         };
+        if SHUTDOWN.load(Ordering::SeqCst) {
+            // Exiting: the operating system takes the memory back; no CUDA call now.
+            std::mem::forget(owner);
+            continue;
+        }
         match broken {
             None => {
                 let _ = crate::sync::quietly(move || {
@@ -107,21 +168,21 @@ fn reap(jobs: Vec<Job>) {
                 });
             }
             Some(e) => {
-                crate::memory::tracker::leak("memory released by a consumer", 0, &e);
+                // `leak` writes to stderr, which may be a closed pipe: never let that unwind.
+                let _ = crate::sync::quietly(|| {
+                    crate::memory::tracker::leak("memory released by a consumer", 0, &e)
+                });
                 std::mem::forget(owner);
             }
         }
     }
-    let mut p = pending();
-    *p = p.saturating_sub(n);
-    DONE.notify_all();
 }
 
 fn queue() -> Option<&'static Mutex<Sender<Job>>> {
     QUEUE
         .get_or_init(|| {
             let (tx, rx) = channel::<Job>();
-            std::thread::Builder::new()
+            let started = std::thread::Builder::new()
                 .name("pinstream-reaper".into())
                 .spawn(move || {
                     while let Ok(first) = rx.recv() {
@@ -132,7 +193,15 @@ fn queue() -> Option<&'static Mutex<Sender<Job>>> {
                     }
                 })
                 .ok()
-                .map(|_| Mutex::new(tx))
+                .map(|_| Mutex::new(tx));
+            if started.is_some() {
+                // SAFETY: `stop_reaper` is an `extern "C" fn()` that does not unwind (it only
+                // stores an atomic, polls a mutex and sleeps). The runtime registered its own
+                // teardown at its initialisation, before the first deferred release could
+                // exist, so this handler (registered later) runs before it.
+                let _ = unsafe { libc::atexit(stop_reaper) };
+            }
+            started
         })
         .as_ref()
 }
