@@ -434,6 +434,11 @@ fn split_of_split_release_orders() -> R {
             format!("order {order}: the memory went back before the last part")
         })?;
         last();
+        // Parts released with no stream go back from the background, once the device is idle.
+        ensure(
+            pinstream::dlpack::wait_for_releases(std::time::Duration::from_secs(60)),
+            || "the deferred releases never happened".into(),
+        )?;
         let back = free_now(&dev)?;
         ensure(back + (4 << 20) >= base, || {
             format!(
@@ -550,6 +555,11 @@ fn pinned_parts() -> R {
         same("pinned part", &got, &v[off..off + n], seed)?;
         ensure(weak.upgrade().is_some(), || "freed with a part left".into())?;
     }
+    // Released with no stream: the parts go back from the background.
+    ensure(
+        pinstream::dlpack::wait_for_releases(std::time::Duration::from_secs(60)),
+        || "the deferred releases never happened".into(),
+    )?;
     ensure(weak.upgrade().is_none(), || {
         "kept after the last part".into()
     })

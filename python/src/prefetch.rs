@@ -292,17 +292,34 @@ fn labels_of(i: u64, n: usize, labels: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> 
     } else {
         labels.clone()
     };
-    let v: Vec<i64> = seq.extract().map_err(|_| {
+    let wrong = |got: &dyn std::fmt::Display| {
+        invalid(OP, format!("batch {i}: {got} labels for {n} images"))
+    };
+    let not_ints = || {
         invalid(
             OP,
             format!("batch {i}: the labels are not a flat sequence of integers"),
         )
-    })?;
+    };
+    // A length that is known and wrong is refused before anything is allocated; otherwise at
+    // most `n` labels are collected (`n` is tied to the pixel bytes already checked), never as
+    // many as the sequence's own `len()` claims.
+    if let Ok(len) = seq.len() {
+        if len != n {
+            return Err(wrong(&len));
+        }
+    }
+    let mut v: Vec<i64> = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| invalid(OP, format!("batch {i}: no memory for {n} labels")))?;
+    for (k, x) in seq.try_iter().map_err(|_| not_ints())?.enumerate() {
+        if k >= n {
+            return Err(wrong(&format!("more than {n}")));
+        }
+        v.push(x?.extract::<i64>().map_err(|_| not_ints())?);
+    }
     if v.len() != n {
-        return Err(invalid(
-            OP,
-            format!("batch {i}: {} labels for {n} images", v.len()),
-        ));
+        return Err(wrong(&v.len()));
     }
     Ok(v)
 }
@@ -478,10 +495,19 @@ impl PyPrefetcher {
         self.pid != crate::fork::pid()
     }
 
+    /// In a forked child: forgets the parent's prefetcher without waiting for its lock, which
+    /// a parent thread may have held at the fork (a `__next__` waiting in a slice) and which no
+    /// thread of the child will ever unlock. If it is held, the drop forgets it (`get_mut`).
+    fn forget_in_child(&self) {
+        if let Ok(mut g) = self.inner.try_lock() {
+            std::mem::forget(g.take());
+        }
+    }
+
     fn close_inner(&self, py: Python<'_>, what: &str) -> PyResult<()> {
         if self.forked() {
             // Its threads and CUDA work are the parent's: nothing to stop or wait for here.
-            std::mem::forget(lock(&self.inner).take());
+            self.forget_in_child();
             return Ok(());
         }
         if pulling(self.id()) {
@@ -539,7 +565,12 @@ fn retire(p: Option<Inner>, own_loader: bool) {
 impl Drop for PyPrefetcher {
     fn drop(&mut self) {
         if self.forked() {
-            std::mem::forget(lock(&self.inner).take());
+            // `&mut self`: no lock needed (one held by a vanished parent thread included).
+            let inner = match self.inner.get_mut() {
+                Ok(i) => i.take(),
+                Err(p) => p.into_inner().take(),
+            };
+            std::mem::forget(inner);
             return;
         }
         let own_loader = pulling(self.id());
@@ -652,7 +683,7 @@ impl PyPrefetcher {
         let it = lock(&self.iterable).take();
         drop(it);
         if self.forked() {
-            std::mem::forget(lock(&self.inner).take());
+            self.forget_in_child();
             return;
         }
         let own_loader = pulling(self.id());
@@ -687,6 +718,22 @@ fn layout(name: &str, what: &str) -> PyResult<Layout> {
     }
 }
 
+/// One float per channel (1 to 4 of them), read without trusting the object's `len()`.
+fn per_channel(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
+    let bad = || invalid(OP, format!("{what}: give 1 to 4 floats, one per channel"));
+    let mut v = Vec::with_capacity(4);
+    for item in x.try_iter().map_err(|_| bad())? {
+        if v.len() == 4 {
+            return Err(bad());
+        }
+        v.push(item?.extract::<f32>().map_err(|_| bad())?);
+    }
+    if v.is_empty() {
+        return Err(bad());
+    }
+    Ok(v)
+}
+
 /// Makes a prefetcher over `iterable` (see `pinstream.prefetch`).
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
@@ -698,8 +745,8 @@ pub(crate) fn prefetch(
     iterable: &Bound<'_, PyAny>,
     device: i64,
     depth: usize,
-    mean: Option<Vec<f32>>,
-    std: Option<Vec<f32>>,
+    mean: Option<Bound<'_, PyAny>>,
+    std: Option<Bound<'_, PyAny>>,
     dtype: &str,
     layout_out: &str,
     layout_in: &str,
@@ -710,6 +757,10 @@ pub(crate) fn prefetch(
     let (in_layout, out_layout) = (
         layout(layout_in, "layout_in")?,
         layout(layout_out, "layout_out")?,
+    );
+    let (mean, std) = (
+        mean.map(|m| per_channel(&m, "mean")).transpose()?,
+        std.map(|s| per_channel(&s, "std")).transpose()?,
     );
     let norm = match (mean, std) {
         (Some(m), Some(s)) if m.len() == s.len() => Some((m, s)),

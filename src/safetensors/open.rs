@@ -15,8 +15,10 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::staging::FileSource;
 
-/// Which file a descriptor is: `(st_dev, st_ino)`.
-pub(crate) type Identity = (u64, u64);
+/// Which file a descriptor is, and which version of it: `(st_dev, st_ino)` and the change time
+/// `(st_ctime, st_ctime_nsec)`. A file deleted and made again often gets the same inode number
+/// back at once; its change time differs (as it does for a file written since).
+pub(crate) type Identity = (u64, u64, i64, i64);
 
 /// `Error::Io` for the whole of `path` (no offset, no length).
 pub(crate) fn io(op: &'static str, path: &str, message: impl Into<String>) -> Error {
@@ -64,7 +66,11 @@ pub(crate) fn open_regular(op: &'static str, path: &Path) -> Result<(File, u64, 
             format!("fcntl: {}", std::io::Error::last_os_error()),
         ));
     }
-    Ok((file, meta.len(), (meta.dev(), meta.ino())))
+    Ok((
+        file,
+        meta.len(),
+        (meta.dev(), meta.ino(), meta.ctime(), meta.ctime_nsec()),
+    ))
 }
 
 /// A safetensors file opened once (see the module's documentation).
@@ -146,7 +152,7 @@ impl Opened {
         self.len
     }
 
-    /// `(st_dev, st_ino)` of the file.
+    /// `(st_dev, st_ino, st_ctime, st_ctime_nsec)` of the file.
     pub(crate) fn identity(&self) -> Identity {
         self.identity
     }
