@@ -189,6 +189,14 @@ impl<E> HostBatch<E> {
     /// errors (`Error::OutOfMemory`, ...) when it must allocate.
     pub fn pinned(&mut self, len: usize) -> Result<&mut [u8]> {
         let Some(supply) = self.pool.clone() else {
+            // Where memory is overcommitted, a reservation larger than the machine succeeds
+            // and the fill below would then run the process out of memory: refuse first.
+            if crate::memory::pool::physical_memory().is_some_and(|ram| len > ram) {
+                return Err(Error::invalid(
+                    "HostBatch::pinned",
+                    format!("{len} bytes of host memory: more than the machine has"),
+                ));
+            }
             let v = self.pageable();
             v.clear();
             v.try_reserve_exact(len).map_err(|e| {
