@@ -251,6 +251,8 @@ enum Kind {
 }
 
 /// A prefetcher of either kind, as one consumer drives it.
+// One per trial, on the stack: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Pipe {
     Dry(DryRun<f32, i64>),
     Gpu(Prefetcher<f32, i64>),

@@ -582,6 +582,7 @@ impl Tensor {
             owner: self.owner.take(),
             consumer: kept,
             scope,
+            pid: std::process::id(),
         })
     }
 
@@ -719,6 +720,10 @@ struct Ctx {
     consumer: Option<Stream>,
     /// What a release without that stream waits for.
     scope: Scope,
+    /// The process that handed it over. A forked child that calls the deleter on its copy
+    /// forgets it: the memory and the CUDA work are the parent's, and a lock another parent
+    /// thread held at the fork would never be released in the child.
+    pid: u32,
 }
 
 impl Ctx {
@@ -727,6 +732,10 @@ impl Ctx {
     /// back once the devices involved have finished what was queued before now (the deleter
     /// never waits for the GPU, so it cannot stall behind other work or deadlock on the GIL).
     fn release(mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(self);
+            return;
+        }
         if let Some(owner) = self.owner.take() {
             match &self.consumer {
                 Some(s) => {

@@ -15,7 +15,7 @@
 //! fails, the owners that depended on that device are leaked (nobody can say when the memory
 //! is free again); the others go back.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -43,6 +43,16 @@ static DONE: Condvar = Condvar::new();
 type Queue = Option<Mutex<Sender<Job>>>;
 static QUEUE: OnceLock<Queue> = OnceLock::new();
 
+/// The process whose reaper this is (0 before it starts). A forked child has no reaper thread,
+/// and may have inherited the locks below held by a parent thread: it takes none of them.
+static REAPER_PID: AtomicU32 = AtomicU32::new(0);
+
+/// Whether this is a forked child of the process that started the reaper.
+fn forked() -> bool {
+    let owner = REAPER_PID.load(Ordering::SeqCst);
+    owner != 0 && owner != std::process::id()
+}
+
 fn pending() -> std::sync::MutexGuard<'static, usize> {
     PENDING.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -67,6 +77,10 @@ static BUSY: Mutex<()> = Mutex::new(());
 /// batch in progress, then keeps the reaper out for good.
 extern "C" fn stop_reaper() {
     SHUTDOWN.store(true, Ordering::SeqCst);
+    if forked() {
+        // A forked child exiting: it has no reaper (and its copy of the lock may be held).
+        return;
+    }
     let end = Instant::now() + Duration::from_secs(10);
     loop {
         match BUSY.try_lock() {
@@ -181,6 +195,7 @@ fn reap(jobs: Vec<Job>) {
 fn queue() -> Option<&'static Mutex<Sender<Job>>> {
     QUEUE
         .get_or_init(|| {
+            REAPER_PID.store(std::process::id(), Ordering::SeqCst);
             let (tx, rx) = channel::<Job>();
             let started = std::thread::Builder::new()
                 .name("pinstream-reaper".into())
@@ -210,6 +225,11 @@ fn queue() -> Option<&'static Mutex<Sender<Job>>> {
 /// from the background thread (or here, where that thread cannot be started). The caller
 /// never waits for the GPU.
 pub(crate) fn defer(owner: Box<dyn Owner>, scope: Scope) {
+    if forked() {
+        // The parent's memory, in a child with no reaper: left alone.
+        std::mem::forget(owner);
+        return;
+    }
     *pending() += 1;
     let sent = match queue() {
         Some(q) => q
@@ -226,13 +246,21 @@ pub(crate) fn defer(owner: Box<dyn Owner>, scope: Scope) {
 
 /// How many deferred releases are queued and not yet done.
 pub(crate) fn pending_releases() -> usize {
+    if forked() {
+        return 0;
+    }
     *pending()
 }
 
 /// Waits until the tensors whose release was deferred (see the module: consumers that named
 /// no stream, host consumers, streams lent only for the handover) have gone back to their
-/// owners, at most `timeout`. Whether they all have. For tests and memory accounting.
+/// owners, at most `timeout`. Whether they all have (`false` at once in a forked child, where
+/// no reaper runs). For tests and memory accounting.
 pub fn wait_for_releases(timeout: Duration) -> bool {
+    if forked() {
+        // A forked child: no reaper runs here, so nothing it inherited will ever be done.
+        return false;
+    }
     let end = Instant::now() + timeout;
     let mut p = pending();
     while *p > 0 {
