@@ -846,7 +846,8 @@ fn depth1_no_spares() -> R {
             }
         }
     }
-    ensure(t0.elapsed() < Duration::from_secs(2), || {
+    // A watchdog against a refusal that waits, not a speed bound.
+    ensure(t0.elapsed() < Duration::from_secs(60), || {
         format!("1000 refusals took {:?}", t0.elapsed())
     })?;
     std::thread::spawn(move || {
@@ -1292,13 +1293,9 @@ fn forget_games() -> R {
             std::mem::forget(inflight);
             std::mem::forget(view);
         }
-        let t0 = Instant::now();
         drop(fb);
-        let took = t0.elapsed();
-        ensure(took >= Duration::from_millis(150), || {
-            format!("the drop returned after {took:?} with the upload behind a 300 ms spin")
-        })?;
     }
+    // A state check, not a clock: the drop waited for the upload queued behind the spin.
     ensure(s.is_idle()?, || {
         "upload still running after the drop".into()
     })?;

@@ -1025,7 +1025,8 @@ fn empty_and_0d_blocks() -> R {
     let t0 = Instant::now();
     let t = Tensor::from_pool_block(p.alloc::<u8>(64)?)?;
     drop(t);
-    ensure(t0.elapsed() < Duration::from_secs(5), || {
+    // A watchdog against a drop that waits, not a speed bound.
+    ensure(t0.elapsed() < Duration::from_secs(60), || {
         "dropping an unreleased block tensor took seconds".into()
     })?;
     Ok(())

@@ -476,7 +476,6 @@ fn table_launch_does_not_wait_for_the_stream() -> R {
 
 fn table_launch_behind_a_spin(n: usize) -> R {
     const SPIN: Duration = Duration::from_millis(300);
-    const LIMIT: Duration = Duration::from_millis(30);
     let dev = Device::get(0)?;
     let stream = dev.stream()?;
     let (mut rng, seed) = rng();
@@ -497,11 +496,9 @@ fn table_launch_behind_a_spin(n: usize) -> R {
     let busy = !stream.is_idle()?;
     stream.synchronize()?;
     timed.check(&stream, "launch behind the spin", seed)?;
+    // A state check, not a clock: the spin still runs when the launch returns.
     ensure(busy, || {
-        format!("the stream had finished its {SPIN:?} spin when the call returned after {took:?}")
-    })?;
-    ensure(took < LIMIT, || {
-        format!("{n} samples: the launch took {took:?} on the host behind a {SPIN:?} spin (limit {LIMIT:?}): it waited for the stream")
+        format!("{n} samples: the stream had finished its {SPIN:?} spin when the launch returned after {took:?}: it waited for the stream")
     })
 }
 

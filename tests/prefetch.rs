@@ -429,7 +429,8 @@ fn drop_mid_epoch() -> R {
         }
         let t = Instant::now();
         drop(p);
-        ensure(t.elapsed() < Duration::from_secs(5), || {
+        // A watchdog against a drop that hangs, not a speed bound.
+        ensure(t.elapsed() < Duration::from_secs(60), || {
             "drop took too long".into()
         })?;
     }
