@@ -7,8 +7,8 @@
 //! between the checked open and `resident_fraction`'s plain `File::open` blocked the load for
 //! ever, and a regular file swapped in was read with the first file's header.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
@@ -36,36 +36,17 @@ pub(crate) fn io(op: &'static str, path: &str, message: impl Into<String>) -> Er
 /// path), and clears `O_NONBLOCK` again. Returns the file, its length and its identity.
 pub(crate) fn open_regular(op: &'static str, path: &Path) -> Result<(File, u64, Identity)> {
     let shown = path.display().to_string();
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .map_err(|e| io(op, &shown, e.to_string()))?;
-    let meta = file.metadata().map_err(|e| io(op, &shown, e.to_string()))?;
-    if !meta.file_type().is_file() {
-        return Err(io(
-            op,
-            &shown,
-            format!(
+    let (file, meta) = crate::staging::open_without_blocking(path, 0, |meta| {
+        if meta.file_type().is_file() {
+            Ok(())
+        } else {
+            Err(format!(
                 "not a regular file ({:?}): a FIFO, socket or device could block or never end",
                 meta.file_type()
-            ),
-        ));
-    }
-    let fd = file.as_raw_fd();
-    // SAFETY: `fd` is the open descriptor `file` owns; F_GETFL / F_SETFL only read and set its
-    // status flags.
-    let cleared = unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) == 0
-    };
-    if !cleared {
-        return Err(io(
-            op,
-            &shown,
-            format!("fcntl: {}", std::io::Error::last_os_error()),
-        ));
-    }
+            ))
+        }
+    })
+    .map_err(|e| io(op, &shown, e.message))?;
     Ok((
         file,
         meta.len(),

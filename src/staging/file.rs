@@ -8,6 +8,51 @@ use std::path::Path;
 use super::engine::Host;
 use crate::error::{Error, Result};
 
+/// Why [`open_without_blocking`] failed: the message, and the OS error code where there is one.
+pub(crate) struct OpenError {
+    pub(crate) message: String,
+    pub(crate) raw_os_error: Option<i32>,
+}
+
+/// Opens `path` read-only with `O_NONBLOCK` (and `flags`), so that opening a FIFO cannot wait
+/// for a writer for ever, lets `check` refuse the file by its `fstat` (on the descriptor, not
+/// the path), then clears `O_NONBLOCK` again. The one place the crate opens a file it did not
+/// create: `FileSource` and safetensors use it.
+pub(crate) fn open_without_blocking(
+    path: &Path,
+    flags: i32,
+    check: impl FnOnce(&std::fs::Metadata) -> std::result::Result<(), String>,
+) -> std::result::Result<(File, std::fs::Metadata), OpenError> {
+    let os = |e: std::io::Error| OpenError {
+        message: e.to_string(),
+        raw_os_error: e.raw_os_error(),
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | flags)
+        .open(path)
+        .map_err(os)?;
+    let meta = file.metadata().map_err(os)?;
+    check(&meta).map_err(|message| OpenError {
+        message,
+        raw_os_error: None,
+    })?;
+    let fd = file.as_raw_fd();
+    // SAFETY: `fd` is the open descriptor `file` owns; F_GETFL / F_SETFL only read and set its
+    // status flags.
+    let cleared = unsafe {
+        let f = libc::fcntl(fd, libc::F_GETFL);
+        f >= 0 && libc::fcntl(fd, libc::F_SETFL, f & !libc::O_NONBLOCK) == 0
+    };
+    if !cleared {
+        return Err(OpenError {
+            message: format!("fcntl: {}", std::io::Error::last_os_error()),
+            raw_os_error: None,
+        });
+    }
+    Ok((file, meta))
+}
+
 /// Block size that `O_DIRECT` offsets and lengths are aligned to.
 pub(crate) const DIRECT_ALIGN: u64 = 4096;
 
@@ -44,44 +89,29 @@ impl FileSource {
             len: 0,
             message,
         };
-        let mut opts = OpenOptions::new();
-        opts.read(true);
-        // O_NONBLOCK: opening a FIFO for reading would otherwise block until a writer opens it
-        // (for ever, if none does). It is refused below; for other files the flag is cleared.
-        let nonblock = libc::O_NONBLOCK;
-        opts.custom_flags(if direct {
-            libc::O_DIRECT | nonblock
-        } else {
-            nonblock
-        });
-        let file = opts.open(path).map_err(|e| {
-            if direct && e.raw_os_error() == Some(libc::EINVAL) {
-                io(format!("the filesystem does not support O_DIRECT ({e})"))
-            } else {
-                io(e.to_string())
-            }
-        })?;
-        let meta = file.metadata().map_err(|e| io(e.to_string()))?;
-        {
-            use std::os::unix::fs::FileTypeExt;
-            let kind = meta.file_type();
-            if kind.is_fifo() || kind.is_socket() {
-                return Err(io(
-                    "a FIFO or socket, not a file (its reads could wait for a writer for ever)"
-                        .into(),
-                ));
-            }
-        }
-        let fd = file.as_raw_fd();
-        // SAFETY: `fd` is the open descriptor `file` owns; F_GETFL / F_SETFL only read and set
-        // its status flags.
-        let cleared = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags & !nonblock) == 0
-        };
-        if !cleared {
-            return Err(io(format!("fcntl: {}", std::io::Error::last_os_error())));
-        }
+        let (file, meta) =
+            open_without_blocking(path, if direct { libc::O_DIRECT } else { 0 }, |meta| {
+                use std::os::unix::fs::FileTypeExt;
+                let kind = meta.file_type();
+                if kind.is_fifo() || kind.is_socket() {
+                    Err(
+                        "a FIFO or socket, not a file (its reads could wait for a writer for ever)"
+                            .into(),
+                    )
+                } else {
+                    Ok(())
+                }
+            })
+            .map_err(|e| {
+                if direct && e.raw_os_error == Some(libc::EINVAL) {
+                    io(format!(
+                        "the filesystem does not support O_DIRECT ({})",
+                        e.message
+                    ))
+                } else {
+                    io(e.message)
+                }
+            })?;
         let len = meta.len();
         Ok(FileSource {
             file,
