@@ -3,7 +3,7 @@
 use std::ffi::CStr;
 use std::fmt;
 
-use crate::device::{driver_status, DriverStatus, DriverVerdict};
+use crate::driver::{driver_status, DriverStatus, DriverVerdict};
 use crate::sys;
 
 /// A CUDA runtime error code together with the runtime's name and description of it
@@ -212,7 +212,9 @@ impl Error {
         }
     }
 
-    pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
+    /// `Error::InvalidArgument` for `op`, with `reason` in words: for crates built on this one
+    /// (pinstream-vision) to reject arguments the same way.
+    pub fn invalid(op: &'static str, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,
             reason: reason.into(),

@@ -26,39 +26,41 @@
 #![warn(missing_docs)]
 #![warn(missing_debug_implementations)]
 
-pub mod sys;
-
+// The core (always built): each module imports only those above it in this list.
 mod affinity;
-pub mod augment;
 mod copy;
-#[cfg(feature = "cudarc-any")]
-pub mod cudarc;
-pub mod dataset;
-pub mod decode;
-mod device;
-pub mod dlpack;
+pub mod device;
+pub mod driver;
 mod error;
 mod event;
 pub mod kernels;
 pub mod memory;
+mod stream;
+mod sync;
+pub mod sys;
+
+// The layers, one cargo feature each (see Cargo.toml).
+#[cfg(feature = "cudarc-any")]
+pub mod cudarc;
+#[cfg(feature = "dlpack")]
+mod deferred;
+#[cfg(feature = "dlpack")]
+pub mod dlpack;
+#[cfg(feature = "prefetch")]
 pub mod prefetch;
 #[cfg(feature = "safetensors")]
 pub mod safetensors;
-pub mod sampler;
+#[cfg(feature = "staging")]
 pub mod staging;
-mod stream;
-mod sync;
+#[cfg(feature = "timing")]
 pub mod timing;
 
-pub use bytemuck::{self, Pod, Zeroable};
-pub use half::{self, bf16, f16};
+pub use bytemuck::Pod;
+pub use half::{bf16, f16};
 
-pub use copy::{InFlight, Pending};
-pub use device::{
-    available, driver_floor, driver_status, parse_link_speed, pcie_gen_from_gts, Device,
-    DriverStatus, DriverVerdict, MemoryInfo, PcieLink, Version, CUDART_VERSION,
-    FAKE_DRIVER_VERSION_VAR,
-};
+pub use copy::{Download, DownloadTarget, InFlight, Pending};
+pub use device::{available, Device, MemoryInfo};
+pub use driver::{Version, CUDART_VERSION};
 pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
@@ -66,10 +68,9 @@ pub use memory::{
     HostKind, HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PinnedView,
     PoolBacking, PoolBlock, PoolConfig, PoolStats, Registered,
 };
+#[cfg(feature = "staging")]
 pub use staging::{
-    Downloads, FileSource, Packed, PackedBatch, Packer, Stager, StagerConfig, Uploads,
+    ArenaBatch, Downloads, FileSource, Packed, PackedArena, PackedBatch, Packer, Stager,
+    StagerConfig, Uploads,
 };
 pub use stream::Stream;
-
-pub use memory::{Download, DownloadTarget};
-pub use staging::{ArenaBatch, PackedArena};

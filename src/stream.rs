@@ -8,8 +8,6 @@ use std::time::Duration;
 use crate::device::Device;
 use crate::error::{check, check_with, Error, Result};
 use crate::event::AnyEvent;
-use crate::memory::ring::TableRing;
-use crate::memory::DeviceBuffer;
 use crate::sys;
 
 /// A CUDA stream created with `cudaStreamNonBlocking`, so it never synchronises with the legacy
@@ -49,24 +47,18 @@ struct Inner {
     priority: i32,
     /// Unique in the process, never reused (unlike the raw handle): trackers compare it.
     id: u64,
-    /// The small per-launch tables of kernels (the normalize sample table). Held locked from
-    /// upload to launch, which serialises table launches on the stream.
-    tables: Mutex<Tables>,
+    /// A slot for a layer above that keeps memory per stream (the kernels' per-launch tables,
+    /// `kernels::table`), type-erased so that the stream knows nothing of it. Held locked from
+    /// upload to launch, which serialises table launches on the stream. While it holds
+    /// anything, the stream's drop waits for the stream before the slot is freed.
+    slot: Mutex<Slot>,
     /// What keeps a borrowed stream alive (the other library's owner, e.g. a cudarc
     /// `Arc<CudaStream>`): dropped last, after the drop above has synchronized what it must.
     keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
-/// Memory for the small per-launch tables of kernels, reused launch after launch.
-#[derive(Debug, Default)]
-pub(crate) struct Tables {
-    /// Device memory the launch reads. Every upload into it and every launch that reads it is
-    /// queued on this stream, so each upload runs after the previous launch's reads.
-    pub(crate) scratch: Option<DeviceBuffer<u8>>,
-    /// Pinned host memory the uploads read, each region guarded by the event after its upload
-    /// (`memory::ring`): no host wait, and nothing left for the driver to stage.
-    pub(crate) ring: Option<TableRing>,
-}
+/// What a layer above keeps per stream ([`Stream::slot`]).
+pub(crate) type Slot = Option<Box<dyn Any + Send>>;
 
 /// Ids start at 1: 0 stands for "no stream" in the trackers.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -78,12 +70,10 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        // The table scratch and ring are freed after this: let their last uses finish first
-        // (the ring's drop also waits for its own events, and leaks on failure).
-        let tables = {
-            let t = crate::sync::lock(&self.tables);
-            t.scratch.is_some() || t.ring.is_some()
-        };
+        // What the slot holds (the kernels' table scratch and ring) is freed after this: let
+        // its last uses finish first (the ring's drop also waits for its own events, and leaks
+        // on failure).
+        let tables = crate::sync::lock(&self.slot).is_some();
         // SAFETY: the stream is live and destroyed once. Queued work still completes; the buffers
         // it touches keep their own events, so nothing is freed under it.
         unsafe {
@@ -135,7 +125,7 @@ impl Stream {
                 device: *device,
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                tables: Mutex::new(Tables::default()),
+                slot: Mutex::new(None),
                 keep: None,
             }),
         })
@@ -216,7 +206,7 @@ impl Stream {
                 device: *device,
                 priority,
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                tables: Mutex::new(Tables::default()),
+                slot: Mutex::new(None),
                 keep,
             }),
         })
@@ -263,26 +253,9 @@ impl Stream {
         self.inner.raw
     }
 
-    /// The stream's table memory, locked, with a device scratch buffer at least `bytes` long
-    /// and a pinned ring: upload into the scratch through the ring and queue the launch that
-    /// reads it before the guard drops. A scratch buffer too small is replaced (after a wait
-    /// for the launches that still read it: only while the tables grow).
-    pub(crate) fn tables(&self, bytes: usize) -> Result<MutexGuard<'_, Tables>> {
-        let mut g = crate::sync::lock(&self.inner.tables);
-        if g.scratch.as_ref().is_none_or(|b| b.len() < bytes) {
-            // Room to grow by half again before the next replacement.
-            let len = bytes.saturating_add(bytes / 2).max(4096);
-            if g.scratch.is_some() {
-                // An upload whose launch failed to queue is not tracked: wait for it too.
-                self.synchronize()?;
-            }
-            g.scratch = None;
-            g.scratch = Some(DeviceBuffer::new(&self.inner.device, len)?);
-        }
-        if g.ring.is_none() {
-            g.ring = Some(TableRing::new(self.inner.device, self.inner.id));
-        }
-        Ok(g)
+    /// The stream's slot for a layer above, locked (see `Inner::slot`).
+    pub(crate) fn slot(&self) -> MutexGuard<'_, Slot> {
+        crate::sync::lock(&self.inner.slot)
     }
 
     /// Makes the stream's device current on this thread; every operation does this first.
@@ -375,5 +348,12 @@ impl Stream {
             "pinstream_spin",
             || format!("{ns} ns"),
         )
+    }
+}
+
+impl Device {
+    /// A new non-blocking stream on this device at default priority.
+    pub fn stream(&self) -> Result<Stream> {
+        Stream::new(self)
     }
 }

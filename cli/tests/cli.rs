@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use common::{ensure, R};
 use libtest_mimic::{Arguments, Completion, Trial};
-use pinstream::{Device, DriverVerdict, Version};
+use pinstream::driver::DriverVerdict;
+use pinstream::{Device, Version};
 
 fn main() {
     let args = Arguments::from_args();
@@ -85,7 +86,7 @@ fn fake_version_in_info(bin: &Path) -> R {
     let run = |fake: &str| -> Result<String, String> {
         let out = std::process::Command::new(bin)
             .arg("info")
-            .env(pinstream::FAKE_DRIVER_VERSION_VAR, fake)
+            .env(pinstream::driver::FAKE_DRIVER_VERSION_VAR, fake)
             .output()
             .map_err(|e| e.to_string())?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
@@ -186,7 +187,7 @@ fn program_found_beside_the_tests() -> R {
 fn info_exits_with_status_2(bin: &Path) -> R {
     let out = std::process::Command::new(bin)
         .arg("info")
-        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .env_remove(pinstream::driver::FAKE_DRIVER_VERSION_VAR)
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {
@@ -200,7 +201,7 @@ fn info_exits_with_status_2(bin: &Path) -> R {
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("{stdout}");
     contains_all("info", &stdout, &["driver", "this build"])?;
-    if pinstream::driver_status().verdict() != DriverVerdict::Sufficient {
+    if pinstream::driver::driver_status().verdict() != DriverVerdict::Sufficient {
         contains_all("info", &stdout, &["Ways out", "CUDA_HOME"])?;
     }
     Ok(())
@@ -459,7 +460,7 @@ fn normalize_report_formats(bin: &Path) -> R {
 fn bandwidth_says_no_device_once(bin: &Path) -> R {
     let out = std::process::Command::new(bin)
         .arg("bandwidth")
-        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .env_remove(pinstream::driver::FAKE_DRIVER_VERSION_VAR)
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {
@@ -551,7 +552,7 @@ fn load_says_no_device_once(bin: &Path) -> R {
     let out = std::process::Command::new(bin)
         .arg("load")
         .arg(&ok)
-        .env_remove(pinstream::FAKE_DRIVER_VERSION_VAR)
+        .env_remove(pinstream::driver::FAKE_DRIVER_VERSION_VAR)
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);
     ensure(out.status.code() == Some(2), || {

@@ -32,15 +32,17 @@
 //! its own either way, and the library stays free of dlpark's dependencies.
 
 pub mod abi;
+#[cfg(feature = "prefetch")]
+mod batch;
 pub(crate) mod export;
 mod import;
-mod reaper;
+mod owner;
+mod tensor;
 
-pub(crate) use export::{Owner, TensorParts};
-pub use export::{Part, Refused, Tensor};
+pub use crate::deferred::wait_for_releases;
 pub use import::{HostTensor, Imported};
-pub(crate) use reaper::pending_releases;
-pub use reaper::wait_for_releases;
+pub(crate) use tensor::TensorParts;
+pub use tensor::{Part, Refused, Tensor};
 
 use abi::{DLDataType, KDL_BFLOAT, KDL_FLOAT, KDL_INT, KDL_UINT};
 use bytemuck::Pod;

@@ -6,6 +6,7 @@ pub mod cpu;
 mod normalize;
 mod resize;
 mod resize_cpu;
+pub(crate) mod ring;
 mod spec;
 mod table;
 
@@ -41,7 +42,7 @@ mod sealed {
 pub use cpu::{DenormInput, OutputElement, PerSample};
 pub use normalize::{denormalize, normalize, DevicePerSample};
 pub use resize::{resized_crop, ResizeSample, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE};
-pub use spec::{Crop, Layout, Normalize, Sample, Spec};
+pub use spec::{Crop, CropBox, Layout, Normalize, Sample, Spec};
 
 use bytemuck::Pod;
 

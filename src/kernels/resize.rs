@@ -9,14 +9,14 @@
 //! and PIL's convention); [`cpu::resized_crop`](super::cpu::resized_crop) is its f64 reference.
 //!
 //! ```
-//! use pinstream::augment::{CropBox, RandomResizedCrop, Rng};
-//! use pinstream::kernels::{cpu, Normalize, ResizeSpec};
+//! use pinstream::kernels::{cpu, CropBox, Normalize, ResizeSpec};
 //! # fn main() -> pinstream::Result<()> {
 //! // Two RGB images (HWC u8) back to back: 30 x 40 and 20 x 20.
 //! let pixels: Vec<u8> = (0..(30 * 40 + 20 * 20) * 3).map(|i| (i * 7 % 251) as u8).collect();
 //! let mut spec = ResizeSpec::new(3, 16, 16, Normalize::imagenet());
-//! let mut rng = Rng::new(0, 0);
-//! spec.push(0, 30, 40, RandomResizedCrop::default().sample(&mut rng, 30, 40)?);
+//! // A random crop box (pinstream-vision's `RandomResizedCrop` makes these), mirrored:
+//! let random = CropBox { top: 3.0, left: 5.5, height: 20.0, width: 24.0, flip: true, clamp_to_box: true };
+//! spec.push(0, 30, 40, random);
 //! spec.push(30 * 40 * 3, 20, 20, CropBox::center(20, 20, 18, 16)?);
 //! let mut out = vec![0f32; spec.output_len()?];      // 2 x 3 x 16 x 16, NCHW
 //! cpu::resized_crop(&pixels, &spec, &mut out)?;      // the GPU: kernels::resized_crop
@@ -25,8 +25,7 @@
 
 use super::cpu::OutputElement;
 use super::sealed::Element;
-use super::spec::{Layout, Normalize};
-use crate::augment::CropBox;
+use super::spec::{CropBox, Layout, Normalize};
 use crate::error::{check_with, Error, Result};
 use crate::memory::tracker::{self, Access};
 use crate::memory::{DeviceSlice, DeviceSliceMut};

@@ -63,8 +63,9 @@ impl Normalize {
     }
 
     /// Checks the statistics for `channels` channels: one mean and std per channel, finite,
-    /// std non-zero, and `scale / std` finite; `scale` and `shift` finite.
-    pub(crate) fn check(&self, op: &'static str, channels: usize) -> Result<()> {
+    /// std non-zero, and `scale / std` finite; `scale` and `shift` finite. `Error::InvalidArgument`
+    /// (naming `op`) otherwise; the kernels check this themselves before a launch.
+    pub fn check(&self, op: &'static str, channels: usize) -> Result<()> {
         let bad = |reason: String| Err(Error::invalid(op, reason));
         let n = self;
         if n.mean.len() != channels || n.std.len() != channels {
@@ -470,5 +471,70 @@ mod tests {
         s.samples = vec![Sample::new(65535, 65535); 3];
         assert!(s.validate("t").is_ok());
         assert_eq!(s.input_len().ok(), Some(3 * 4 * 65535 * 65535));
+    }
+}
+
+/// A crop of a source image in its pixel coordinates: rows `top .. top + height`, columns
+/// `left .. left + width` (fractional for resize-then-crop boxes), mirrored left-right when
+/// `flip`. The box is resized to the output size
+/// ([`kernels::resized_crop`](crate::kernels::resized_crop)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CropBox {
+    /// First row.
+    pub top: f32,
+    /// First column.
+    pub left: f32,
+    /// Rows covered (> 0).
+    pub height: f32,
+    /// Columns covered (> 0).
+    pub width: f32,
+    /// Mirror left-right.
+    pub flip: bool,
+    /// Where the resampling filter stops. `true`: at the box's edges, as when the box is cut
+    /// out first and then resized (torchvision's `RandomResizedCrop`; the box is then widened
+    /// to whole pixels). `false`: at the image's edges, as when the whole image is resized
+    /// and then cropped (`Resize` + `CenterCrop`): pixels just outside the box count too.
+    pub clamp_to_box: bool,
+}
+
+impl CropBox {
+    /// The box of torchvision's validation transform, `Resize(resize)` (the shorter side to
+    /// `resize`, the longer scaled and truncated as torchvision does) then
+    /// `CenterCrop(crop)`, in the source's coordinates. `Error::InvalidArgument` for an empty
+    /// image, sizes of 0, or a crop larger than the resized image.
+    pub fn center(height: usize, width: usize, resize: usize, crop: usize) -> Result<CropBox> {
+        const OP: &str = "kernels::CropBox::center";
+        if height == 0 || width == 0 || resize == 0 || crop == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("image {height}x{width}, resize {resize}, crop {crop}: sizes must be > 0"),
+            ));
+        }
+        let (h, w) = (height as f64, width as f64);
+        // torchvision: the shorter side becomes `resize`, the longer `int(resize * long / short)`.
+        let (rh, rw) = if height <= width {
+            (resize as f64, (resize as f64 * w / h).trunc())
+        } else {
+            ((resize as f64 * h / w).trunc(), resize as f64)
+        };
+        let c = crop as f64;
+        if c > rh || c > rw {
+            return Err(Error::invalid(
+                OP,
+                format!("crop {crop} is larger than the resized image {rh}x{rw}"),
+            ));
+        }
+        // CenterCrop: top = int(round((rh - c) / 2)), Python's round (half to even).
+        let top = ((rh - c) / 2.0).round_ties_even();
+        let left = ((rw - c) / 2.0).round_ties_even();
+        let (sy, sx) = (h / rh, w / rw);
+        Ok(CropBox {
+            top: (top * sy) as f32,
+            left: (left * sx) as f32,
+            height: (c * sy) as f32,
+            width: (c * sx) as f32,
+            flip: false,
+            clamp_to_box: false,
+        })
     }
 }

@@ -14,8 +14,6 @@ pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};
-// Owned downloads and `to_vec` (issue 20).
-pub use download::{Download, DownloadTarget};
 
 use std::os::raw::c_void;
 
@@ -56,7 +54,6 @@ macro_rules! flag_set {
 }
 pub(crate) use flag_set;
 
-pub(crate) mod bounce;
 mod device;
 mod foreign;
 mod live;
@@ -64,11 +61,8 @@ pub(crate) mod nt;
 mod pinned;
 pub(crate) mod pool;
 mod registered;
-pub(crate) mod ring;
 pub(crate) mod stream_pool;
 pub(crate) mod tracker;
-
-mod download;
 
 /// What kind of host memory a copy reads or writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -276,9 +276,9 @@ impl<T: Pod> HostSliceMut<T> for PinnedBuffer<T> {}
 
 impl<T: Pod> PinnedBuffer<T> {
     /// The host address of the first element, for the memory types that guard regions of a
-    /// buffer with their own events (`ring::TableRing`). Writing through it is only sound
+    /// buffer with their own events (`kernels::ring::TableRing`). Writing through it is only sound
     /// where no GPU use of those bytes can be queued or running.
-    pub(super) fn host_ptr(&self) -> *mut T {
+    pub(crate) fn host_ptr(&self) -> *mut T {
         self.ptr
     }
 

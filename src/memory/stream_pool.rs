@@ -124,3 +124,24 @@ pub(crate) fn reserved(device: &Device) -> Result<u64> {
     )?;
     Ok(v)
 }
+
+/// The pool as a device sees it (`Device::empty_cache`, `Device::pool_reserved`).
+impl Device {
+    /// Gives the device memory that pinstream's stream-ordered pool keeps for reuse (freed
+    /// [`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async) buffers, DLPack tensors
+    /// released by their consumers) back to the driver, as `torch.cuda.empty_cache()` does
+    /// for PyTorch's allocator. Memory still in use, or whose free is still queued on a
+    /// stream, stays. pinstream's own allocations ([`DeviceBuffer::new`](crate::DeviceBuffer::new)
+    /// and `new_async`) trim the pool themselves before they report [`Error::OutOfMemory`];
+    /// other libraries' allocators (PyTorch's, cudarc's) do not: call this where they need the
+    /// room.
+    pub fn empty_cache(&self) -> Result<()> {
+        trim(self).map(drop)
+    }
+
+    /// Bytes pinstream's stream-ordered pool of this device holds from the driver now: in use
+    /// and kept for reuse (0 before its first allocation).
+    pub fn pool_reserved(&self) -> Result<u64> {
+        reserved(self)
+    }
+}

@@ -1,5 +1,6 @@
-//! Prefetched batches handed to other libraries through DLPack: the slot leaves the feeder's
-//! circle until every consumer has released it, and a spare slot takes its place meanwhile.
+//! Prefetched batches handed to other libraries (through DLPack: `dlpack::batch`): the slot
+//! leaves the feeder's circle until every consumer has released it, and a spare slot takes its
+//! place meanwhile.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,8 +10,6 @@ use bytemuck::Pod;
 use super::pipeline::{give_back, Returner};
 use super::slot::Slot;
 use crate::device::Device;
-use crate::dlpack::export::Consumer;
-use crate::dlpack::Owner;
 use crate::error::Result;
 use crate::event::Event;
 use crate::stream::Stream;
@@ -194,32 +193,25 @@ impl<S: Leased> Drop for Lease<S> {
     }
 }
 
-/// A tensor's share of a lease.
-pub(crate) struct LeaseOwner<S: Leased>(pub(crate) Arc<Lease<S>>);
-
-impl<S: Leased> Owner for LeaseOwner<S> {
-    fn sync(&self, consumer: Option<&Stream>) -> Result<()> {
-        match (consumer, lock(&self.0.slot).as_ref()) {
+impl<S: Leased> Lease<S> {
+    /// At a handover to `consumer`'s stream: makes it wait for the batch and its earlier uses.
+    pub(crate) fn order_before(&self, consumer: Option<&Stream>) -> Result<()> {
+        match (consumer, lock(&self.slot).as_ref()) {
             (Some(s), Some(slot)) => slot.order_after(s),
             _ => Ok(()),
         }
     }
 
-    fn release(&self, consumer: Consumer<'_>) {
-        let recorded = match consumer {
-            Consumer::Nobody => return,
-            // Without the event, the device is waited for before the slot is reused.
-            Consumer::Stream(s) => {
-                let ev = match lock(&self.0.slot).as_mut() {
-                    Some(slot) => slot.release_event(&s.device()),
-                    None => Event::new(&s.device()),
-                };
-                ev.and_then(|ev| s.record(&ev).map(|()| ev)).ok()
-            }
+    /// A consumer releases its share after its work on `s`: the slot's reuse waits for an event
+    /// recorded there, or (without one) for the whole device.
+    pub(crate) fn release_after(&self, s: &Stream) {
+        let ev = match lock(&self.slot).as_mut() {
+            Some(slot) => slot.release_event(&s.device()),
+            None => Event::new(&s.device()),
         };
-        match recorded {
-            Some(ev) => lock(&self.0.also).push(ev),
-            None => self.0.device_sync.store(true, Ordering::Release),
+        match ev.and_then(|ev| s.record(&ev).map(|()| ev)) {
+            Ok(ev) => lock(&self.also).push(ev),
+            Err(_) => self.device_sync.store(true, Ordering::Release),
         }
     }
 }

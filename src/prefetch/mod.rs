@@ -50,7 +50,6 @@ mod config;
 mod dry;
 mod export;
 mod feeder;
-mod images;
 mod loaders;
 mod pipeline;
 mod pixels;
@@ -61,18 +60,17 @@ mod turns;
 pub use batch::HostBatch;
 pub use config::PrefetchConfig;
 pub use dry::{DryBatch, DryRun};
-pub use images::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource, Skipped};
 pub use pixels::{ForeignBytes, HostBytes, Pixels};
 pub use source::{LoadError, Source};
 
-use crate::dlpack::{Element, Tensor, TensorParts};
 use crate::error::{Error, Result};
 use crate::kernels::{Layout, OutputElement, ResizeSpec, Spec};
 use crate::memory::{DeviceView, PinnedPool, PoolStats};
 use crate::staging::Stager;
 use crate::stream::Stream;
 use batch::PinnedSupply;
-use export::{Exports, Lease, LeaseOwner, Stand};
+use export::{Exports, Stand};
+pub(crate) use export::{Lease, Leased};
 use feeder::Feeder;
 use pipeline::{Msg, Pipeline, Plan};
 use slot::Slot;
@@ -248,9 +246,9 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
                     // Releases deferred to the background (a consumer stream pinstream may
                     // not touch after the handover, or none) give their slots back once the
                     // device has finished what was queued before them: wait for those once.
-                    if !waited_for_releases && crate::dlpack::pending_releases() > 0 {
+                    if !waited_for_releases && releases_pending() > 0 {
                         waited_for_releases = true;
-                        crate::dlpack::wait_for_releases(std::time::Duration::from_secs(120));
+                        wait_for_releases(std::time::Duration::from_secs(120));
                         continue;
                     }
                     return Some(Err(Error::invalid(
@@ -312,9 +310,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
             // `next` returns its error at once.
             // (Unless deferred releases may still give slots back: keep polling.)
             None => {
-                self.exports.circulating() == 0
-                    && self.pipe.starved()
-                    && crate::dlpack::pending_releases() == 0
+                self.exports.circulating() == 0 && self.pipe.starved() && releases_pending() == 0
             }
         }
     }
@@ -503,21 +499,10 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
         Ok(())
     }
 
-    /// Hands the batch to other libraries as two DLPack tensors, pixels and extras, that keep
-    /// its slot until both are released (see [`crate::dlpack`]). The pixels are `[n, c, h, w]`
-    /// (NCHW output) or `[n, h, w, c]` (NHWC) when every sample has the same output size,
-    /// else flat; the extras are flat. Hand each over with
-    /// [`Tensor::into_versioned`]`(Some(&stream))`: that stream waits for the batch on the
-    /// GPU, and its release orders the slot's refill after it.
-    ///
-    /// Meanwhile a spare slot stands in for it (up to
-    /// [`PrefetchConfig::export_spares`]), so prefetching goes on at full depth; what the
-    /// consumer's stream had queued on the batch before this call is covered as by a drop.
-    pub fn into_dlpack(self) -> Result<(Tensor, Tensor)>
-    where
-        O: Element,
-        E: Element,
-    {
+    /// Takes the batch out of the feeder's circle (for a DLPack export: `dlpack::batch`): its
+    /// slot is the lease's until the lease drops, and a spare stands in meanwhile (up to
+    /// [`PrefetchConfig::export_spares`]).
+    pub(crate) fn lease(self) -> Result<BatchLease<O, E>> {
         let p = &mut *self.p;
         let Some(mut slot) = p.current.take() else {
             return Err(Error::invalid("DeviceBatch", "the batch was given back"));
@@ -557,30 +542,48 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
             p.pipe.returner(),
             p.exports.clone(),
         ));
-        let part = |data: *const std::os::raw::c_void, dtype, elem, len| TensorParts {
-            data: data.cast_mut(),
+        Ok(BatchLease {
+            lease,
             device,
-            dtype,
-            elem,
-            len,
-            owner: Box::new(LeaseOwner(lease.clone())),
-        };
-        let pixels = part(output.cast(), O::DTYPE, std::mem::size_of::<O>(), out_len);
-        let extras = part(
-            extras.cast(),
-            E::DTYPE,
-            std::mem::size_of::<E>(),
+            shape,
+            output: output.cast(),
+            extras: extras.cast(),
+            out_len,
             extras_len,
-        );
-        drop(lease);
-        let pixels = Tensor::from_parts(pixels, crate::dlpack::abi::KDL_CUDA)?;
-        let extras = Tensor::from_parts(extras, crate::dlpack::abi::KDL_CUDA)?;
-        let pixels = match shape {
-            Some(s) => pixels.reshape(&s)?,
-            None => pixels,
-        };
-        Ok((pixels, extras))
+        })
     }
+}
+
+/// Exported batches whose release waits for the device (`deferred`): none without DLPack.
+fn releases_pending() -> usize {
+    #[cfg(feature = "dlpack")]
+    return crate::deferred::pending_releases();
+    #[cfg(not(feature = "dlpack"))]
+    0
+}
+
+/// Waits (at most `timeout`) for the releases of [`releases_pending`].
+fn wait_for_releases(timeout: std::time::Duration) -> bool {
+    #[cfg(feature = "dlpack")]
+    return crate::deferred::wait_for_releases(timeout);
+    #[cfg(not(feature = "dlpack"))]
+    {
+        let _ = timeout;
+        true
+    }
+}
+
+/// A batch out of the feeder's circle ([`DeviceBatch::lease`]): where its pixels and extras
+/// are, and the lease that keeps its slot.
+pub(crate) struct BatchLease<O: Pod + Send, E: Pod + Send> {
+    pub(crate) lease: Arc<Lease<Box<Slot<O, E>>>>,
+    pub(crate) device: crate::device::Device,
+    /// The pixels' shape where every sample has the same output size.
+    pub(crate) shape: Option<Vec<usize>>,
+    pub(crate) output: *const std::os::raw::c_void,
+    pub(crate) extras: *const std::os::raw::c_void,
+    pub(crate) out_len: usize,
+    pub(crate) extras_len: usize,
 }
 
 /// `[n, c, h, w]` and the output layout of a batch whose samples all have the same output

@@ -31,6 +31,7 @@ mod file;
 mod packed;
 pub(crate) mod plan;
 
+#[cfg(feature = "safetensors")]
 pub(crate) use file::open_without_blocking;
 pub use file::FileSource;
 pub use packed::{ArenaBatch, Packed, PackedArena, PackedBatch, Packer};

@@ -255,10 +255,7 @@ pub fn many(
     let mut raw: Vec<DeviceBuffer<u8>> = (0..count)
         .map(|_| DeviceBuffer::new(&device, elems * 4))
         .collect::<Result<_>>()?;
-    let byte_srcs: Vec<&[u8]> = srcs
-        .iter()
-        .map(|s| pinstream::bytemuck::cast_slice(s))
-        .collect();
+    let byte_srcs: Vec<&[u8]> = srcs.iter().map(|s| bytemuck::cast_slice(s)).collect();
     out.push(measure(
         "many: cudaMemcpyBatchAsync",
         bytes,
@@ -298,14 +295,14 @@ pub fn many(
                 .wait()?;
             verify(
                 "packed",
-                pinstream::bytemuck::cast_slice(&back),
-                pinstream::bytemuck::cast_slice(&srcs[i]),
+                bytemuck::cast_slice(&back),
+                bytemuck::cast_slice(&srcs[i]),
             )?;
             stream.copy_d2h(&dsts[i], &mut back[..])?.wait()?;
             verify(
                 "upload_all",
-                pinstream::bytemuck::cast_slice(&back),
-                pinstream::bytemuck::cast_slice(&srcs[i]),
+                bytemuck::cast_slice(&back),
+                bytemuck::cast_slice(&srcs[i]),
             )?;
         }
     }

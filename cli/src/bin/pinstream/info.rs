@@ -130,7 +130,7 @@ fn table(r: &InfoReport) -> String {
 pub fn run(args: InfoArgs) -> Result<()> {
     // The driver lines come first: where there is no usable driver they are the answer.
     if args.format == Format::Table {
-        let status = pinstream::driver_status();
+        let status = pinstream::driver::driver_status();
         println!("pinstream {}", env!("CARGO_PKG_VERSION"));
         println!("  driver              {}", status.driver_line());
         println!("  this build          {}", status.needs_line());

@@ -311,13 +311,8 @@ fn run_typed<O: OutputElement>(
     } else {
         vec![n_out]
     };
-    write_npy(
-        &args.out,
-        descr,
-        &shape,
-        pinstream::bytemuck::cast_slice(&out),
-    )
-    .map_err(|e| bad(format!("{}: {e}", args.out.display())))?;
+    write_npy(&args.out, descr, &shape, bytemuck::cast_slice(&out))
+        .map_err(|e| bad(format!("{}: {e}", args.out.display())))?;
     let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
     report.shape = dims.join("x");
     match args.format {

@@ -24,12 +24,11 @@
 use std::collections::VecDeque;
 use std::sync::OnceLock;
 
-use super::pinned::{HostAlloc, PinnedBuffer};
-use super::sealed::DeviceMem;
-use super::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{check_with, Error, Result};
 use crate::event::Event;
+use crate::memory::sealed::DeviceMem;
+use crate::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
 use crate::stream::Stream;
 use crate::sys;
 
@@ -328,7 +327,7 @@ impl Drop for TableRing {
             };
             if let Err(e) = waited {
                 // An upload may still read it: leak rather than free.
-                super::tracker::leak("pinned kernel-table ring", mem.len(), &e);
+                crate::memory::tracker::leak("pinned kernel-table ring", mem.len(), &e);
                 std::mem::forget(mem);
             }
         }

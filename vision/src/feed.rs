@@ -4,8 +4,8 @@
 //! GPU in one launch per batch, labels as extras — epoch after epoch from one prefetcher.
 //!
 //! ```no_run
-//! use pinstream::dataset::ImageList;
-//! use pinstream::prefetch::{ImageFeed, ImageFeedConfig};
+//! use pinstream_vision::dataset::ImageList;
+//! use pinstream_vision::{ImageFeed, ImageFeedConfig};
 //! # fn main() -> pinstream::Result<()> {
 //! let stream = pinstream::Device::get(0)?.stream()?;
 //! let train = ImageList::folder("/data/imagenet/train")?;     // train/<class>/<image>.jpg
@@ -25,14 +25,16 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{DeviceBatch, HostBatch, PrefetchConfig, Prefetcher, Source};
-use crate::augment::{CropBox, RandomResizedCrop, Rng};
+use pinstream::kernels::{
+    CropBox, Layout, Normalize, OutputElement, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE,
+};
+use pinstream::prefetch::{DeviceBatch, HostBatch, PrefetchConfig, Prefetcher, Source};
+use pinstream::{Error, Result, Stream};
+
+use crate::augment::{RandomResizedCrop, Rng};
 use crate::dataset::ImageList;
 use crate::decode;
-use crate::error::{Error, Result};
-use crate::kernels::{Layout, Normalize, OutputElement, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE};
 use crate::sampler::{Batches, Sampler};
-use crate::stream::Stream;
 
 /// Where each image's crop comes from.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -145,7 +147,7 @@ struct Inner {
 
 /// The batches of an [`ImageList`] as a prefetcher [`Source`]: global batch `g` is batch
 /// `g % per_epoch` of epoch `g / per_epoch`, counted from `config.start`, endlessly. Usable
-/// with a [`Prefetcher`] (see [`ImageFeed`]) and, without a GPU, a [`DryRun`](super::DryRun),
+/// with a [`Prefetcher`] (see [`ImageFeed`]) and, without a GPU, a [`DryRun`](pinstream::prefetch::DryRun),
 /// which resamples with the kernel's CPU reference.
 #[derive(Clone)]
 pub struct ImageSource {
@@ -445,7 +447,7 @@ impl ImageSource {
     pub fn skipped(&self) -> Skipped {
         Skipped {
             count: self.inner.skipped.load(Ordering::Relaxed),
-            first: crate::sync::lock(&self.inner.first_skipped).clone(),
+            first: crate::util::lock(&self.inner.first_skipped).clone(),
         }
     }
 
@@ -455,13 +457,13 @@ impl ImageSource {
         Source::new(move |i, b: &mut HostBatch<i64>| {
             me.load(i, b)
                 .map(|()| true)
-                .map_err(|e| Box::new(e) as super::LoadError)
+                .map_err(|e| Box::new(e) as pinstream::prefetch::LoadError)
         })
     }
 
     fn batches(&self, epoch: u64) -> Result<Arc<Batches>> {
         let inner = &self.inner;
-        if let Some((_, b)) = crate::sync::lock(&inner.epochs)
+        if let Some((_, b)) = crate::util::lock(&inner.epochs)
             .iter()
             .find(|(e, _)| *e == epoch)
         {
@@ -474,7 +476,7 @@ impl ImageSource {
                 .sampler
                 .batches(epoch, inner.cfg.batch, inner.cfg.drop_last)?,
         );
-        let mut cache = crate::sync::lock(&inner.epochs);
+        let mut cache = crate::util::lock(&inner.epochs);
         if !cache.iter().any(|(e, _)| *e == epoch) {
             if cache.len() >= 3 {
                 cache.remove(0);
@@ -486,7 +488,7 @@ impl ImageSource {
 
     fn skip(&self, path: &Path, why: &Error) {
         self.inner.skipped.fetch_add(1, Ordering::Relaxed);
-        let mut first = crate::sync::lock(&self.inner.first_skipped);
+        let mut first = crate::util::lock(&self.inner.first_skipped);
         if first.len() < 16 {
             first.push((path.display().to_string(), why.to_string()));
         }

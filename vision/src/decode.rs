@@ -22,7 +22,7 @@
 //!
 //! ```
 //! # fn main() -> pinstream::Result<()> {
-//! use pinstream::decode::{self, Format};
+//! use pinstream_vision::decode::{self, Format};
 //! # let bytes: Vec<u8> = {
 //! #     let img = image::RgbImage::from_pixel(4, 2, image::Rgb([10, 20, 30]));
 //! #     let mut png = Vec::new();
@@ -58,7 +58,7 @@ use zune_jpeg::zune_core::colorspace::ColorSpace;
 use zune_jpeg::zune_core::options::DecoderOptions;
 use zune_jpeg::JpegDecoder;
 
-use crate::error::{Error, Result};
+use pinstream::{Error, Result};
 
 /// The largest decoded image accepted, in bytes of RGB output (`height * width * 3`): 2^31
 /// (2 GiB, e.g. 26754 x 26754 pixels). Larger images, and headers that claim them, are refused
@@ -174,7 +174,7 @@ pub fn decode_rgb(bytes: &[u8]) -> Result<(ImageInfo, Vec<u8>)> {
     let slot = &mut pixels;
     let info = decode_with(bytes, move |info| {
         let need = info.rgb_len();
-        let mut v = crate::error::try_vec::<u8>("decode::decode_rgb", need)?;
+        let mut v = crate::util::try_vec::<u8>("decode::decode_rgb", need)?;
         v.resize(need, 0);
         *slot = v;
         Ok(&mut slot[..])
@@ -522,7 +522,7 @@ fn decode_png<'o>(
             let len = reader
                 .output_buffer_size()
                 .ok_or_else(|| decode_error("png", "the image is too large"))?;
-            let mut frame = crate::error::try_vec::<u8>("decode::decode_rgb_into", len)?;
+            let mut frame = crate::util::try_vec::<u8>("decode::decode_rgb_into", len)?;
             frame.resize(len, 0);
             reader.next_frame(&mut frame).map_err(png_error)?;
             for (src, dst) in frame
@@ -536,7 +536,7 @@ fn decode_png<'o>(
     }
     let mut scratch = Vec::new();
     if channels != 3 {
-        scratch = crate::error::try_vec::<u8>("decode::decode_rgb_into", row_in)?;
+        scratch = crate::util::try_vec::<u8>("decode::decode_rgb_into", row_in)?;
         scratch.resize(row_in, 0);
     }
     for (y, dst) in out.chunks_exact_mut(row_out).enumerate() {

@@ -19,13 +19,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use pinstream::dataset::ImageList;
 use pinstream::kernels::cpu;
-use pinstream::prefetch::{
-    Augment, BadFiles, DryRun, HostBatch, ImageFeed, ImageFeedConfig, ImageSource,
-};
+use pinstream::prefetch::{DryRun, HostBatch};
 use pinstream::timing::cpu_seconds;
 use pinstream::{bf16, Device};
+use pinstream_vision::dataset::ImageList;
+use pinstream_vision::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource};
 
 struct Args {
     root: Option<PathBuf>,

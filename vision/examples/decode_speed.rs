@@ -11,7 +11,7 @@
 
 use std::time::Instant;
 
-use pinstream::decode;
+use pinstream_vision::decode;
 
 fn main() {
     let dirs: Vec<String> = std::env::args().skip(1).collect();
@@ -62,7 +62,7 @@ fn main() {
                 }),
             ),
             (
-                "pinstream::decode::decode_rgb_into",
+                "pinstream_vision::decode::decode_rgb_into",
                 Box::new(|b: &[u8]| {
                     let mut out = out.borrow_mut();
                     std::hint::black_box(decode::decode_rgb_into(b, &mut out).ok());

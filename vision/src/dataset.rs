@@ -2,7 +2,7 @@
 //! `ImageFolder` convention, or an explicit list of paths and labels.
 //!
 //! ```no_run
-//! use pinstream::dataset::ImageList;
+//! use pinstream_vision::dataset::ImageList;
 //! let train = ImageList::folder("/data/imagenet/train")?; // train/<class>/<image>.jpg
 //! println!("{} images of {} classes", train.len(), train.classes().len());
 //! # Ok::<(), pinstream::Error>(())
@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Error, Result};
+use pinstream::{Error, Result};
 
 /// File name endings taken as images (case-insensitive): the formats the loaders decode.
 pub const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];

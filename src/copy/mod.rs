@@ -14,12 +14,16 @@ use bytemuck::Pod;
 use crate::device::Device;
 use crate::error::{check_with, Error, Result};
 use crate::event::Event;
-use crate::memory::bounce;
 use crate::memory::sealed::{DeviceRegion, HostMem};
 use crate::memory::tracker::{self, Access, Tracker};
 use crate::memory::{DeviceSlice, DeviceSliceMut, HostKind, HostSlice, HostSliceMut};
 use crate::stream::Stream;
 use crate::sys;
+
+pub(crate) mod bounce;
+mod download;
+
+pub use download::{Download, DownloadTarget};
 
 /// A host-to-device copy in flight. It borrows the source, so the source can be neither
 /// mutated nor dropped while this value lives (a compile error). Dropping it does not wait —

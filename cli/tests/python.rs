@@ -1,9 +1,12 @@
-//! Runs the Python package's tests (python/tests/test_*.py) with pytest against the extension
-//! cargo just built, so that `cargo test` covers the Python package too. The extension
-//! (`lib_native.so`) and the package's Python sources are put together in a folder under the
-//! target dir and put on `PYTHONPATH`; pytest (and numpy) are installed there with pip when the
-//! interpreter lacks them. GPU tests are reported skipped, with the reason, without a GPU.
-//! `PINSTREAM_PYTHON` names the interpreter (default `python3`).
+//! Runs the Python package's tests (python/tests/test_*.py) with pytest, so that `cargo test`
+//! at the top covers the Python package too. The package (python/) is a workspace member but
+//! not a default one, so that `cargo run -- bandwidth` does not build pyo3 and the extension:
+//! this test builds it (`cargo build -p pinstream-python`, same target dir and profile; the
+//! shared crates are already built by then). The extension (`lib_native.so`) and the package's
+//! Python sources are put together in a folder under the target dir and put on `PYTHONPATH`;
+//! pytest (and numpy) are installed there with pip when the interpreter lacks them. GPU tests
+//! are reported skipped, with the reason, without a GPU. `PINSTREAM_PYTHON` names the
+//! interpreter (default `python3`).
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode};
@@ -33,13 +36,35 @@ fn run() -> Result<bool, String> {
         return Ok(true); // filtered out
     }
     let python = std::env::var("PINSTREAM_PYTHON").unwrap_or_else(|_| "python3".into());
-    let crate_dir = PathBuf::from(env_dir("CARGO_MANIFEST_DIR")?);
+    let crate_dir = PathBuf::from(env_dir("CARGO_MANIFEST_DIR")?)
+        .join("..")
+        .join("python");
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     // target/<profile>/deps/pytest-<hash>
     let deps = exe.parent().ok_or("no deps folder")?;
     let profile = deps.parent().ok_or("no profile folder")?;
-    // `cargo test` writes the extension to deps/ (it uplifts it to the profile folder only
-    // for `cargo build`): take the newer.
+    // Under cargo: build the extension now, with the profile of this test (`--release` when
+    // the test was built so).
+    if let Some(cargo) = std::env::var_os("CARGO") {
+        let release = profile.file_name().is_some_and(|n| n == "release");
+        let mut build = Command::new(cargo);
+        build
+            .args(["build", "--quiet", "-p", "pinstream-python", "--lib"])
+            .arg("--manifest-path")
+            .arg(crate_dir.join("Cargo.toml"));
+        if release {
+            build.arg("--release");
+        }
+        let ok = build
+            .status()
+            .map_err(|e| format!("cargo build -p pinstream-python: {e}"))?
+            .success();
+        if !ok {
+            return Err("cargo build -p pinstream-python failed".into());
+        }
+    }
+    // `cargo build` uplifts the extension to the profile folder (`cargo test` of the package
+    // leaves it in deps/): take the newer.
     let lib = [deps.join("lib_native.so"), profile.join("lib_native.so")]
         .into_iter()
         .filter_map(|p| Some((std::fs::metadata(&p).ok()?.modified().ok()?, p)))

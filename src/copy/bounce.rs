@@ -14,9 +14,9 @@
 
 use std::sync::Mutex;
 
-use super::pinned::{HostAlloc, PinnedBuffer};
 use crate::device::Device;
 use crate::error::Result;
+use crate::memory::{HostAlloc, PinnedBuffer};
 
 /// Largest pageable host-to-device copy staged through a bounce block.
 pub(crate) const MAX_BYTES: usize = 1 << 20;

@@ -3,7 +3,8 @@
 //! from a seeded generator that gives the same boxes on every machine.
 //!
 //! ```
-//! use pinstream::augment::{CropBox, RandomResizedCrop, Rng};
+//! use pinstream::kernels::CropBox;
+//! use pinstream_vision::augment::{RandomResizedCrop, Rng};
 //! let rrc = RandomResizedCrop::default();          // scale (0.08, 1), ratio (3/4, 4/3)
 //! let mut rng = Rng::new(42, 0);                   // seed, stream (e.g. the epoch)
 //! let b: CropBox = rrc.sample(&mut rng, 375, 500).unwrap();
@@ -12,72 +13,8 @@
 //! assert!((v.height - 224.0 * 375.0 / 256.0).abs() < 1e-3);
 //! ```
 
-use crate::error::{Error, Result};
-
-/// A crop of a source image in its pixel coordinates: rows `top .. top + height`, columns
-/// `left .. left + width` (fractional for resize-then-crop boxes), mirrored left-right when
-/// `flip`. The box is resized to the output size
-/// ([`kernels::resized_crop`](crate::kernels::resized_crop)).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct CropBox {
-    /// First row.
-    pub top: f32,
-    /// First column.
-    pub left: f32,
-    /// Rows covered (> 0).
-    pub height: f32,
-    /// Columns covered (> 0).
-    pub width: f32,
-    /// Mirror left-right.
-    pub flip: bool,
-    /// Where the resampling filter stops. `true`: at the box's edges, as when the box is cut
-    /// out first and then resized (torchvision's `RandomResizedCrop`; the box is then widened
-    /// to whole pixels). `false`: at the image's edges, as when the whole image is resized
-    /// and then cropped (`Resize` + `CenterCrop`): pixels just outside the box count too.
-    pub clamp_to_box: bool,
-}
-
-impl CropBox {
-    /// The box of torchvision's validation transform, `Resize(resize)` (the shorter side to
-    /// `resize`, the longer scaled and truncated as torchvision does) then
-    /// `CenterCrop(crop)`, in the source's coordinates. `Error::InvalidArgument` for an empty
-    /// image, sizes of 0, or a crop larger than the resized image.
-    pub fn center(height: usize, width: usize, resize: usize, crop: usize) -> Result<CropBox> {
-        const OP: &str = "augment::CropBox::center";
-        if height == 0 || width == 0 || resize == 0 || crop == 0 {
-            return Err(Error::invalid(
-                OP,
-                format!("image {height}x{width}, resize {resize}, crop {crop}: sizes must be > 0"),
-            ));
-        }
-        let (h, w) = (height as f64, width as f64);
-        // torchvision: the shorter side becomes `resize`, the longer `int(resize * long / short)`.
-        let (rh, rw) = if height <= width {
-            (resize as f64, (resize as f64 * w / h).trunc())
-        } else {
-            ((resize as f64 * h / w).trunc(), resize as f64)
-        };
-        let c = crop as f64;
-        if c > rh || c > rw {
-            return Err(Error::invalid(
-                OP,
-                format!("crop {crop} is larger than the resized image {rh}x{rw}"),
-            ));
-        }
-        // CenterCrop: top = int(round((rh - c) / 2)), Python's round (half to even).
-        let top = ((rh - c) / 2.0).round_ties_even();
-        let left = ((rw - c) / 2.0).round_ties_even();
-        let (sy, sx) = (h / rh, w / rw);
-        Ok(CropBox {
-            top: (top * sy) as f32,
-            left: (left * sx) as f32,
-            height: (c * sy) as f32,
-            width: (c * sx) as f32,
-            flip: false,
-            clamp_to_box: false,
-        })
-    }
-}
+use pinstream::kernels::CropBox;
+use pinstream::{Error, Result};
 
 /// One 64-bit stream number from two (an epoch and a batch, say), by SplitMix64 of each: no
 /// two pairs met in practice share one, unlike `(a << 32) ^ b`.

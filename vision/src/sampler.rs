@@ -5,7 +5,7 @@
 //! short, or dropped), with a resumable position for checkpoints.
 //!
 //! ```
-//! use pinstream::sampler::Sampler;
+//! use pinstream_vision::sampler::Sampler;
 //! // 10 samples, 2 ranks, shuffled with seed 7; rank 1's batches of 2 in epoch 3, from batch 1.
 //! let s = Sampler::new(10).shuffle(7).shard(1, 2).unwrap();
 //! let batches: Vec<Vec<usize>> = s.batches(3, 2, false).unwrap().skip(1).collect();
@@ -13,7 +13,7 @@
 //! ```
 
 use crate::augment::Rng;
-use crate::error::{Error, Result};
+use pinstream::{Error, Result};
 
 /// The samples of a dataset of `len` items an epoch visits on one rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,7 +83,7 @@ impl Sampler {
         let total = per
             .checked_mul(self.world)
             .ok_or_else(|| Error::invalid("sampler::Sampler::indices", "size overflows"))?;
-        let mut all = crate::error::try_vec::<usize>("sampler::Sampler::indices", n)?;
+        let mut all = crate::util::try_vec::<usize>("sampler::Sampler::indices", n)?;
         all.extend(0..n);
         if let Some(seed) = self.seed {
             // Fisher-Yates from the end, one draw per position.
@@ -93,7 +93,7 @@ impl Sampler {
                 all.swap(i, j);
             }
         }
-        let mut out = crate::error::try_vec::<usize>("sampler::Sampler::indices", per)?;
+        let mut out = crate::util::try_vec::<usize>("sampler::Sampler::indices", per)?;
         // Position k of the padded (or cut) list is all[k % n]; this rank takes k = rank,
         // rank + world, ... below total.
         if n > 0 {

@@ -1,4 +1,7 @@
-//! Deferred releases: exported memory whose consumer's work cannot be ordered on the GPU.
+//! Deferred releases: memory given back only after the devices have finished the work queued
+//! before now, from a background thread. Used for exported memory (`dlpack`) whose consumer's
+//! work cannot be ordered on the GPU; the prefetcher waits for them before it reports every
+//! slot held.
 //!
 //! A consumer that names no stream (`-1`, a host consumer such as numpy or a PyTorch CPU
 //! tensor, or the per-thread default stream) or a stream pinstream may no longer touch (one
@@ -20,7 +23,6 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::export::{Consumer, Owner};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
@@ -33,8 +35,12 @@ pub(crate) enum Scope {
     Active,
 }
 
-/// An owner to give back, with what it waits for.
-type Job = (Box<dyn Owner>, Scope);
+/// What gives the memory back: run once the scope's devices have finished, or forgotten
+/// (leaked) where they could not be waited for.
+pub(crate) type Release = Box<dyn FnOnce() + Send>;
+
+/// A release, with what it waits for.
+type Job = (Release, Scope);
 
 /// Releases queued and not yet done.
 static PENDING: Mutex<usize> = Mutex::new(0);
@@ -176,10 +182,7 @@ fn reap(jobs: Vec<Job>) {
         }
         match broken {
             None => {
-                let _ = crate::sync::quietly(move || {
-                    owner.release(Consumer::Nobody);
-                    drop(owner);
-                });
+                let _ = crate::sync::quietly(owner);
             }
             Some(e) => {
                 // `leak` writes to stderr, which may be a closed pipe: never let that unwind.
@@ -224,7 +227,7 @@ fn queue() -> Option<&'static Mutex<Sender<Job>>> {
 /// Gives `owner` back once the devices of `scope` have finished the work queued before now,
 /// from the background thread (or here, where that thread cannot be started). The caller
 /// never waits for the GPU.
-pub(crate) fn defer(owner: Box<dyn Owner>, scope: Scope) {
+pub(crate) fn defer(owner: Release, scope: Scope) {
     if forked() {
         // The parent's memory, in a child with no reaper: left alone.
         std::mem::forget(owner);

@@ -12,14 +12,14 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
-use super::tracker;
-use super::{
+use super::{memcpy, reads_writes};
+use crate::error::{byte_len, try_vec, Error, Result};
+use crate::event::Event;
+use crate::memory::tracker;
+use crate::memory::{
     DeviceBuffer, DeviceSlice, DeviceView, DeviceViewMut, HostAlloc, HostSliceMut, PinnedBuffer,
     PoolBlock,
 };
-use crate::copy::{memcpy, reads_writes};
-use crate::error::{byte_len, try_vec, Error, Result};
-use crate::event::Event;
 use crate::stream::Stream;
 use crate::sys;
 

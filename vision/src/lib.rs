@@ -1,0 +1,43 @@
+//! # pinstream-vision
+//!
+//! Image pipelines over [`pinstream`]: files in, normalized batches on the GPU out.
+//!
+//! - [`decode`]: JPEG (zune-jpeg) and PNG decoding into caller memory, with size checks before
+//!   any allocation;
+//! - [`dataset`]: image folders (`train/<class>/<image>.jpg`) and `(path, label)` lists;
+//! - [`sampler`]: seeded per-epoch orders, sharded by rank, `drop_last`;
+//! - [`augment`]: torchvision's `RandomResizedCrop` + flip and `Resize` + `CenterCrop` as
+//!   crop boxes for the core's fused resized-crop kernel
+//!   ([`pinstream::kernels::resized_crop`]);
+//! - [`ImageFeed`] / [`ImageSource`]: the training feed — read and decoded on loader threads
+//!   into page-locked memory, cropped, resized, normalized and cast on the GPU in one launch per
+//!   batch, through [`pinstream::prefetch`].
+//!
+//! ```no_run
+//! use pinstream_vision::dataset::ImageList;
+//! use pinstream_vision::{ImageFeed, ImageFeedConfig};
+//! # fn main() -> pinstream::Result<()> {
+//! let stream = pinstream::Device::get(0)?.stream()?;
+//! let train = ImageList::folder("/data/imagenet/train")?;
+//! let mut feed = ImageFeed::<pinstream::bf16>::new(&stream, train, ImageFeedConfig::default())?;
+//! while let Some(batch) = feed.next() {
+//!     let batch = batch?;
+//!     let (x, y) = (batch.pixels()?, batch.extras()?); // 256 x 3 x 224 x 224, labels
+//! #   let _ = (x, y);
+//! }
+//! # Ok(()) }
+//! ```
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+#![warn(missing_docs)]
+#![warn(missing_debug_implementations)]
+
+pub mod augment;
+pub mod dataset;
+pub mod decode;
+mod feed;
+pub mod sampler;
+mod util;
+
+pub use feed::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource, Skipped};
