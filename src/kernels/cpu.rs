@@ -1,195 +1,13 @@
 //! CPU reference of every normalize / denormalize / resized-crop variant, computed in f64. The
 //! GPU tests compare against it, and `pinstream normalize --cpu` runs it instead of the GPU.
 
-use half::{bf16, f16};
-
-use super::sealed::Element;
+use super::element::{DenormInput, OutputElement};
 use super::spec::{Layout, Spec};
 use crate::error::{Error, Result};
 
 pub use super::resize_cpu::{
     resize_tolerance, resize_worst_error, resized_crop, resized_crop_exact,
 };
-
-/// Output element types of `normalize` (f32, f16, bf16, u8, i8) and their conversion from the
-/// exact (f64) value: round to nearest even; integers saturate.
-///
-/// Sealed: the kernels store elements of the type the (private) type code stands for, so only
-/// the five types above can implement it. Use it as a bound: `fn f<O: OutputElement>()`.
-pub trait OutputElement: Element + Send + Sync {
-    /// Name for messages and files.
-    const NAME: &'static str;
-    /// The exact value converted: round to nearest even, integers saturate.
-    fn from_f64(v: f64) -> Self;
-    /// The value as f64 (for error measurement).
-    fn to_f64(self) -> f64;
-    /// One unit of rounding at magnitude `v` (the tests' tolerance for 16-bit and integer types).
-    fn unit_at(v: f64) -> f64;
-    /// A poison value written before each run (NaN for floats).
-    fn poison() -> Self;
-    /// What a produced value is compared with, given the exact (f64) result: for integers the
-    /// exact value rounded and saturated (what the conversion is defined to give); for floats
-    /// the exact value itself (or the infinity it overflows to).
-    fn reference(exact: f64) -> f64;
-    /// The error of this produced value against the exact (f64) result, in units of rounding:
-    /// 1 or less is correct. `shift` is the `Normalize::shift` of the launch (adding it rounds at
-    /// its magnitude in f32). Integers: the distance to `reference(exact)` (the kernels compute
-    /// in f32, so a tie may round either way: 1 unit). f32: relative to 1e-6 x (|exact| +
-    /// |shift|). f16 / bf16: one unit of rounding at `exact` plus that f32 error. An unwritten
-    /// (NaN) value where a number is due is infinitely wrong; the result is never NaN.
-    fn rounding_error(self, exact: f64, shift: f32) -> f64;
-}
-
-/// Distance between `got` and `want` over `tol`; equal values (infinities and NaNs included)
-/// are 0, a NaN against a number is infinite.
-fn units(got: f64, want: f64, tol: f64) -> f64 {
-    if got == want || (got.is_nan() && want.is_nan()) {
-        return 0.0;
-    }
-    let err = (got - want).abs() / tol;
-    if err.is_nan() {
-        f64::INFINITY
-    } else {
-        err
-    }
-}
-
-/// The f32 arithmetic error allowed at `exact`: 1e-6 relative to |exact| + |shift|.
-fn f32_tol(exact: f64, shift: f32) -> f64 {
-    1e-6 * (exact.abs() + f64::from(shift.abs()))
-}
-
-/// The float reference: the exact value, or the infinity it rounds to in `O`.
-fn float_reference<O: OutputElement>(exact: f64) -> f64 {
-    let r = O::from_f64(exact).to_f64();
-    if r.is_infinite() {
-        r
-    } else {
-        exact
-    }
-}
-
-impl OutputElement for f32 {
-    const NAME: &'static str = "f32";
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn unit_at(v: f64) -> f64 {
-        v.abs() * f64::from(f32::EPSILON)
-    }
-    fn poison() -> Self {
-        f32::NAN
-    }
-    fn reference(exact: f64) -> f64 {
-        float_reference::<f32>(exact)
-    }
-    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
-        units(
-            OutputElement::to_f64(self),
-            Self::reference(exact),
-            f32_tol(exact, shift) + 1e-30,
-        )
-    }
-}
-
-impl OutputElement for f16 {
-    const NAME: &'static str = "f16";
-    fn from_f64(v: f64) -> Self {
-        f16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn unit_at(v: f64) -> f64 {
-        (v.abs() * f64::from(f16::EPSILON)).max(f64::from(f16::MIN_POSITIVE_SUBNORMAL))
-    }
-    fn poison() -> Self {
-        f16::NAN
-    }
-    fn reference(exact: f64) -> f64 {
-        float_reference::<f16>(exact)
-    }
-    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
-        units(
-            OutputElement::to_f64(self),
-            Self::reference(exact),
-            Self::unit_at(exact) + f32_tol(exact, shift),
-        )
-    }
-}
-
-impl OutputElement for bf16 {
-    const NAME: &'static str = "bf16";
-    fn from_f64(v: f64) -> Self {
-        bf16::from_f64(v)
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn unit_at(v: f64) -> f64 {
-        (v.abs() * f64::from(bf16::EPSILON)).max(f64::from(bf16::MIN_POSITIVE_SUBNORMAL))
-    }
-    fn poison() -> Self {
-        bf16::NAN
-    }
-    fn reference(exact: f64) -> f64 {
-        float_reference::<bf16>(exact)
-    }
-    fn rounding_error(self, exact: f64, shift: f32) -> f64 {
-        units(
-            OutputElement::to_f64(self),
-            Self::reference(exact),
-            Self::unit_at(exact) + f32_tol(exact, shift),
-        )
-    }
-}
-
-impl OutputElement for u8 {
-    const NAME: &'static str = "u8";
-    fn from_f64(v: f64) -> Self {
-        v.round_ties_even().clamp(0.0, 255.0) as u8
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn unit_at(_: f64) -> f64 {
-        1.0
-    }
-    fn poison() -> Self {
-        0xAB
-    }
-    fn reference(exact: f64) -> f64 {
-        Self::from_f64(exact).to_f64()
-    }
-    fn rounding_error(self, exact: f64, _shift: f32) -> f64 {
-        units(self.to_f64(), Self::reference(exact), 1.0)
-    }
-}
-
-impl OutputElement for i8 {
-    const NAME: &'static str = "i8";
-    fn from_f64(v: f64) -> Self {
-        v.round_ties_even().clamp(-128.0, 127.0) as i8
-    }
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-    fn unit_at(_: f64) -> f64 {
-        1.0
-    }
-    fn poison() -> Self {
-        -85
-    }
-    fn reference(exact: f64) -> f64 {
-        Self::from_f64(exact).to_f64()
-    }
-    fn rounding_error(self, exact: f64, _shift: f32) -> f64 {
-        units(self.to_f64(), Self::reference(exact), 1.0)
-    }
-}
 
 /// The worst element of a result: where it is and its `OutputElement::rounding_error`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -355,32 +173,11 @@ pub fn normalize<O: OutputElement>(
     Ok(())
 }
 
-/// Input element types of `denormalize` (f32, f16, bf16). Sealed, like `OutputElement`.
-pub trait DenormInput: Element + Send + Sync {
-    /// The value as f64.
-    fn to_f64(self) -> f64;
-}
-impl DenormInput for f32 {
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-}
-impl DenormInput for f16 {
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-}
-impl DenormInput for bf16 {
-    fn to_f64(self) -> f64 {
-        f64::from(self)
-    }
-}
-
 /// The inverse of `normalize` for a uniform batch in one layout:
 /// `x = (y - shift) * std[c] / scale + mean[c]`, rounded and saturated to u8.
 pub fn denormalize<I: DenormInput>(input: &[I], spec: &Spec, out: &mut [u8]) -> Result<()> {
     const OP: &str = "kernels::cpu::denormalize";
-    super::normalize::check_denormalize_spec(OP, spec)?;
+    super::spec::check_denormalize_spec(OP, spec)?;
     let len = spec.input_len()?;
     if input.len() != len || out.len() != len {
         return Err(Error::LengthMismatch {

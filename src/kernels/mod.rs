@@ -3,6 +3,7 @@
 //! normalize, cast), their CPU references (`cpu`), and small utilities (`fill`, `iota`).
 
 pub mod cpu;
+mod element;
 mod normalize;
 mod resize;
 mod resize_cpu;
@@ -10,36 +11,8 @@ pub(crate) mod ring;
 mod spec;
 mod table;
 
-/// Seals `OutputElement` and `DenormInput`: the launchers pass `Element::CODE` to the kernels,
-/// which then store or load elements of the type the code stands for. A type outside this crate
-/// could otherwise claim the f32 code for 1-byte elements and make a safe call write out of
-/// bounds. The trait is public (as a supertrait must be) but lives in a private module, so no
-/// other crate can name it, let alone implement it.
-mod sealed {
-    use half::{bf16, f16};
-
-    /// An element type the kernels know, and its type code (`PINSTREAM_F32`, ...).
-    pub trait Element: bytemuck::Pod {
-        const CODE: i32;
-    }
-    impl Element for f32 {
-        const CODE: i32 = crate::sys::PINSTREAM_F32 as i32;
-    }
-    impl Element for f16 {
-        const CODE: i32 = crate::sys::PINSTREAM_F16 as i32;
-    }
-    impl Element for bf16 {
-        const CODE: i32 = crate::sys::PINSTREAM_BF16 as i32;
-    }
-    impl Element for u8 {
-        const CODE: i32 = crate::sys::PINSTREAM_U8 as i32;
-    }
-    impl Element for i8 {
-        const CODE: i32 = crate::sys::PINSTREAM_I8 as i32;
-    }
-}
-
-pub use cpu::{DenormInput, OutputElement, PerSample};
+pub use cpu::PerSample;
+pub use element::{DenormInput, OutputElement};
 pub use normalize::{denormalize, normalize, DevicePerSample};
 pub use resize::{resized_crop, ResizeSample, ResizeSpec, MAX_OUT_SIDE, MAX_SIDE};
 pub use spec::{Crop, CropBox, Layout, Normalize, Sample, Spec};

@@ -1,8 +1,7 @@
 //! The GPU launcher of the fused normalize / cast kernels (`cuda/normalize.cu`).
 
-use super::cpu::{DenormInput, OutputElement};
-use super::sealed::Element;
-use super::spec::Spec;
+use super::element::{check_element, DenormInput, Element, OutputElement};
+use super::spec::{check_denormalize_spec, Spec};
 use crate::error::{check_with, Error, Result};
 use crate::memory::sealed::DeviceMem;
 use crate::memory::tracker::{self, Access};
@@ -58,45 +57,6 @@ fn base_args(spec: &Spec) -> sys::pinstream_norm_args {
         in_layout: spec.in_layout.code(),
         out_layout: spec.out_layout.code(),
         reserved: 0,
-    }
-}
-
-/// Bytes of one element of the type `code` stands for, as the kernels store and load them.
-fn code_size(code: i32) -> Option<usize> {
-    const U8: i32 = sys::PINSTREAM_U8 as i32;
-    const I8: i32 = sys::PINSTREAM_I8 as i32;
-    const F16: i32 = sys::PINSTREAM_F16 as i32;
-    const BF16: i32 = sys::PINSTREAM_BF16 as i32;
-    const F32: i32 = sys::PINSTREAM_F32 as i32;
-    match code {
-        U8 | I8 => Some(1),
-        F16 | BF16 => Some(2),
-        F32 => Some(4),
-        _ => None,
-    }
-}
-
-/// Defence in depth behind the sealed element traits: the kernels access memory as elements of
-/// the size `T::CODE` stands for, so `T` must have exactly that size, and the device address
-/// `ptr` must be aligned to it.
-pub(crate) fn check_element<T: Element>(
-    op: &'static str,
-    ptr: *const std::ffi::c_void,
-) -> Result<()> {
-    let size = std::mem::size_of::<T>();
-    match code_size(T::CODE) {
-        Some(s) if s == size && (ptr as usize) % s == 0 => Ok(()),
-        Some(s) if s == size => Err(Error::invalid(
-            op,
-            format!("device address {ptr:p} is not aligned to the {s}-byte element size"),
-        )),
-        want => Err(Error::invalid(
-            op,
-            format!(
-                "element type code {} stands for {want:?}-byte elements, the type has {size} bytes",
-                T::CODE
-            ),
-        )),
     }
 }
 
@@ -247,18 +207,6 @@ where
         )
     })
     .map(|_| ())
-}
-
-/// Checks that `spec` is something `denormalize` handles: a uniform batch, one layout, no pad.
-pub(crate) fn check_denormalize_spec(op: &'static str, spec: &Spec) -> Result<()> {
-    spec.validate(op)?;
-    if !spec.is_uniform() || spec.in_layout != spec.out_layout || spec.pad_to_4.is_some() {
-        return Err(Error::invalid(
-            op,
-            "denormalize takes a uniform batch in one layout, without crops, mirrors or padding",
-        ));
-    }
-    Ok(())
 }
 
 /// The inverse for looking at results: `x = (y - shift) * std[c] / scale + mean[c]`, rounded and

@@ -23,8 +23,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::cpu::OutputElement;
-use super::sealed::Element;
+use super::element::{check_element, Element, OutputElement};
 use super::spec::{CropBox, Layout, Normalize};
 use crate::error::{check_with, Error, Result};
 use crate::memory::tracker::{self, Access};
@@ -372,7 +371,7 @@ where
             dst: o.len,
         });
     }
-    super::normalize::check_element::<O>(OP, o.ptr)?;
+    check_element::<O>(OP, o.ptr)?;
     stream.same_device(OP, i.device)?;
     stream.same_device(OP, o.device)?;
     let n = &spec.norm;

@@ -2,7 +2,8 @@
 //! and window as the kernel, from the same f32 box values, computed separably in f64. The GPU
 //! tests compare against it; a CPU dry run of a training feed uses it instead of the GPU.
 
-use super::cpu::{OutputElement, WorstError};
+use super::cpu::WorstError;
+use super::element::OutputElement;
 use super::resize::{window, ResizeSpec};
 use super::spec::Layout;
 use crate::error::{Error, Result};

@@ -538,3 +538,15 @@ impl CropBox {
         })
     }
 }
+
+/// Checks that `spec` is something `denormalize` handles: a uniform batch, one layout, no pad.
+pub(crate) fn check_denormalize_spec(op: &'static str, spec: &Spec) -> Result<()> {
+    spec.validate(op)?;
+    if !spec.is_uniform() || spec.in_layout != spec.out_layout || spec.pad_to_4.is_some() {
+        return Err(Error::invalid(
+            op,
+            "denormalize takes a uniform batch in one layout, without crops, mirrors or padding",
+        ));
+    }
+    Ok(())
+}
