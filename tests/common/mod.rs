@@ -79,3 +79,13 @@ pub fn within<T: Send + 'static>(
         Err(_) => Err(format!("{what}: HUNG (no return within {bound:?})").into()),
     }
 }
+
+/// A trial named `prefix` + `name`: each binary's modules put their trials under their path
+/// (`pool/hostile/...`), the rest of the name as it was.
+pub fn trial(
+    prefix: &str,
+    name: impl AsRef<str>,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> libtest_mimic::Trial {
+    libtest_mimic::Trial::test(format!("{prefix}{}", name.as_ref()), f)
+}

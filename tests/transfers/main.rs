@@ -1,0 +1,29 @@
+//! Transfers: copies of every kind (pageable, pinned, registered, device, peer), streams,
+//! events, the tracker's ordering, downloads, `timing` copy loops, and the model-based test of
+//! all of it.
+//!
+//! One binary of the integration tests by subject (tests/README.md).
+
+#[path = "../common/mod.rs"]
+mod common;
+mod copy;
+mod model;
+
+use libtest_mimic::Arguments;
+
+fn main() {
+    // A child process that one of the trials started (this executable again, with a
+    // variable of its module set): it runs that part only.
+    if copy::child_mode() {
+        return;
+    }
+    let mut args = Arguments::from_args();
+    // One trial at a time unless asked otherwise: implicit device-wide synchronisations
+    // (cudaFree, cudaHostAlloc) and spins on the GPU in one trial would disturb the
+    // timing-sensitive checks of another.
+    args.test_threads.get_or_insert(1);
+    let mut trials = Vec::new();
+    trials.extend(copy::trials());
+    trials.extend(model::trials());
+    libtest_mimic::run(&args, trials).exit();
+}
