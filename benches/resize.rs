@@ -14,7 +14,11 @@
 //! `PINSTREAM_RESIZE_DUMP=dir` it also writes a 16-image batch, its boxes and the kernel's f32
 //! results there, for the torchvision comparison of the same script.
 
-use pinstream::augment::{CropBox, RandomResizedCrop, Rng};
+#[path = "../tests/kernels/boxes.rs"]
+mod boxes;
+
+use boxes::{BoxRng as Rng, RandomResizedCrop};
+use pinstream::kernels::CropBox;
 use pinstream::kernels::{self, Layout, Normalize, OutputElement, ResizeSpec};
 use pinstream::{bf16, f16, Device, DeviceBuffer, Stream, TimingEvent};
 

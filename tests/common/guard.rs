@@ -5,8 +5,8 @@
 
 use std::fmt::Debug;
 
+use bytemuck::{self, Pod};
 use libtest_mimic::Failed;
-use pinstream::bytemuck::{self, Pod};
 use pinstream::kernels::{self, DenormInput, DevicePerSample, OutputElement, Spec};
 use pinstream::{DeviceBuffer, DeviceView, DeviceViewMut, Stream};
 

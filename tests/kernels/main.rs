@@ -4,6 +4,7 @@
 //! One binary of the integration tests by subject (tests/README.md).
 
 #[path = "../common/mod.rs"]
+mod boxes;
 mod common;
 mod normalize;
 mod props;

@@ -693,23 +693,23 @@ fn host_sweep(s: &mut Sweep) {
     }
     // Plain functions with extreme inputs: no panic.
     s.plain("pcie_gen_from_gts(inf, nan, -1, 0, MAX)", || {
-        [f64::INFINITY, f64::NAN, -1.0, 0.0, f64::MAX].map(pinstream::pcie_gen_from_gts)
+        [f64::INFINITY, f64::NAN, -1.0, 0.0, f64::MAX].map(pinstream::device::pcie_gen_from_gts)
     });
     s.plain("parse_link_speed of odd strings", || {
-        ["", "x GT/s", "1e400 GT/s", "-5 GT/s", "NaN GT/s"].map(pinstream::parse_link_speed)
+        ["", "x GT/s", "1e400 GT/s", "-5 GT/s", "NaN GT/s"].map(pinstream::device::parse_link_speed)
     });
     s.plain("Version::from_cuda(i32::MIN, -1, i32::MAX)", || {
         [i32::MIN, -1, i32::MAX].map(pinstream::Version::from_cuda)
     });
     s.plain("DriverStatus::from_parts at the extremes", || {
         [(i32::MIN, 0), (-1, u32::MAX), (i32::MAX, u32::MAX), (0, 0)].map(|(d, r)| {
-            let st = pinstream::DriverStatus::from_parts(d, None, r);
+            let st = pinstream::driver::DriverStatus::from_parts(d, None, r);
             (st.verdict(), st.driver_line(), st.needs_line(), st.advice())
         })
     });
     s.plain("driver_floor at the extremes", || {
         [0, -1, i32::MAX, i32::MIN]
-            .map(|v| pinstream::driver_floor(pinstream::Version::from_cuda(v)))
+            .map(|v| pinstream::driver::driver_floor(pinstream::Version::from_cuda(v)))
     });
     let (want_get, want_devices) = if pinstream::available() {
         (Want::Invalid, Want::Ok)

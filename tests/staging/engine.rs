@@ -8,8 +8,8 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use crate::common::{ensure, random_bytes, rng, same, R};
+use bytemuck::{self, Pod};
 use libtest_mimic::Trial;
-use pinstream::bytemuck::{self, Pod};
 use pinstream::{
     Device, DeviceBuffer, Downloads, Error, FileSource, PackedArena, Packer, Stager, StagerConfig,
     Stream, Uploads,

@@ -5,7 +5,9 @@
 use crate::common::{ensure, R};
 use crate::discovery::scratch;
 use libtest_mimic::Trial;
-use pinstream::{Device, DriverStatus, DriverVerdict, Error, PcieLink, Version};
+use pinstream::device::PcieLink;
+use pinstream::driver::{DriverStatus, DriverVerdict};
+use pinstream::{Device, Error, Version};
 
 use crate::common::trial;
 
@@ -38,15 +40,17 @@ pub fn trials() -> Vec<Trial> {
 
 fn pcie_link_parsing() -> R {
     ensure(
-        pinstream::parse_link_speed("32.0 GT/s PCIe\n") == Some(32.0),
+        pinstream::device::parse_link_speed("32.0 GT/s PCIe\n") == Some(32.0),
         || "32 GT/s".into(),
     )?;
-    ensure(pinstream::parse_link_speed("Unknown").is_none(), || {
-        "Unknown".into()
-    })?;
-    ensure(pinstream::parse_link_speed("2.5 GT/s") == Some(2.5), || {
-        "2.5".into()
-    })?;
+    ensure(
+        pinstream::device::parse_link_speed("Unknown").is_none(),
+        || "Unknown".into(),
+    )?;
+    ensure(
+        pinstream::device::parse_link_speed("2.5 GT/s") == Some(2.5),
+        || "2.5".into(),
+    )?;
     for (gts, gen) in [
         (2.5, 1),
         (5.0, 2),
@@ -55,11 +59,12 @@ fn pcie_link_parsing() -> R {
         (32.0, 5),
         (64.0, 6),
     ] {
-        ensure(pinstream::pcie_gen_from_gts(gts) == Some(gen), || {
-            format!("{gts} GT/s")
-        })?;
+        ensure(
+            pinstream::device::pcie_gen_from_gts(gts) == Some(gen),
+            || format!("{gts} GT/s"),
+        )?;
     }
-    ensure(pinstream::pcie_gen_from_gts(7.0).is_none(), || {
+    ensure(pinstream::device::pcie_gen_from_gts(7.0).is_none(), || {
         "7 GT/s".into()
     })?;
 
@@ -201,11 +206,11 @@ fn sufficient_driver_and_floors() -> R {
         )?;
     }
     for (runtime, floor) in [(11080, Some(450)), (12000, Some(525)), (12090, Some(525))] {
-        let got = pinstream::driver_floor(Version::from_cuda(runtime));
+        let got = pinstream::driver::driver_floor(Version::from_cuda(runtime));
         ensure(got == floor, || format!("{runtime}: {got:?}"))?;
     }
     ensure(
-        pinstream::driver_floor(Version::from_cuda(13000)) == Some(580),
+        pinstream::driver::driver_floor(Version::from_cuda(13000)) == Some(580),
         || "13.0".into(),
     )
 }

@@ -175,7 +175,7 @@ fn typed_blocks() -> R {
     let pool = pool(PoolBacking::HostAlloc(HostAlloc::DEFAULT))?;
     let n = 300_001;
     let (bytes, seed) = random_bytes(n * 4);
-    let data: Vec<f32> = pinstream::bytemuck::pod_collect_to_vec(&bytes);
+    let data: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
     let mut src = pool.alloc::<f32>(n)?;
     src.as_mut_slice()?.copy_from_slice(&data);
     let mut d = DeviceBuffer::<f32>::new(&dev, n)?;
@@ -184,7 +184,7 @@ fn typed_blocks() -> R {
     let got = stream.copy_d2h(&d, &mut dst)?.wait()?;
     same(
         "f32 round trip (bits)",
-        pinstream::bytemuck::cast_slice::<f32, u8>(got),
+        bytemuck::cast_slice::<f32, u8>(got),
         &bytes,
         seed,
     )?;
@@ -195,7 +195,7 @@ fn typed_blocks() -> R {
     drop(src);
     let again = pool.alloc::<u16>(n * 2)?;
     ensure(pool.stats().hits == 1, || format!("{:?}", pool.stats()))?;
-    let want: Vec<u16> = pinstream::bytemuck::pod_collect_to_vec(&bytes);
+    let want: Vec<u16> = bytemuck::pod_collect_to_vec(&bytes);
     same("reused as u16", again.as_slice()?, &want, seed)
 }
 
@@ -617,15 +617,11 @@ fn trim_frees_idle_blocks() -> R {
 }
 
 #[repr(C, align(8192))]
-#[derive(
-    Clone, Copy, Debug, PartialEq, pinstream::bytemuck::Pod, pinstream::bytemuck::Zeroable,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 struct Aligned8K([[u8; 4096]; 2]);
 
 #[repr(C, align(4096))]
-#[derive(
-    Clone, Copy, Debug, PartialEq, pinstream::bytemuck::Pod, pinstream::bytemuck::Zeroable,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 struct Aligned4K([u8; 4096]);
 
 fn over_aligned_refused() -> R {

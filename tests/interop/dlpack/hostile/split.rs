@@ -619,7 +619,7 @@ fn packed_batch_split() -> R {
 }
 
 fn bytemuck_bytes<T: pinstream::Pod>(v: &[T]) -> Vec<u8> {
-    pinstream::bytemuck::cast_slice(v).to_vec()
+    bytemuck::cast_slice(v).to_vec()
 }
 
 /// A prefetched batch's pixels and extras refuse to be split (a slot comes back once); the

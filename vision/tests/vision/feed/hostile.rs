@@ -9,15 +9,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use pinstream::augment::{CropBox, Rng};
-use pinstream::dataset::ImageList;
-use pinstream::decode;
+use pinstream::kernels::CropBox;
 use pinstream::kernels::{cpu, Normalize, ResizeSpec};
-use pinstream::prefetch::{
-    Augment, BadFiles, DryRun, HostBatch, ImageFeedConfig, ImageSource, PrefetchConfig,
-};
-use pinstream::sampler::Sampler;
+use pinstream::prefetch::{DryRun, HostBatch, PrefetchConfig};
 use pinstream::Error;
+use pinstream_vision::augment::Rng;
+use pinstream_vision::dataset::ImageList;
+use pinstream_vision::decode;
+use pinstream_vision::sampler::Sampler;
+use pinstream_vision::{Augment, BadFiles, ImageFeedConfig, ImageSource};
 
 use crate::common::{trial, R};
 use libtest_mimic::Trial;
@@ -918,7 +918,7 @@ fn ok_truncated_progressive_and_thin_images() {
             0,
             i.height,
             i.width,
-            pinstream::augment::RandomResizedCrop::default()
+            pinstream_vision::augment::RandomResizedCrop::default()
                 .sample(&mut Rng::new(0, 0), i.height, i.width)
                 .unwrap(),
         );
@@ -983,7 +983,7 @@ fn bug_val_resize_above_1024_times_the_crop_passes_the_check() {
 /// depth, not timed: a chain one level past the limit is refused, and the 2,000 levels
 /// are refused after `MAX_DEPTH` directories.
 fn bug_deep_folder_chain_walk_is_cubic() {
-    use pinstream::dataset::MAX_DEPTH;
+    use pinstream_vision::dataset::MAX_DEPTH;
     // In memory where there is a tmpfs: each of the ~2,300 directories made and removed on a
     // journaled disk costs milliseconds.
     let shm = Path::new("/dev/shm");

@@ -14,12 +14,12 @@ use std::path::{Path, PathBuf};
 
 use crate::common::{ensure, R};
 use libtest_mimic::Trial;
-use pinstream::dataset::ImageList;
 use pinstream::kernels::cpu;
-use pinstream::prefetch::{
-    Augment, BadFiles, DryRun, HostBatch, ImageFeed, ImageFeedConfig, ImageSource, PrefetchConfig,
-};
-use pinstream::{decode, Device, Error};
+use pinstream::prefetch::{DryRun, HostBatch, PrefetchConfig};
+use pinstream::{Device, Error};
+use pinstream_vision::dataset::ImageList;
+use pinstream_vision::decode;
+use pinstream_vision::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -86,9 +86,10 @@ fn dataset() -> &'static Path {
             b"\xff\xd8\xff not a jpeg",
         )
         .unwrap();
-        let shared = Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default())
-            .join("../shared/data/images");
-        if let Ok(rd) = std::fs::read_dir(&shared) {
+        let shared = crate::image_dirs()
+            .into_iter()
+            .find(|d| d.ends_with("shared/data/images"));
+        if let Some(Ok(rd)) = shared.map(std::fs::read_dir) {
             let dir = root.join("c");
             for e in rd.flatten() {
                 let p = e.path();

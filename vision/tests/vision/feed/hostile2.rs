@@ -11,12 +11,11 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use pinstream::dataset::ImageList;
-use pinstream::decode;
-use pinstream::prefetch::{
-    Augment, BadFiles, HostBatch, ImageFeedConfig, ImageSource, Pixels, PrefetchConfig,
-};
+use pinstream::prefetch::{HostBatch, Pixels, PrefetchConfig};
 use pinstream::Error;
+use pinstream_vision::dataset::ImageList;
+use pinstream_vision::decode;
+use pinstream_vision::{Augment, BadFiles, ImageFeedConfig, ImageSource};
 
 use crate::common::{trial, R};
 use libtest_mimic::Trial;
@@ -315,10 +314,9 @@ fn cut_vs_whole(name: &str, files: &[(String, Vec<u8>)]) -> Vec<String> {
 }
 
 fn data(name: &str) -> Vec<u8> {
-    let shared = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/images");
-    let local = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/images");
-    std::fs::read(shared.join(name))
-        .or_else(|_| std::fs::read(local.join(name)))
+    crate::image_dirs()
+        .iter()
+        .find_map(|d| std::fs::read(d.join(name)).ok())
         .unwrap()
 }
 
