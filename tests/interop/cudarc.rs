@@ -33,7 +33,7 @@ const HOLD: Duration = Duration::from_millis(200);
 /// The trials of this module, named `cudarc/...`.
 pub fn trials() -> Vec<Trial> {
     let no_gpu = !pinstream::available();
-    let trials = vec![
+    vec![
         trial(PREFIX, "context/one_primary_context", one_primary_context),
         trial(PREFIX, "context/errors_are_typed", errors_are_typed),
         trial(
@@ -56,8 +56,7 @@ pub fn trials() -> Vec<Trial> {
     ]
     .into_iter()
     .map(|t| t.with_ignored_flag(no_gpu))
-    .collect();
-    trials
+    .collect()
 }
 
 /// Device 0, cudarc's context on it (the primary one), a cudarc stream and pinstream's

@@ -22,7 +22,7 @@ const PREFIX: &str = "";
 /// The trials of this module, named `...`.
 pub fn trials() -> Vec<Trial> {
     let no_gpu = !pinstream::available();
-    let trials = vec![
+    vec![
         trial(PREFIX, "foreign/stream_borrowed", stream_borrowed),
         trial(
             PREFIX,
@@ -42,8 +42,7 @@ pub fn trials() -> Vec<Trial> {
     ]
     .into_iter()
     .map(|t| t.with_ignored_flag(no_gpu))
-    .collect();
-    trials
+    .collect()
 }
 
 fn ok(err: sys::cudaError_t, what: &str) -> R {

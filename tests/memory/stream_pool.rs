@@ -28,11 +28,10 @@ pub fn trials() -> Vec<Trial> {
         let what = name.clone();
         trial(PREFIX, name, move || within(&what, BOUND, f)).with_ignored_flag(no_gpu)
     };
-    let trials = vec![
+    vec![
         t("reuses_and_empties", reuses_and_empties),
         t("gives_back_before_out_of_memory", gives_back_before_oom),
-    ];
-    trials
+    ]
 }
 
 /// 50 rounds of 64 MiB allocated, written and freed: the pool holds about one buffer's worth

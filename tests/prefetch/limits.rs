@@ -47,7 +47,7 @@ pub fn trials() -> Vec<Trial> {
     let no_gpu = !pinstream::available();
     let cpu = |name: &str, f: fn() -> R| trial(PREFIX, name, f);
     let gpu = |name: &str, f: fn() -> R| trial(PREFIX, name, f).with_ignored_flag(no_gpu);
-    let trials = vec![
+    vec![
         cpu("host/huge_file_read_is_an_error", || in_child("huge_file")),
         cpu("host/spec_uniform_of_usize_max_is_an_error", || {
             in_child("spec_uniform")
@@ -57,8 +57,7 @@ pub fn trials() -> Vec<Trial> {
             in_child("read_only_pool")
         }),
         gpu("device/sweep", || in_child("device_sweep")),
-    ];
-    trials
+    ]
 }
 
 /// Runs `what` in a child process: passes if the child exits with 0; a child killed by a signal

@@ -19,7 +19,7 @@ const PREFIX: &str = "discovery/";
 /// The trials of this module, named `discovery/...`.
 pub fn trials() -> Vec<Trial> {
     let t = |name: &str, f: fn() -> R| trial(PREFIX, name, f);
-    let trials = vec![
+    vec![
         t(
             "toolkit/candidates_in_documented_order",
             candidates_in_documented_order,
@@ -58,8 +58,7 @@ pub fn trials() -> Vec<Trial> {
             failure_messages_say_what_to_do,
         ),
         t("toolkit/empty_variable_is_unset", empty_variable_is_unset),
-    ];
-    trials
+    ]
 }
 
 /// A scratch folder unique to this trial, removed first if it exists.

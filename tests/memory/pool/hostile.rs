@@ -51,7 +51,7 @@ pub fn trials() -> Vec<Trial> {
         let what = name.clone();
         trial(PREFIX, name, move || within(&what, BOUND, f)).with_ignored_flag(no_gpu)
     };
-    let trials = vec![
+    vec![
         // First: before anything else made a pool.
         t(
             "pool/unused_ordinals_report_nothing_and_empty_quietly",
@@ -123,8 +123,7 @@ pub fn trials() -> Vec<Trial> {
             busy_consumer_stream,
         ),
         t("host/empty_and_0d_blocks", empty_and_0d_blocks),
-    ];
-    trials
+    ]
 }
 
 // ---------------------------------------------------------------------------------------------

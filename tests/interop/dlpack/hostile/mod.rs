@@ -52,7 +52,7 @@ pub fn trials() -> Vec<Trial> {
         let what = name.clone();
         trial(PREFIX, name, move || within(&what, BOUND, f))
     };
-    let trials = vec![
+    vec![
         cpu(
             "finding/byte_offset_wrapping_around_the_address_space",
             byte_offset_wraps,
@@ -146,8 +146,7 @@ pub fn trials() -> Vec<Trial> {
             "held/pixels_and_extras_released_at_once",
             pixels_extras_at_once,
         ),
-    ];
-    trials
+    ]
 }
 
 // ---------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ pub fn trials() -> Vec<Trial> {
         let what = name.clone();
         trial(PREFIX, name, move || within(&what, BOUND, f)).with_ignored_flag(no_gpu)
     };
-    let trials = vec![
+    vec![
         t("held/bad_parts_are_typed_errors", bad_parts),
         t("held/odd_bits_and_lanes", odd_bits_and_lanes),
         t("held/empty_and_many_parts", empty_and_many_parts),
@@ -67,8 +67,7 @@ pub fn trials() -> Vec<Trial> {
             "held/prefetched_batch_split_refused_and_slot_returns",
             batch_split_refused_slot_returns,
         ),
-    ];
-    trials
+    ]
 }
 
 // ---------------------------------------------------------------------------------------------

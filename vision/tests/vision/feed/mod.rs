@@ -34,7 +34,7 @@ pub mod hostile2;
 /// The trials of this module, named `feed/...`.
 pub fn trials() -> Vec<Trial> {
     let no_gpu = !pinstream::available();
-    let trials = vec![
+    vec![
         trial(PREFIX, "dry/epoch_sees_every_image_once", dry_epoch),
         trial(
             PREFIX,
@@ -48,8 +48,7 @@ pub fn trials() -> Vec<Trial> {
         trial(PREFIX, "dry/config_refused", config_refused),
         trial(PREFIX, "gpu/feed_two_epochs_vs_reference", gpu_feed).with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/error_ends_the_feed_loudly", gpu_error_stays).with_ignored_flag(no_gpu),
-    ];
-    trials
+    ]
 }
 
 /// A dataset folder made once per process: 3 classes, 26 images (+ the shared photographs),
