@@ -203,6 +203,7 @@ pub fn denormalize<I: DenormInput>(input: &[I], spec: &Spec, out: &mut [u8]) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
 
     #[test]
     fn reference_allocation_failure_is_an_error() {

@@ -3,8 +3,8 @@
 //!
 //! One binary of the integration tests by subject (tests/README.md).
 
-#[path = "../common/mod.rs"]
 mod boxes;
+#[path = "../common/mod.rs"]
 mod common;
 mod normalize;
 mod props;

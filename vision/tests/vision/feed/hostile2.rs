@@ -7,7 +7,7 @@
 //! `decode::decode_rgb` of the whole file.
 //! Run: `cargo test --test vision -- feed/hostile2 --nocapture`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::Duration;
 
