@@ -6,7 +6,7 @@ use bytemuck::{Pod, Zeroable};
 #[repr(transparent)]
 struct Byte(u8);
 
-impl pinstream::kernels::sealed::Element for Byte {
+impl pinstream::kernels::element::sealed::Element for Byte {
     const CODE: i32 = 2;
 }
 
