@@ -25,6 +25,18 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 #![warn(missing_debug_implementations)]
+// The core keeps a few services only its layers call (affinity, batched and non-temporal copies,
+// pool block lengths, the panic guards): unused when a dependent turns the layers off. Dead
+// code is still denied with the default features, where every layer is on (as tokio does).
+#![cfg_attr(
+    not(all(
+        feature = "staging",
+        feature = "prefetch",
+        feature = "timing",
+        feature = "dlpack"
+    )),
+    allow(dead_code)
+)]
 
 // The core (always built): each module imports only those above it in this list.
 mod affinity;

@@ -41,6 +41,7 @@ mod tensor;
 
 pub use crate::deferred::wait_for_releases;
 pub use import::{HostTensor, Imported};
+#[cfg(feature = "prefetch")]
 pub(crate) use tensor::TensorParts;
 pub use tensor::{Part, Refused, Tensor};
 

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::memory::sealed::{DeviceMem, HostMem};
 use crate::memory::tracker::{self, Access};
 use crate::memory::DeviceBuffer;
+#[cfg(feature = "staging")]
 use crate::staging::PackedBatch;
 use crate::stream::Stream;
 
@@ -88,6 +89,7 @@ impl<T: Element> DeviceHeld for DeviceBuffer<T> {
     }
 }
 
+#[cfg(feature = "staging")]
 impl DeviceHeld for PackedBatch {
     fn held(&self) -> (&tracker::Tracker, Device, usize) {
         self.arena().held()

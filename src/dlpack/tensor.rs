@@ -18,6 +18,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::memory::sealed::{DeviceMem, HostMem};
 use crate::memory::{resolve_range, DeviceBuffer, PinnedBuffer, PoolBlock};
+#[cfg(feature = "staging")]
 use crate::staging::{Packed, PackedBatch};
 use crate::stream::Stream;
 
@@ -178,6 +179,7 @@ impl Tensor {
         Ok(if shared { t.read_only() } else { t })
     }
 
+    #[cfg(feature = "staging")]
     /// A one-dimensional tensor of one slice of a packed upload
     /// ([`Stager::upload_packed`](crate::Stager::upload_packed)): the arena stays alive until
     /// every tensor exported from it is released (each holds the `Arc`). Read-only when the
@@ -206,6 +208,7 @@ impl Tensor {
         Ok(if shared { t.read_only() } else { t })
     }
 
+    #[cfg(feature = "staging")]
     /// A one-dimensional `u8` tensor of a packed upload's whole arena, to cut into one tensor per pushed slice with
     /// [`split`](Self::split) at their [`offset`](Packed::offset)s: writable tensors when the
     /// batch is not shared otherwise.

@@ -4,13 +4,19 @@
 //! side.
 
 pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
+#[cfg(any(feature = "dlpack", feature = "cudarc-any"))]
+pub(crate) use foreign::check_device_ptr;
 pub use foreign::ForeignBuffer;
-pub(crate) use foreign::{check_device_ptr, pointer_kind, PointerKind};
+#[cfg(feature = "dlpack")]
+pub(crate) use foreign::{pointer_kind, PointerKind};
 pub use live::{live, Live};
+#[cfg(feature = "timing")]
 pub(crate) use pinned::time_alloc_free;
 pub use pinned::{HostAlloc, PinnedBuffer, PinnedView};
+#[cfg(feature = "prefetch")]
 pub(crate) use pool::class_of as pool_class_of;
 pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
+#[cfg(feature = "timing")]
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};

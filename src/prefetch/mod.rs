@@ -69,8 +69,10 @@ use crate::memory::{DeviceView, PinnedPool, PoolStats};
 use crate::staging::Stager;
 use crate::stream::Stream;
 use batch::PinnedSupply;
+pub(crate) use export::Lease;
+#[cfg(feature = "dlpack")]
+pub(crate) use export::Leased;
 use export::{Exports, Stand};
-pub(crate) use export::{Lease, Leased};
 use feeder::Feeder;
 use pipeline::{Msg, Pipeline, Plan};
 use slot::Slot;

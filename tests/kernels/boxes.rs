@@ -20,8 +20,15 @@ impl BoxRng {
 }
 
 /// torchvision's defaults: scale (0.08, 1), ratio (3/4, 4/3), mirror with probability 1/2.
-#[derive(Default)]
-pub struct RandomResizedCrop;
+pub struct RandomResizedCrop {
+    flip_p: f64,
+}
+
+impl Default for RandomResizedCrop {
+    fn default() -> Self {
+        RandomResizedCrop { flip_p: 0.5 }
+    }
+}
 
 impl RandomResizedCrop {
     pub fn sample(
@@ -74,7 +81,7 @@ impl RandomResizedCrop {
             left: left as f32,
             height: h as f32,
             width: w as f32,
-            flip: rng.0.random_bool(0.5),
+            flip: rng.0.random_bool(self.flip_p),
             clamp_to_box: true,
         })
     }

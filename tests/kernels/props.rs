@@ -24,8 +24,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::common::guard::{self, Placement, GUARD};
 use crate::common::{ensure, R};
-use libtest_mimic::{Failed, Trial};
 use bytemuck::Pod;
+use libtest_mimic::{Failed, Trial};
 use pinstream::kernels::{cpu, Crop, DenormInput, Layout, Normalize, OutputElement, Sample, Spec};
 use pinstream::{bf16, f16, Device, Error, Stream};
 use rand::rngs::SmallRng;

@@ -14,10 +14,10 @@
 
 use std::fmt::Debug;
 
+use super::boxes::{BoxRng, RandomResizedCrop};
 use crate::common::guard::Guarded;
 use crate::common::{ensure, R};
 use libtest_mimic::{Failed, Trial};
-use super::boxes::{BoxRng, RandomResizedCrop};
 use pinstream::kernels::CropBox;
 use pinstream::kernels::{self, cpu, Layout, Normalize, OutputElement, ResizeSpec};
 use pinstream::{bf16, f16, Device, DeviceBuffer, Error, Stream};

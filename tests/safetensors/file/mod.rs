@@ -10,7 +10,6 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::common::{ensure, R};
-use bytemuck;
 use libtest_mimic::Trial;
 use pinstream::dlpack::abi::{KDL_BFLOAT, KDL_BOOL, KDL_FLOAT, KDL_INT, KDL_UINT};
 use pinstream::dlpack::Element;
