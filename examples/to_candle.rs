@@ -1,6 +1,6 @@
 //! Prefetched batches as candle tensors on the GPU, never through host memory: the prefetcher
 //! runs on candle's stream, and each batch's pixels are copied device to device into memory
-//! candle owns. Build: README, "Sharing the toolkit with cudarc / candle".
+//! candle owns. Build: docs/toolkit.md, "Sharing the toolkit with cudarc / candle".
 use candle_core::{op::BackpropOp, CudaStorage, Device, Storage, Tensor};
 use pinstream::cudarc::lend;
 use pinstream::kernels::{Layout, Normalize, Sample, Spec};

@@ -186,7 +186,7 @@ impl DriverStatus {
     /// with `CUDA_HOME`. Several lines, no trailing newline.
     pub fn advice(&self) -> Option<String> {
         let older = "build with CUDA_HOME pointing at an older CUDA toolkit (11.x runs on \
-                     driver r450+, 12.x on r525+, 13.x on r580+; see pinstream's README)";
+                     driver r450+, 12.x on r525+, 13.x on r580+; see pinstream's docs/toolkit.md)";
         match self.verdict() {
             DriverVerdict::Sufficient => None,
             DriverVerdict::NoDriver => {
@@ -224,7 +224,7 @@ impl DriverStatus {
                      Ways out:\n  1. update the NVIDIA driver to {} (https://www.nvidia.com/drivers \
                      or your distribution's package); or\n  2. build with CUDA_HOME pointing \
                      at a CUDA {}.x toolkit, which this driver runs (11.x runs on r450+, 12.x \
-                     on r525+, 13.x on r580+; see pinstream's README).",
+                     on r525+, 13.x on r580+; see pinstream's docs/toolkit.md).",
                     self.runtime,
                     self.needs(),
                     self.floor_text(),
