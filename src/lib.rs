@@ -39,7 +39,6 @@
 )]
 
 // The core (always built): each module imports only those above it in this list.
-mod affinity;
 mod copy;
 pub mod device;
 pub mod driver;

@@ -114,6 +114,34 @@ fn lane_gbps(gen: u32) -> Option<f64> {
     })
 }
 
+/// CPUs a `cpu_set_t` can name.
+pub(crate) const SET_SIZE: usize = libc::CPU_SETSIZE as usize;
+
+/// Parses a Linux CPU list such as `"0-15,32-47"` or `"3"`. `None` for anything else, an empty
+/// list, or a CPU a `cpu_set_t` cannot hold.
+pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in s.trim().split(',') {
+        let (lo, hi) = match part.split_once('-') {
+            Some((a, b)) => (
+                a.trim().parse::<usize>().ok()?,
+                b.trim().parse::<usize>().ok()?,
+            ),
+            None => {
+                let c = part.trim().parse::<usize>().ok()?;
+                (c, c)
+            }
+        };
+        if lo > hi || hi >= SET_SIZE {
+            return None;
+        }
+        cpus.extend(lo..=hi);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    (!cpus.is_empty()).then_some(cpus)
+}
+
 impl Device {
     /// The PCI bus id in sysfs form, e.g. "0000:3b:00.0".
     pub fn pci_bus_id(&self) -> Result<String> {
@@ -148,6 +176,22 @@ impl Device {
     /// The CPUs next to the device (sysfs `local_cpulist`), where sysfs shows them.
     pub fn local_cpus(&self) -> Option<Vec<usize>> {
         let s = std::fs::read_to_string(self.sysfs_dir()?.join("local_cpulist")).ok()?;
-        crate::affinity::parse_cpulist(&s)
+        parse_cpulist(&s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulists_parse() {
+        assert_eq!(parse_cpulist("0-3"), Some(vec![0, 1, 2, 3]));
+        assert_eq!(parse_cpulist("5\n"), Some(vec![5]));
+        assert_eq!(parse_cpulist("0-1,8-9,4"), Some(vec![0, 1, 4, 8, 9]));
+        assert_eq!(parse_cpulist("2,2,1-2"), Some(vec![1, 2]));
+        for bad in ["", " ", "3-1", "a", "1-", "0-99999", "1,,2"] {
+            assert_eq!(parse_cpulist(bad), None, "{bad:?}");
+        }
     }
 }

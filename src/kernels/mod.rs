@@ -84,6 +84,7 @@ pub fn iota<D: DeviceSliceMut<u32> + ?Sized>(
     .map(|_| ())
 }
 
+#[cfg(feature = "timing")]
 /// Queues the gate kernel: it holds `stream` until the host stores a non-zero value at
 /// `flag[0]` (mapped pinned memory, device address `flag`), or `timeout` passes, which sets
 /// `flag[1]`. The caller keeps the flag memory alive until the stream has passed the gate.

@@ -63,7 +63,6 @@ pub(crate) use flag_set;
 mod device;
 mod foreign;
 mod live;
-pub(crate) mod nt;
 mod pinned;
 pub(crate) mod pool;
 mod registered;

@@ -45,6 +45,7 @@ use std::sync::Arc;
 
 use bytemuck::Pod;
 
+mod affinity;
 mod batch;
 mod config;
 mod dry;
@@ -177,7 +178,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         // Threads spawned from here on inherit the mask; this thread gets its own back when
         // `_local` drops at the end.
         let _local = match device.local_cpus().filter(|_| config.numa_local) {
-            Some(cpus) => crate::affinity::bind(&cpus)?,
+            Some(cpus) => affinity::bind(&cpus)?,
             None => None,
         };
         let pool = PinnedPool::new(&device, config.pool)?;

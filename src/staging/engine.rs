@@ -694,7 +694,7 @@ fn after_dma(claim: &mut Claim<'_>, stream: &Stream) -> Result<()> {
 unsafe fn host_copy(streaming: bool, dst: *mut u8, src: *const u8, len: usize) {
     if streaming {
         // SAFETY: the caller's contract is `nt::copy`'s.
-        unsafe { crate::memory::nt::copy(dst, src, len) }
+        unsafe { super::nt::copy(dst, src, len) }
     } else {
         // SAFETY: the caller's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }

@@ -28,6 +28,7 @@
 
 mod engine;
 mod file;
+mod nt;
 mod packed;
 pub(crate) mod plan;
 

@@ -1,36 +1,9 @@
-//! CPU affinity: which CPUs sit next to a GPU (sysfs `local_cpulist`), and binding the calling
+//! CPU affinity for the prefetcher's threads: binding the calling
 //! thread to them for a while, so that threads it spawns (which inherit the mask) and the
 //! page-locked memory they first touch stay on the GPU's NUMA node.
 
+use crate::device::topology::SET_SIZE;
 use crate::error::{Error, Result};
-
-/// CPUs a `cpu_set_t` can name.
-const SET_SIZE: usize = libc::CPU_SETSIZE as usize;
-
-/// Parses a Linux CPU list such as `"0-15,32-47"` or `"3"`. `None` for anything else, an empty
-/// list, or a CPU a `cpu_set_t` cannot hold.
-pub(crate) fn parse_cpulist(s: &str) -> Option<Vec<usize>> {
-    let mut cpus = Vec::new();
-    for part in s.trim().split(',') {
-        let (lo, hi) = match part.split_once('-') {
-            Some((a, b)) => (
-                a.trim().parse::<usize>().ok()?,
-                b.trim().parse::<usize>().ok()?,
-            ),
-            None => {
-                let c = part.trim().parse::<usize>().ok()?;
-                (c, c)
-            }
-        };
-        if lo > hi || hi >= SET_SIZE {
-            return None;
-        }
-        cpus.extend(lo..=hi);
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    (!cpus.is_empty()).then_some(cpus)
-}
 
 fn empty_set() -> libc::cpu_set_t {
     // SAFETY: `cpu_set_t` is a plain bit array; all zeros is the empty set.
@@ -109,17 +82,6 @@ pub(crate) fn allowed() -> Result<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpulists_parse() {
-        assert_eq!(parse_cpulist("0-3"), Some(vec![0, 1, 2, 3]));
-        assert_eq!(parse_cpulist("5\n"), Some(vec![5]));
-        assert_eq!(parse_cpulist("0-1,8-9,4"), Some(vec![0, 1, 4, 8, 9]));
-        assert_eq!(parse_cpulist("2,2,1-2"), Some(vec![1, 2]));
-        for bad in ["", " ", "3-1", "a", "1-", "0-99999", "1,,2"] {
-            assert_eq!(parse_cpulist(bad), None, "{bad:?}");
-        }
-    }
 
     #[test]
     fn bind_restores_the_mask() {
