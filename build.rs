@@ -552,6 +552,17 @@ fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), Stri
     for flag in toolkit::gencode_flags(&archs) {
         build.flag(&flag);
     }
+    // nvcc compiles a file's architectures one after another unless told to use threads
+    // (CUDA 11.2+): as many as cargo's jobs (NUM_JOBS), so that a dependent's first build does
+    // not wait for seven architectures in a row. The code generated is the same.
+    if archs.len() > 1 {
+        let jobs = env::var("NUM_JOBS")
+            .ok()
+            .and_then(|j| j.parse::<usize>().ok())
+            .unwrap_or(1)
+            .clamp(1, archs.len());
+        build.flag(format!("--threads={jobs}"));
+    }
     // One library per .cu file: cc compiles several CUDA files in one build as relocatable
     // device code (--device-c), and that costs registers (crop_rows<f16, 3>: 76 instead of 60)
     // and measured 11 % of its speed on the H100. No kernel calls across files.
