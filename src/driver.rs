@@ -83,8 +83,9 @@ pub enum DriverVerdict {
 /// [`Error::NoDevice`] carries it.
 ///
 /// ```
-/// let status = pinstream::DriverStatus::from_parts(12040, Some("550.54.15".into()), 13000);
-/// assert_eq!(status.verdict(), pinstream::DriverVerdict::TooOld);
+/// use pinstream::driver::{DriverStatus, DriverVerdict};
+/// let status = DriverStatus::from_parts(12040, Some("550.54.15".into()), 13000);
+/// assert_eq!(status.verdict(), DriverVerdict::TooOld);
 /// let advice = status.advice().unwrap_or_default();
 /// assert!(advice.contains("r580") && advice.contains("CUDA_HOME"));
 /// ```

@@ -325,8 +325,7 @@ fn rows(spec: &ResizeSpec) -> Result<Vec<sys::pinstream_rrc_sample>> {
 /// `Error::WrongDevice`); the call does not wait for the stream.
 ///
 /// ```no_run
-/// use pinstream::augment::{RandomResizedCrop, Rng};
-/// use pinstream::kernels::{self, Normalize, ResizeSpec};
+/// use pinstream::kernels::{self, CropBox, Normalize, ResizeSpec};
 /// use pinstream::{bf16, Device, DeviceBuffer};
 /// # fn main() -> pinstream::Result<()> {
 /// let dev = Device::get(0)?;
@@ -336,8 +335,8 @@ fn rows(spec: &ResizeSpec) -> Result<Vec<sys::pinstream_rrc_sample>> {
 /// let mut d_in = DeviceBuffer::<u8>::new(&dev, image.len())?;
 /// stream.copy_h2d(&image[..], &mut d_in)?;
 /// let mut spec = ResizeSpec::new(3, 224, 224, Normalize::imagenet());
-/// let mut rng = Rng::new(0, 0);
-/// spec.push(0, h, w, RandomResizedCrop::default().sample(&mut rng, h, w)?);
+/// // Resize(256) + CenterCrop(224); pinstream-vision's `RandomResizedCrop` makes training boxes.
+/// spec.push(0, h, w, CropBox::center(h, w, 256, 224)?);
 /// let mut out = DeviceBuffer::<bf16>::new(&dev, spec.output_len()?)?;
 /// kernels::resized_crop(&stream, &d_in, &spec, &mut out)?;
 /// # Ok(()) }
