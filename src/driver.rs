@@ -80,7 +80,7 @@ pub enum DriverVerdict {
 
 /// The installed NVIDIA driver against what this build needs: the answer to "why does CUDA not
 /// work here, and what do I do?". [`driver_status`] fills it in; `pinstream info` prints it and
-/// [`Error::NoDevice`] carries it.
+/// [`Error::NoDevice`](crate::Error::NoDevice) carries it.
 ///
 /// ```
 /// use pinstream::driver::{DriverStatus, DriverVerdict};

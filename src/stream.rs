@@ -148,7 +148,7 @@ impl Stream {
     ///   `device`'s primary context: the context the CUDA runtime
     ///   uses, which PyTorch and cudarc's `CudaContext::new` share.
     /// - It stays live until the returned `Stream` and every clone of it have been dropped
-    ///   (buffers from [`DeviceBuffer::new_async`] on it and prefetchers consuming on it hold
+    ///   (buffers from [`DeviceBuffer::new_async`](crate::DeviceBuffer::new_async) on it and prefetchers consuming on it hold
     ///   clones): destroying it earlier is a use after free in the driver.
     ///
     /// `cudaStreamPerThread` is refused (`Error::InvalidArgument`): it names a different stream

@@ -233,7 +233,7 @@ impl Device {
     }
 
     /// Whether this device can read and write `peer`'s memory directly, over NVLink or PCIe
-    /// (`cudaDeviceCanAccessPeer`): then [`Stream::copy_peer`] between them works, at the
+    /// (`cudaDeviceCanAccessPeer`): then [`Stream::copy_peer`](crate::Stream::copy_peer) between them works, at the
     /// speed of that link. A device always reaches its own memory (`true` for `self`).
     /// The answer can differ between the two directions of a pair.
     ///
@@ -262,7 +262,7 @@ impl Device {
     /// Lets this device access `peer`'s memory directly (`cudaDeviceEnablePeerAccess` with this
     /// device current), once per ordered pair and process: the result is kept in a
     /// process-wide table, and access that other code already enabled
-    /// (`cudaErrorPeerAccessAlreadyEnabled`) counts as enabled. [`Stream::copy_peer`] calls it
+    /// (`cudaErrorPeerAccessAlreadyEnabled`) counts as enabled. [`Stream::copy_peer`](crate::Stream::copy_peer) calls it
     /// for the stream's device and the other buffer's; call it yourself to pay its cost (the
     /// driver maps `peer`'s allocations into this device's address space) before the first
     /// copy. Access is one-way: `b.enable_peer_access(&a)` is a separate call. A no-op for

@@ -28,7 +28,7 @@ pub enum PoolBacking {
     /// spread over the threads (`pinstream staging --pool-size` measures the whole). A failed `mmap` for
     /// lack of memory is `Error::OutOfMemory` with `call: "mmap"`. Fresh blocks are zero (anonymous memory). Freed with
     /// `cudaHostUnregister` and `munmap`. The blocks count as registered memory
-    /// ([`HostKind::Registered`]); with [`HostRegister::READ_ONLY`] they are never a copy's
+    /// ([`HostKind::Registered`](crate::HostKind::Registered)); with [`HostRegister::READ_ONLY`] they are never a copy's
     /// destination.
     Register {
         /// Threads that fault the pages in (at least 1).

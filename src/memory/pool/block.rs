@@ -26,7 +26,7 @@ pub(super) trait Home: Send + Sync {
     fn release_or_free(&self, block: Block, requested: usize, free: bool);
 }
 
-/// `len` elements of `T` in pinned host memory from a [`PinnedPool`]; dropping it gives the
+/// `len` elements of `T` in pinned host memory from a [`PinnedPool`](crate::PinnedPool); dropping it gives the
 /// memory back to the pool.
 ///
 /// Like a [`PinnedBuffer`](crate::PinnedBuffer), every copy that touches it records an event;
