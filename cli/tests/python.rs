@@ -29,10 +29,7 @@ fn run() -> Result<bool, String> {
         println!("pytest: test");
         return Ok(true);
     }
-    if args
-        .iter()
-        .any(|a| !a.starts_with('-') && !"pytest".contains(a.as_str()))
-    {
+    if !selected(&args) {
         return Ok(true); // filtered out
     }
     let python = std::env::var("PINSTREAM_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -45,7 +42,7 @@ fn run() -> Result<bool, String> {
     let profile = deps.parent().ok_or("no profile folder")?;
     // Under cargo: build the extension now, with the profile of this test (`--release` when
     // the test was built so).
-    if let Some(cargo) = std::env::var_os("CARGO") {
+    if let Some(cargo) = std::env::var_os("CARGO").filter(|c| !c.is_empty()) {
         let release = profile.file_name().is_some_and(|n| n == "release");
         let mut build = Command::new(cargo);
         build
@@ -135,6 +132,44 @@ fn run() -> Result<bool, String> {
         .status()
         .map_err(|e| format!("{python}: {e}"))?;
     Ok(status.success())
+}
+
+/// Whether libtest's arguments select the one test, `pytest`, as libtest would: with filters
+/// (free arguments), at least one must match it (a substring, or the whole name with
+/// `--exact`); no `--skip` may match it; `--ignored` (it is not an ignored test) deselects it.
+/// The values of libtest's options that take one (`--test-threads 2`, `--skip pytest`,
+/// `--format json`, ...) are not filters.
+fn selected(args: &[String]) -> bool {
+    const NAME: &str = "pytest";
+    const TAKES_VALUE: &[&str] = &[
+        "--skip",
+        "--test-threads",
+        "--format",
+        "--color",
+        "--logfile",
+        "--shuffle-seed",
+        "-Z",
+    ];
+    let exact = args.iter().any(|a| a == "--exact");
+    let hits = |f: &str| if exact { f == NAME } else { NAME.contains(f) };
+    let (mut filters, mut skips, mut ignored_only) = (Vec::new(), Vec::new(), false);
+    let mut it = args.iter().map(String::as_str);
+    while let Some(a) = it.next() {
+        if a == "--ignored" {
+            ignored_only = true;
+        } else if let Some(v) = a.strip_prefix("--skip=") {
+            skips.push(v);
+        } else if a == "--skip" {
+            skips.extend(it.next());
+        } else if TAKES_VALUE.contains(&a) {
+            let _ = it.next();
+        } else if !a.starts_with('-') {
+            filters.push(a);
+        }
+    }
+    !ignored_only
+        && (filters.is_empty() || filters.iter().any(|f| hits(f)))
+        && !skips.iter().any(|f| NAME.contains(f))
 }
 
 fn env_dir(name: &str) -> Result<String, String> {
