@@ -38,4 +38,4 @@ PY
 strip .gpu/test/interop-* .gpu/bin/to_cudarc 2>/dev/null || true
 XZ_OPT=-T0 tar cJf .gpu.tar.xz .gpu
 echo "packed: .gpu ($(du -sh .gpu | cut -f1)), .gpu.tar.xz ($(du -sh .gpu.tar.xz | cut -f1))"
-echo "on the device: carry [\".gpu.tar.xz\"], command: tar xJf .gpu.tar.xz && .gpu/test/cudarc-* && .gpu/bin/to_cudarc"
+echo "on the device: carry [\".gpu.tar.xz\"], command: tar xJf .gpu.tar.xz && .gpu/test/interop-* cudarc/ && .gpu/bin/to_cudarc"

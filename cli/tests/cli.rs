@@ -4,6 +4,8 @@
 //! reason, where the program is not beside the test executable.
 
 mod common;
+#[path = "hostile30/mod.rs"]
+mod hostile30;
 
 use std::path::{Path, PathBuf};
 
@@ -54,6 +56,8 @@ fn main() {
         ),
         cli("no_device/load_says_it_once", load_says_no_device_once).with_ignored_flag(has_gpu),
     ];
+    let mut trials = trials;
+    trials.extend(hostile30::trials());
     libtest_mimic::run(&args, trials).exit();
 }
 

@@ -1,7 +1,7 @@
 //! CPU reference of every normalize / denormalize / resized-crop variant, computed in f64. The
 //! GPU tests compare against it, and `pinstream normalize --cpu` runs it instead of the GPU.
 
-use super::element::{DenormInput, OutputElement};
+pub use super::element::{DenormInput, OutputElement};
 use super::spec::{Layout, Spec};
 use crate::error::{Error, Result};
 

@@ -20,6 +20,8 @@ pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 pub(crate) use registered::time_register;
 pub use registered::{HostRegister, Registered};
 pub use tracker::{leaked, Leaked};
+// Where they were before issue 30 (they live in `copy` now).
+pub use crate::copy::{Download, DownloadTarget};
 
 use std::os::raw::c_void;
 

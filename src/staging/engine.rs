@@ -131,7 +131,7 @@ pub(crate) struct Job {
     pub plan: Plan,
     /// Pieces with several runs move them with one `cudaMemcpyBatchAsync`.
     pub batch: bool,
-    /// Slot fills use streaming stores (`memory::nt`).
+    /// Slot fills use streaming stores (`staging::nt`).
     pub streaming: bool,
     /// Workers that may join (besides the caller).
     pub helpers: usize,

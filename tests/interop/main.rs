@@ -29,6 +29,7 @@ fn main() {
     trials.extend(dlpack::hostile::trials());
     trials.extend(dlpack::hostile::release::trials());
     trials.extend(dlpack::hostile::split::trials());
+    trials.extend(dlpack::hostile30::trials());
     #[cfg(feature = "cudarc")]
     trials.extend(cudarc::trials());
     libtest_mimic::run(&args, trials).exit();

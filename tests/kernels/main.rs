@@ -6,6 +6,7 @@
 mod boxes;
 #[path = "../common/mod.rs"]
 mod common;
+mod hostile30;
 mod normalize;
 mod props;
 mod resize;
@@ -27,5 +28,6 @@ fn main() {
     trials.extend(normalize::trials());
     trials.extend(props::trials());
     trials.extend(resize::trials());
+    trials.extend(hostile30::trials());
     libtest_mimic::run(&args, trials).exit();
 }

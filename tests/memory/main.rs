@@ -21,6 +21,7 @@ fn main() {
     #[cfg(feature = "dlpack")]
     trials.extend(pool::hostile::trials());
     trials.extend(pool::trials());
+    trials.extend(pool::hostile30::trials());
     trials.extend(stream_pool::trials());
     trials.extend(host::trials());
     libtest_mimic::run(&args, trials).exit();

@@ -6,6 +6,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod discovery;
+mod hostile30;
 mod runtime;
 
 use libtest_mimic::Arguments;
@@ -15,5 +16,6 @@ fn main() {
     let mut trials = Vec::new();
     trials.extend(discovery::trials());
     trials.extend(runtime::trials());
+    trials.extend(hostile30::trials());
     libtest_mimic::run(&args, trials).exit();
 }

@@ -30,6 +30,7 @@ use crate::common::trial;
 const PREFIX: &str = "dlpack/";
 
 pub mod hostile;
+pub mod hostile30;
 
 /// A child process of one of these trials (this executable again, with the variable set): runs
 /// its part and returns true, or exits; false in the test runner.

@@ -18,6 +18,7 @@ const PREFIX: &str = "pool/";
 
 #[cfg(feature = "dlpack")]
 pub mod hostile;
+pub mod hostile30;
 
 const BACKINGS: &[(&str, PoolBacking)] = &[
     ("hostalloc", PoolBacking::HostAlloc(HostAlloc::DEFAULT)),
