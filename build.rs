@@ -69,6 +69,7 @@ fn build() -> Result<(), String> {
     share_toolkit(&tk, cudart, &out_dir)?;
 
     let clang_args = load_libclang(&out_dir, cache.as_deref(), no_provision)?;
+    share_libclang(cache.as_deref(), &clang_args);
     generate_bindings(&tk, &clang_args, &out_dir)?;
     compile_kernels(&tk, cudart, &out_dir)?;
 
@@ -129,6 +130,20 @@ fn share_toolkit(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), String
         println!("cargo::metadata={key}={value}");
     }
     Ok(())
+}
+
+/// Tells dependents' build scripts (pinstream-vision binds nvJPEG's header) the libclang this
+/// build loaded (`DEP_PINSTREAM_CUDA_LIBCLANG`), the clang arguments it needs (`..._CLANG_ARGS`,
+/// tab-separated) and the per-user cache folder (`..._CACHE`), so that they provision nothing
+/// twice.
+fn share_libclang(cache: Option<&Path>, clang_args: &[String]) {
+    if let Some(lib) = clang_sys::get_library() {
+        println!("cargo::metadata=libclang={}", lib.path().display());
+    }
+    println!("cargo::metadata=clang_args={}", clang_args.join("\t"));
+    if let Some(cache) = cache {
+        println!("cargo::metadata=cache={}", cache.display());
+    }
 }
 
 /// Writes `path` through a temporary file and a rename, so that a reader (or a second build

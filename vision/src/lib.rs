@@ -41,3 +41,5 @@ pub mod sampler;
 mod util;
 
 pub use feed::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource, Skipped};
+#[cfg(feature = "nvjpeg")]
+pub mod nvjpeg;

@@ -1,0 +1,734 @@
+//! The batched GPU JPEG decoder: per image, the GPU's hardware JPEG engines (nvJPEG's hardware
+//! backend: baseline, single scan, 4:4:4 / 4:2:2 / 4:2:0 / 4:4:0 / gray), the CUDA backend for
+//! the other sequential JPEGs it accepts, and the CPU decoder ([`crate::decode`]) for the rest
+//! (progressive, CMYK, lossless, PNG), all into one device arena, interleaved RGB.
+//!
+//! # The stream-ordering guarantee
+//! On H100, nvJPEG's hardware engine writes its destinations before the work queued ahead of it
+//! on the same stream has run (pytorch/vision #9606, meta-pytorch/torchcodec #1634). So
+//! [`GpuDecoder::decode`] hands the engines only memory that nothing queued still touches: it
+//! waits on the host for every use of the arena pinstream tracked (on any stream: kernels,
+//! copies, memsets, `record_stream`) and for its own stream, and only then queues the decode.
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::Arc;
+
+use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
+use pinstream::{Device, Error, Result, Stream};
+
+use super::library::library;
+use super::sys;
+use crate::decode::{self, Format};
+
+/// How one image is decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// The GPU's JPEG engines (nvJPEG's hardware backend).
+    Hardware,
+    /// nvJPEG's CUDA backend (Huffman decoding on the GPU or the calling thread).
+    Cuda,
+    /// The CPU decoder, then a copy to the device.
+    Cpu,
+}
+
+/// A rectangle of an image, in pixels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Region {
+    /// First row.
+    pub top: usize,
+    /// First column.
+    pub left: usize,
+    /// Rows.
+    pub height: usize,
+    /// Columns.
+    pub width: usize,
+}
+
+impl Region {
+    /// The whole `height x width` image.
+    pub fn full(height: usize, width: usize) -> Region {
+        Region {
+            top: 0,
+            left: 0,
+            height,
+            width,
+        }
+    }
+
+    /// Bytes of this region as interleaved RGB.
+    pub fn rgb_len(&self) -> usize {
+        self.height * self.width * 3
+    }
+}
+
+/// What [`GpuDecoder::plan`] says of an image: its route, size, and the region a decode
+/// writes (the region asked for where the route decodes regions, the whole image elsewhere).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Plan {
+    /// The decoder that will take it.
+    pub route: Route,
+    /// Rows of the image.
+    pub height: usize,
+    /// Columns of the image.
+    pub width: usize,
+    /// What a decode writes: `region.height x region.width x 3` bytes at the item's offset.
+    pub region: Region,
+}
+
+/// One image of a batch: its file's bytes, where its pixels go in the arena (bytes), and the
+/// region to decode where the route can (`None`: the whole image).
+#[derive(Clone, Copy, Debug)]
+pub struct Item<'a> {
+    /// The file.
+    pub data: &'a [u8],
+    /// First byte of its pixels in the arena.
+    pub offset: usize,
+    /// The region wanted (ROI decoding on the hardware route).
+    pub region: Option<Region>,
+}
+
+fn status_name(s: sys::nvjpegStatus_t) -> &'static str {
+    match s {
+        1 => "NVJPEG_STATUS_NOT_INITIALIZED",
+        2 => "NVJPEG_STATUS_INVALID_PARAMETER",
+        3 => "NVJPEG_STATUS_BAD_JPEG",
+        4 => "NVJPEG_STATUS_JPEG_NOT_SUPPORTED",
+        5 => "NVJPEG_STATUS_ALLOCATOR_FAILURE",
+        6 => "NVJPEG_STATUS_EXECUTION_FAILED",
+        7 => "NVJPEG_STATUS_ARCH_MISMATCH",
+        8 => "NVJPEG_STATUS_INTERNAL_ERROR",
+        9 => "NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED",
+        10 => "NVJPEG_STATUS_INCOMPLETE_BITSTREAM",
+        _ => "an unknown nvJPEG status",
+    }
+}
+
+/// `Ok` for success, else an error naming the call and the status.
+fn check(call: &'static str, s: sys::nvjpegStatus_t) -> Result<()> {
+    if s == sys::nvjpegStatus_t_NVJPEG_STATUS_SUCCESS {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        call,
+        format!("nvJPEG returned {} ({s})", status_name(s)),
+    ))
+}
+
+/// A file nvJPEG's parser refuses, as the CPU decoder's errors are: a `Format` error.
+fn bad_jpeg(detail: String) -> Error {
+    Error::Format {
+        format: "jpeg",
+        path: "(in memory)".into(),
+        tensor: None,
+        detail,
+    }
+}
+
+/// A library handle: the device it was made on, destroyed with it current.
+struct Handle {
+    lib: &'static sys::Nvjpeg,
+    raw: sys::nvjpegHandle_t,
+    device: Device,
+}
+
+// SAFETY: an nvJPEG handle may be used from several threads at once (its documentation: states,
+// not handles, are per thread); `raw` is only destroyed in `drop`, with no other user left.
+unsafe impl Send for Handle {}
+// SAFETY: as above; `&Handle` only passes `raw` to nvJPEG's thread-safe calls.
+unsafe impl Sync for Handle {}
+
+impl Handle {
+    fn new(lib: &'static sys::Nvjpeg, device: &Device, backend: sys::nvjpegBackend_t) -> Result<Self> {
+        device.make_current()?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: null allocators select nvJPEG's own; `raw` is written on success only.
+        let s = unsafe { lib.nvjpegCreateExV2(backend, ptr::null_mut(), ptr::null_mut(), 0, &mut raw) };
+        check("nvjpegCreateExV2", s)?;
+        Ok(Handle {
+            lib,
+            raw,
+            device: device.clone(),
+        })
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let _ = self.device.make_current();
+        // SAFETY: `raw` came from nvjpegCreateExV2, and every state made from it is gone (states
+        // hold an `Arc` of the handles).
+        unsafe { self.lib.nvjpegDestroy(self.raw) };
+    }
+}
+
+struct Shared {
+    device: Device,
+    hardware: Option<Handle>,
+    cuda: Handle,
+    engines: u32,
+    hardware_absent: Option<String>,
+}
+
+/// nvJPEG on one device: the hardware backend where the GPU has JPEG engines, and the CUDA
+/// backend. Cheap to clone; make one [`GpuDecoder`] per thread with [`decoder`](Self::decoder).
+#[derive(Clone)]
+pub struct Nvjpeg {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Nvjpeg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nvjpeg")
+            .field("device", &self.shared.device.ordinal())
+            .field("hardware_engines", &self.shared.engines)
+            .finish()
+    }
+}
+
+impl Nvjpeg {
+    /// Loads nvJPEG (once per process) and opens it on `device`. `Err` where the library is
+    /// missing (the message says what was tried) or refuses the device.
+    pub fn new(device: &Device) -> Result<Nvjpeg> {
+        const OP: &str = "nvjpeg::Nvjpeg::new";
+        let lib = library().map_err(|why| Error::invalid(OP, why))?;
+        let cuda = Handle::new(lib, device, sys::nvjpegBackend_t_NVJPEG_BACKEND_GPU_HYBRID)?;
+        let (hardware, engines, absent) =
+            match Handle::new(lib, device, sys::nvjpegBackend_t_NVJPEG_BACKEND_HARDWARE) {
+                Ok(h) => {
+                    let (mut engines, mut cores) = (0u32, 0u32);
+                    // SAFETY: `h.raw` is a live handle; the two counts are written on success.
+                    let s = unsafe {
+                        lib.nvjpegGetHardwareDecoderInfo(h.raw, &mut engines, &mut cores)
+                    };
+                    match check("nvjpegGetHardwareDecoderInfo", s) {
+                        Ok(()) if engines > 0 => (Some(h), engines, None),
+                        Ok(()) => (None, 0, Some("the GPU has no JPEG engine".to_string())),
+                        Err(e) => (None, 0, Some(e.to_string())),
+                    }
+                }
+                Err(e) => (None, 0, Some(e.to_string())),
+            };
+        Ok(Nvjpeg {
+            shared: Arc::new(Shared {
+                device: device.clone(),
+                hardware,
+                cuda,
+                engines,
+                hardware_absent: absent,
+            }),
+        })
+    }
+
+    /// The GPU's JPEG engines (0: no hardware route).
+    pub fn hardware_engines(&self) -> u32 {
+        self.shared.engines
+    }
+
+    /// Why there is no hardware route, where there is none.
+    pub fn hardware_absent(&self) -> Option<&str> {
+        self.shared.hardware_absent.as_deref()
+    }
+
+    /// The device.
+    pub fn device(&self) -> Device {
+        self.shared.device.clone()
+    }
+
+    /// A decoder for one thread, with its own stream and decode states.
+    pub fn decoder(&self) -> Result<GpuDecoder> {
+        GpuDecoder::new(self)
+    }
+}
+
+/// A per-thread nvJPEG object (`nvjpegJpegState_t`, `nvjpegJpegStream_t` or
+/// `nvjpegDecodeParams_t`), destroyed with its handle still alive.
+struct Owned {
+    raw: *mut c_void,
+    destroy: unsafe extern "C" fn(*mut c_void) -> sys::nvjpegStatus_t,
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        // SAFETY: `raw` was made by the matching create call and is destroyed once; the decoder
+        // keeps the handle it came from alive (field order: these drop before `nv`).
+        unsafe { (self.destroy)(self.raw) };
+    }
+}
+
+/// Makes an nvJPEG object with `create(handle, &mut out)`.
+fn owned<T>(
+    call: &'static str,
+    create: impl FnOnce(*mut *mut T) -> sys::nvjpegStatus_t,
+    destroy: unsafe extern "C" fn(*mut T) -> sys::nvjpegStatus_t,
+) -> Result<Owned> {
+    let mut raw: *mut T = ptr::null_mut();
+    check(call, create(&mut raw))?;
+    Ok(Owned {
+        raw: raw.cast(),
+        // SAFETY: the two function types differ only in the pointee of their one pointer
+        // argument, which is passed through unchanged (the same ABI).
+        destroy: unsafe {
+            std::mem::transmute::<
+                unsafe extern "C" fn(*mut T) -> sys::nvjpegStatus_t,
+                unsafe extern "C" fn(*mut c_void) -> sys::nvjpegStatus_t,
+            >(destroy)
+        },
+    })
+}
+
+/// One backend's batch state: its `nvjpegJpegState_t` and the batch size it was initialized for.
+struct Batcher {
+    state: Owned,
+    initialized: Option<usize>,
+}
+
+/// Decodes batches on one thread: [`plan`](Self::plan) says how each file will be decoded,
+/// [`decode`](Self::decode) decodes a batch into a device arena. Made by [`Nvjpeg::decoder`].
+pub struct GpuDecoder {
+    // Dropped first: the objects below need the handles in `nv`.
+    parser: Owned,
+    params: Vec<Owned>,
+    hardware: Option<Batcher>,
+    cuda: Batcher,
+    staging: Option<PinnedBuffer<u8>>,
+    stream: Stream,
+    lib: &'static sys::Nvjpeg,
+    nv: Nvjpeg,
+    /// Decode only the region asked for where the route can (ROI decoding). On by default.
+    pub roi: bool,
+}
+
+// SAFETY: the decoder's nvJPEG objects are used by one thread at a time (every use takes
+// `&mut self`), which is all nvJPEG asks of states, streams and parameters; the handles are
+// `Send + Sync` themselves.
+unsafe impl Send for GpuDecoder {}
+
+impl std::fmt::Debug for GpuDecoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuDecoder")
+            .field("nvjpeg", &self.nv)
+            .field("roi", &self.roi)
+            .finish_non_exhaustive()
+    }
+}
+
+impl GpuDecoder {
+    fn new(nv: &Nvjpeg) -> Result<GpuDecoder> {
+        let sh = &nv.shared;
+        let lib = sh.cuda.lib;
+        sh.device.make_current()?;
+        let state = |h: &Handle| {
+            owned(
+                "nvjpegJpegStateCreate",
+                // SAFETY: a live handle; the state is written on success only.
+                |out| unsafe { lib.nvjpegJpegStateCreate(h.raw, out) },
+                lib.nvjpegJpegStateDestroy,
+            )
+        };
+        let hardware = match &sh.hardware {
+            Some(h) => Some(Batcher {
+                state: state(h)?,
+                initialized: None,
+            }),
+            None => None,
+        };
+        let cuda = Batcher {
+            state: state(&sh.cuda)?,
+            initialized: None,
+        };
+        let parse_handle = sh.hardware.as_ref().unwrap_or(&sh.cuda);
+        let parser = owned(
+            "nvjpegJpegStreamCreate",
+            // SAFETY: a live handle; the stream is written on success only.
+            |out| unsafe { lib.nvjpegJpegStreamCreate(parse_handle.raw, out) },
+            lib.nvjpegJpegStreamDestroy,
+        )?;
+        Ok(GpuDecoder {
+            parser,
+            params: Vec::new(),
+            hardware,
+            cuda,
+            staging: None,
+            stream: sh.device.stream()?,
+            lib,
+            nv: nv.clone(),
+            roi: true,
+        })
+    }
+
+    /// The stream the decodes are queued on (work queued after a decode on it sees the pixels).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The nvJPEG this decoder belongs to.
+    pub fn nvjpeg(&self) -> &Nvjpeg {
+        &self.nv
+    }
+
+    /// How `data` will be decoded, and what a decode of it writes. `Err` (a `Format` error) for
+    /// a file neither decoder can read the header of, or an image above
+    /// [`decode::MAX_OUTPUT_BYTES`], or a `region` outside the image or empty.
+    pub fn plan(&mut self, data: &[u8], region: Option<Region>) -> Result<Plan> {
+        const OP: &str = "nvjpeg::GpuDecoder::plan";
+        let info = decode::info(data)?;
+        let (h, w) = (info.height, info.width);
+        if let Some(r) = region {
+            let inside = r.height > 0
+                && r.width > 0
+                && r.top.checked_add(r.height).is_some_and(|b| b <= h)
+                && r.left.checked_add(r.width).is_some_and(|b| b <= w);
+            if !inside {
+                return Err(Error::invalid(
+                    OP,
+                    format!("region {r:?} is not a non-empty part of the {h}x{w} image"),
+                ));
+            }
+        }
+        let full = Region::full(h, w);
+        if info.format != Format::Jpeg {
+            return Ok(Plan {
+                route: Route::Cpu,
+                height: h,
+                width: w,
+                region: full,
+            });
+        }
+        let route = self.route(data, h, w)?;
+        let region = match (route, region) {
+            (Route::Hardware, Some(r)) if self.roi => r,
+            _ => full,
+        };
+        Ok(Plan {
+            route,
+            height: h,
+            width: w,
+            region,
+        })
+    }
+
+    /// The route of a JPEG whose header the CPU decoder read as `h x w`: nvJPEG's parser must
+    /// agree on the size (else the file is refused: the two would write different amounts).
+    fn route(&mut self, data: &[u8], h: usize, w: usize) -> Result<Route> {
+        let lib = self.lib;
+        let js = self.parser.raw.cast::<sys::nvjpegJpegStream>();
+        self.nv.shared.device.make_current()?;
+        let parse_handle = self.nv.shared.hardware.as_ref().unwrap_or(&self.nv.shared.cuda);
+        // SAFETY: `data` is a live slice of `data.len()` bytes, read during the call only; `js`
+        // is this decoder's stream object.
+        let s = unsafe { lib.nvjpegJpegStreamParseHeader(parse_handle.raw, data.as_ptr(), data.len(), js) };
+        if s != sys::nvjpegStatus_t_NVJPEG_STATUS_SUCCESS {
+            // nvJPEG cannot parse what the CPU decoder could: let the CPU decide.
+            return Ok(Route::Cpu);
+        }
+        let (mut fw, mut fh, mut comps) = (0u32, 0u32, 0u32);
+        let mut encoding: sys::nvjpegJpegEncoding_t = 0;
+        let mut css: sys::nvjpegChromaSubsampling_t = sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_UNKNOWN;
+        // SAFETY: `js` holds a parsed header; each out-pointer is a live local.
+        let ok = unsafe {
+            lib.nvjpegJpegStreamGetFrameDimensions(js, &mut fw, &mut fh) == 0
+                && lib.nvjpegJpegStreamGetComponentsNum(js, &mut comps) == 0
+                && lib.nvjpegJpegStreamGetJpegEncoding(js, &mut encoding) == 0
+                && lib.nvjpegJpegStreamGetChromaSubsampling(js, &mut css) == 0
+        };
+        if !ok {
+            return Ok(Route::Cpu);
+        }
+        if (fh as usize, fw as usize) != (h, w) {
+            return Err(bad_jpeg(format!(
+                "the header's size is read as {h}x{w} by the CPU decoder and {fh}x{fw} by nvJPEG"
+            )));
+        }
+        let sequential = encoding
+            == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_BASELINE_DCT
+            || encoding == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN;
+        // CMYK and other 4-component files, progressive and lossless ones go to the CPU decoder,
+        // which reads them as the CPU path always has.
+        if !sequential || !(comps == 1 || comps == 3) {
+            return Ok(Route::Cpu);
+        }
+        let hw_css = [
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_444,
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_422,
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_420,
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_440,
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_GRAY,
+        ];
+        let nv = self.nv.clone();
+        if let Some(hw) = &nv.shared.hardware {
+            if hw_css.contains(&css) {
+                let params = self.params_at(0)?;
+                let mut unsupported = 1i32;
+                // SAFETY: live handle, parsed stream, params object and out-pointer.
+                let s = unsafe {
+                    lib.nvjpegDecodeBatchedSupportedEx(hw.raw, js, params, &mut unsupported)
+                };
+                if s == 0 && unsupported == 0 {
+                    return Ok(Route::Hardware);
+                }
+            }
+        }
+        Ok(Route::Cuda)
+    }
+
+    /// The `i`th decode-parameters object (made on first use), reset to interleaved RGB output
+    /// of the whole image.
+    fn params_at(&mut self, i: usize) -> Result<sys::nvjpegDecodeParams_t> {
+        let lib = self.lib;
+        while self.params.len() <= i {
+            let h = self.nv.shared.hardware.as_ref().unwrap_or(&self.nv.shared.cuda).raw;
+            self.params.push(owned(
+                "nvjpegDecodeParamsCreate",
+                // SAFETY: a live handle; the object is written on success only.
+                |out| unsafe { lib.nvjpegDecodeParamsCreate(h, out) },
+                lib.nvjpegDecodeParamsDestroy,
+            )?);
+        }
+        let p = self.params[i].raw.cast::<sys::nvjpegDecodeParams>();
+        // SAFETY: a live params object.
+        unsafe {
+            check(
+                "nvjpegDecodeParamsSetOutputFormat",
+                lib.nvjpegDecodeParamsSetOutputFormat(p, sys::nvjpegOutputFormat_t_NVJPEG_OUTPUT_RGBI),
+            )?;
+            check("nvjpegDecodeParamsSetROI", lib.nvjpegDecodeParamsSetROI(p, 0, 0, -1, -1))?;
+        }
+        Ok(p)
+    }
+
+    /// Decodes `items` into `arena`, each as interleaved RGB at its offset, `plan.region` of it
+    /// (see [`plan`](Self::plan)). Returns per item its plan, or the error that made it a bad
+    /// file (its bytes in the arena are then unspecified); the other items are decoded all the
+    /// same.
+    ///
+    /// Before anything is queued, waits on the host until no work pinstream tracked on the
+    /// arena, and nothing on this decoder's stream, is still pending (the stream-ordering
+    /// guarantee, see the module); returns with the decode finished and the arena's write
+    /// recorded on [`stream`](Self::stream).
+    ///
+    /// # Errors
+    /// `InvalidArgument`, with nothing queued, where an item's pixels would not fit the arena
+    /// or two items' pixels overlap, or the arena is on another device; errors of the CUDA
+    /// runtime.
+    pub fn decode(
+        &mut self,
+        items: &[Item<'_>],
+        arena: &mut DeviceBuffer<u8>,
+    ) -> Result<Vec<Result<Plan>>> {
+        const OP: &str = "nvjpeg::GpuDecoder::decode";
+        if arena.device().ordinal() != self.nv.shared.device.ordinal() {
+            return Err(Error::WrongDevice {
+                op: OP,
+                expected: self.nv.shared.device.ordinal() as i32,
+                found: arena.device().ordinal() as i32,
+            });
+        }
+        let plans: Vec<Result<Plan>> = items.iter().map(|it| self.plan(it.data, it.region)).collect();
+        // Every destination inside the arena, none overlapping another: checked before anything
+        // is queued (nvJPEG writes where it is told).
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(items.len());
+        for (it, p) in items.iter().zip(&plans) {
+            let Ok(p) = p else { continue };
+            let len = p.region.rgb_len();
+            let end = it.offset.checked_add(len).filter(|&e| e <= arena.len());
+            let Some(end) = end else {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "an image's {len} bytes at offset {} do not fit the {}-byte arena",
+                        it.offset,
+                        arena.len()
+                    ),
+                ));
+            };
+            if len > 0 {
+                spans.push((it.offset, end));
+            }
+        }
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(Error::invalid(OP, "two images' pixels overlap in the arena"));
+        }
+        // The guarantee: nothing queued still reads or writes the arena, on any stream.
+        arena.synchronize()?;
+        self.stream.synchronize()?;
+        self.nv.shared.device.make_current()?;
+        let mut results = plans;
+        let base = arena.as_device_mut_ptr();
+        let mut fallback = Vec::new();
+        for route in [Route::Hardware, Route::Cuda] {
+            let group: Vec<usize> = (0..items.len())
+                .filter(|&i| matches!(&results[i], Ok(p) if p.route == route))
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.batch(route, items, &results, &group, base) {
+                // A batch fails as a whole: its images go to the CPU decoder one by one, which
+                // names the bad one.
+                let _ = e;
+                fallback.extend(group);
+            }
+        }
+        let cpu: Vec<usize> = (0..items.len())
+            .filter(|&i| matches!(&results[i], Ok(p) if p.route == Route::Cpu))
+            .chain(fallback)
+            .collect();
+        self.cpu(items, &mut results, &cpu, arena)?;
+        arena.record_stream_mut(&self.stream)?;
+        // The files' bytes are borrowed for this call only: the decode must be done with them.
+        self.stream.synchronize()?;
+        Ok(results)
+    }
+
+    /// One nvJPEG batch of the images `group` (all of `route`) into the arena at `base`.
+    fn batch(
+        &mut self,
+        route: Route,
+        items: &[Item<'_>],
+        plans: &[Result<Plan>],
+        group: &[usize],
+        base: *mut u8,
+    ) -> Result<()> {
+        let lib = self.lib;
+        let mut params = Vec::with_capacity(group.len());
+        for (k, &i) in group.iter().enumerate() {
+            let p = self.params_at(k)?;
+            if let (Ok(plan), Route::Hardware) = (&plans[i], route) {
+                let r = plan.region;
+                if r != Region::full(plan.height, plan.width) {
+                    // SAFETY: a live params object; the region is inside the image (`plan`).
+                    let s = unsafe {
+                        lib.nvjpegDecodeParamsSetROI(p, r.left as i32, r.top as i32, r.width as i32, r.height as i32)
+                    };
+                    check("nvjpegDecodeParamsSetROI", s)?;
+                }
+            }
+            params.push(p);
+        }
+        let (handle, batcher) = match route {
+            Route::Hardware => match (&self.nv.shared.hardware, &mut self.hardware) {
+                (Some(h), Some(b)) => (h.raw, b),
+                _ => return Err(Error::invalid("nvjpeg::GpuDecoder::decode", "no hardware route")),
+            },
+            _ => (self.nv.shared.cuda.raw, &mut self.cuda),
+        };
+        let state = batcher.state.raw.cast::<sys::nvjpegJpegState>();
+        if batcher.initialized != Some(group.len()) {
+            batcher.initialized = None;
+            // SAFETY: live handle and state. One CPU thread: this one.
+            let s = unsafe {
+                lib.nvjpegDecodeBatchedInitialize(
+                    handle,
+                    state,
+                    group.len() as i32,
+                    1,
+                    sys::nvjpegOutputFormat_t_NVJPEG_OUTPUT_RGBI,
+                )
+            };
+            check("nvjpegDecodeBatchedInitialize", s)?;
+            batcher.initialized = Some(group.len());
+        }
+        let mut data = Vec::with_capacity(group.len());
+        let mut lengths = Vec::with_capacity(group.len());
+        let mut images = Vec::with_capacity(group.len());
+        for &i in group {
+            let Ok(plan) = &plans[i] else { continue };
+            data.push(items[i].data.as_ptr());
+            lengths.push(items[i].data.len());
+            let mut img = sys::nvjpegImage_t {
+                channel: [ptr::null_mut(); 4],
+                pitch: [0; 4],
+            };
+            // In bounds and not overlapping another image: checked by `decode`.
+            img.channel[0] = base.wrapping_add(items[i].offset);
+            img.pitch[0] = plan.region.width * 3;
+            images.push(img);
+        }
+        // SAFETY: `data[k]` points at `lengths[k]` live bytes (the items' slices, borrowed until
+        // `decode` has synchronized the stream); `images[k]` is `region.height` rows of
+        // `pitch` bytes inside the arena, which nothing else uses now (waited for above); the
+        // params, state and handle are live, the state initialized for this batch size.
+        let s = unsafe {
+            lib.nvjpegDecodeBatchedEx(
+                handle,
+                state,
+                data.as_ptr(),
+                lengths.as_ptr(),
+                images.as_mut_ptr(),
+                params.as_mut_ptr(),
+                self.stream.as_raw().cast(),
+            )
+        };
+        if s != 0 {
+            batcher.initialized = None;
+        }
+        check("nvjpegDecodeBatchedEx", s)
+    }
+
+    /// Decodes the images `which` on the CPU into page-locked staging and copies each (its
+    /// planned region) to the arena.
+    fn cpu(
+        &mut self,
+        items: &[Item<'_>],
+        results: &mut [Result<Plan>],
+        which: &[usize],
+        arena: &mut DeviceBuffer<u8>,
+    ) -> Result<()> {
+        if which.is_empty() {
+            return Ok(());
+        }
+        let total: usize = which
+            .iter()
+            .filter_map(|&i| results[i].as_ref().ok())
+            .map(|p| p.region.rgb_len())
+            .sum();
+        if self.staging.as_ref().is_none_or(|s| s.len() < total) {
+            self.staging = None;
+            let dev = self.nv.shared.device.clone();
+            self.staging = Some(PinnedBuffer::<u8>::new(&dev, total.max(1 << 20), HostAlloc::DEFAULT)?);
+        }
+        let staging = self.staging.as_mut().expect("made above");
+        let host = staging.as_mut_slice()?;
+        let mut at = 0;
+        let mut copies = Vec::new();
+        for &i in which {
+            let Ok(plan) = results[i] else { continue };
+            let len = plan.region.rgb_len();
+            let dst = &mut host[at..at + len];
+            let r = if plan.region == Region::full(plan.height, plan.width) {
+                decode::decode_rgb_into(items[i].data, dst).map(|_| ())
+            } else {
+                decode::decode_rgb(items[i].data).map(|(_, px)| copy_region(&px, plan.width, plan.region, dst))
+            };
+            match r {
+                Ok(()) => {
+                    let mut p = plan;
+                    if p.route != Route::Cpu {
+                        p.route = Route::Cpu;
+                    }
+                    results[i] = Ok(p);
+                    copies.push((at, items[i].offset, len));
+                }
+                Err(e) => results[i] = Err(e),
+            }
+            at += len;
+        }
+        for (from, to, len) in copies {
+            let src = staging.slice(from..from + len)?;
+            let mut dst = arena.slice_mut(to..to + len)?;
+            self.stream.copy_h2d(&src, &mut dst)?;
+        }
+        Ok(())
+    }
+}
+
+/// Copies `region` of the interleaved RGB image `px` (`width` columns) into `dst`.
+fn copy_region(px: &[u8], width: usize, region: Region, dst: &mut [u8]) {
+    let row = region.width * 3;
+    for y in 0..region.height {
+        let from = ((region.top + y) * width + region.left) * 3;
+        dst[y * row..(y + 1) * row].copy_from_slice(&px[from..from + row]);
+    }
+}
