@@ -1,17 +1,18 @@
 //! An ImageNet-style training feed: a folder of class directories of JPEGs / PNGs, decoded on
-//! loader threads into page-locked memory, `RandomResizedCrop(224)` + flip + normalize on the
-//! GPU, labels beside them, epoch after epoch from one prefetcher. Prints images/s and CPU
-//! seconds per image for each epoch.
+//! the GPU's JPEG engines (or on loader threads, `--decode cpu`), `RandomResizedCrop(224)` +
+//! flip + normalize on the GPU, labels beside them, epoch after epoch. Prints images/s, CPU
+//! milliseconds per image and the per-batch latency (p50, p99, max) for each epoch.
 //!
 //! ```sh
 //! cargo run --release --example imagenet_feed -- /data/imagenet/train
 //! cargo run --release --example imagenet_feed                 # the shared sample photographs
 //! cargo run --release --example imagenet_feed -- DIR --threads 8 --batch 256 --epochs 3 \
-//!     [--val] [--check] [--json]
+//!     [--decode auto|gpu|cpu] [--val] [--check] [--json]
 //! ```
 //!
 //! `--check` compares every batch with the kernel's CPU reference on the same host batch
-//! (slow: f64 on the CPU). `--val` runs the validation transform (`Resize(256)` +
+//! (slow: f64 on the CPU); with GPU decoding, the decoders may differ by a few levels, so the
+//! mean difference is bounded instead. `--val` runs the validation transform (`Resize(256)` +
 //! `CenterCrop(224)`, in order). Without a folder it feeds the photographs in
 //! `../shared/data/images` (one class each). Without a CUDA device it runs the same pipeline in
 //! a `DryRun` (the CPU reference instead of the kernel) for one epoch.
@@ -24,7 +25,7 @@ use pinstream::prefetch::{DryRun, HostBatch};
 use pinstream::timing::cpu_seconds;
 use pinstream::{bf16, Device};
 use pinstream_vision::dataset::ImageList;
-use pinstream_vision::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource};
+use pinstream_vision::{Augment, BadFiles, Decoding, ImageFeed, ImageFeedConfig, ImageSource};
 
 struct Args {
     root: Option<PathBuf>,
@@ -34,6 +35,7 @@ struct Args {
     val: bool,
     check: bool,
     json: bool,
+    decoding: Decoding,
 }
 
 fn args() -> Result<Args, String> {
@@ -45,6 +47,7 @@ fn args() -> Result<Args, String> {
         val: false,
         check: false,
         json: false,
+        decoding: Decoding::Auto,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -60,6 +63,14 @@ fn args() -> Result<Args, String> {
             "--val" => a.val = true,
             "--check" => a.check = true,
             "--json" => a.json = true,
+            "--decode" => {
+                a.decoding = match it.next().as_deref() {
+                    Some("auto") => Decoding::Auto,
+                    Some("gpu") => Decoding::Gpu,
+                    Some("cpu") => Decoding::Cpu,
+                    _ => return Err("--decode takes auto, gpu or cpu".into()),
+                }
+            }
             s if !s.starts_with("--") => a.root = Some(PathBuf::from(s)),
             s => return Err(format!("unknown argument {s}")),
         }
@@ -101,6 +112,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = ImageFeedConfig {
         batch: a.batch.min(list.len()),
         bad_files: BadFiles::Skip,
+        decoding: a.decoding,
         ..ImageFeedConfig::default()
     };
     cfg.prefetch.loader_threads = a.threads;
@@ -135,13 +147,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n_images = list.len();
     let mut feed = ImageFeed::<bf16>::new(&stream, list, cfg.clone())?;
     let source = feed.source().clone();
+    let on_gpu = feed.decoding() == Decoding::Gpu;
+    eprintln!(
+        "decoding on the {} ({} JPEG engines)",
+        if on_gpu { "GPU" } else { "CPU" },
+        feed.hardware_engines()
+    );
     let mut index = 0u64;
     for epoch in 0..a.epochs {
         let (t0, c0) = (Instant::now(), cpu_seconds());
-        let (mut seen, mut worst) = (0usize, 0f64);
+        let (mut seen, mut worst, mut mean_diff) = (0usize, 0f64, 0f64);
+        let mut latency = Vec::new();
+        let mut asked = Instant::now();
         while let Some(batch) = feed.next() {
             let batch = batch?;
-            let (x, y) = (batch.pixels()?, batch.extras()?);
+            let (x, y) = (batch.pixels()?, batch.labels()?);
             seen += y.len();
             if a.check {
                 let mut host = HostBatch::<i64>::default();
@@ -151,25 +171,51 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let mut got = vec![bf16::ZERO; x.len()];
                 stream.copy_d2h(&x, &mut got[..])?.wait()?;
                 let w = cpu::resize_worst_error(&got, &exact, &spec)?.map_or(0.0, |w| w.units);
-                if w > 1.0 {
-                    return Err(format!("batch {index}: {w} units from the reference").into());
+                let diff = got
+                    .iter()
+                    .zip(&exact)
+                    .map(|(g, e)| (g.to_f64() - e).abs())
+                    .sum::<f64>()
+                    / got.len().max(1) as f64;
+                // The CPU decoder made the reference: the same decoder is within a unit; a GPU
+                // decoder's pixels differ by a few levels (of 255) here and there.
+                if (!on_gpu && w > 1.0) || diff > 0.05 {
+                    return Err(format!(
+                        "batch {index}: {w} units from the reference, mean difference {diff}"
+                    )
+                    .into());
                 }
                 worst = worst.max(w);
-            } else {
-                stream.synchronize()?; // stands for the training step
+                mean_diff = mean_diff.max(diff);
             }
+            stream.synchronize()?; // stands for the training step
+            latency.push(asked.elapsed().as_secs_f64() * 1e3);
+            drop(batch);
+            asked = Instant::now();
             index += 1;
         }
+        latency.sort_by(f64::total_cmp);
+        let pct = |p: f64| -> f64 {
+            if latency.is_empty() {
+                return 0.0;
+            }
+            let i = ((latency.len() - 1) as f64 * p).round() as usize;
+            latency[i]
+        };
+        let (p50, p99, max) = (pct(0.5), pct(0.99), pct(1.0));
+        let routes = feed.routes();
         let (secs, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
         let skipped = feed.skipped().count;
         if a.json {
             println!(
-                "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"dataset\":{n_images}}}",
-                a.threads, a.check
+                "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"mean_diff\":{mean_diff:.5},\"dataset\":{n_images},\"decoding\":\"{}\",\"engines\":{},\"routes\":{{\"hardware\":{},\"cuda\":{},\"cpu\":{}}},\"batch_ms\":{{\"p50\":{p50:.3},\"p99\":{p99:.3},\"max\":{max:.3}}}}}",
+                a.threads, a.check, if on_gpu { "gpu" } else { "cpu" }, feed.hardware_engines(),
+                routes.hardware, routes.cuda, routes.cpu
             );
         }
         println!(
-            "epoch {epoch}: {seen} images in {secs:.2} s = {:.0} images/s, {:.2} CPU ms per image{}",
+            "epoch {epoch}: {seen} images in {secs:.2} s = {:.0} images/s, {:.2} CPU ms per image, \
+             batch ms p50 {p50:.1} p99 {p99:.1} max {max:.1}{}",
             seen as f64 / secs,
             cpu / seen as f64 * 1e3,
             if a.check {

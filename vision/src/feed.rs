@@ -86,8 +86,26 @@ pub struct ImageFeedConfig {
     pub bad_files: BadFiles,
     /// Where to start: epoch and batch within it (a checkpoint's [`ImageFeed::position`]).
     pub start: (u64, usize),
-    /// The prefetcher underneath (`loader_threads` decode in parallel).
+    /// The prefetcher underneath (`loader_threads` decode in parallel; with GPU decoding,
+    /// `loader_threads` read and parse files and queue their decodes, and `depth` batches are
+    /// kept ready).
     pub prefetch: PrefetchConfig,
+    /// Where JPEGs are decoded: on the GPU where it can ([`Decoding::Auto`], the default).
+    pub decoding: Decoding,
+}
+
+/// Where an [`ImageFeed`] decodes its images.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Decoding {
+    /// On the GPU where nvJPEG loads and the GPU has JPEG engines (feature `nvjpeg`), else on
+    /// the CPU (saying why once, on stderr).
+    #[default]
+    Auto,
+    /// On the GPU through nvJPEG (its engines, else its CUDA backend); an error where nvJPEG
+    /// cannot be loaded or the crate was built without the `nvjpeg` feature.
+    Gpu,
+    /// On the loader threads' CPUs, into page-locked memory, through the prefetcher.
+    Cpu,
 }
 
 impl Default for ImageFeedConfig {
@@ -108,6 +126,7 @@ impl Default for ImageFeedConfig {
             bad_files: BadFiles::Error,
             start: (0, 0),
             prefetch: PrefetchConfig::default(),
+            decoding: Decoding::Auto,
         }
     }
 }
@@ -185,7 +204,7 @@ pub const MAX_BATCH_FILE_BYTES: usize = 256 << 20;
 /// within what its header says the image may take (8 bytes per RGB byte, plus 16 MiB of
 /// metadata) is refused (`Error::Format` naming it), so that memory is bounded by the image,
 /// not by the file.
-fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
+pub(crate) fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let io = |e: String| crate::dataset::io(op, path, e);
@@ -277,7 +296,7 @@ fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
 /// The header of `bytes`, refused (as a format error naming `path`) where the image is larger
 /// than the kernel takes ([`MAX_SIDE`]), than [`MAX_IMAGE_PIXELS`], or than the file can
 /// plausibly hold.
-fn checked_info(path: &Path, bytes: &[u8]) -> Result<decode::ImageInfo> {
+pub(crate) fn checked_info(path: &Path, bytes: &[u8]) -> Result<decode::ImageInfo> {
     let info = decode::info(bytes).map_err(|e| file_error(path, e))?;
     let refuse = |detail: String| Error::Format {
         format: info.format.name(),
@@ -310,7 +329,7 @@ fn checked_info(path: &Path, bytes: &[u8]) -> Result<decode::ImageInfo> {
     Ok(info)
 }
 
-fn file_error(path: &Path, e: Error) -> Error {
+pub(crate) fn file_error(path: &Path, e: Error) -> Error {
     match e {
         Error::Format { format, detail, .. } => Error::Format {
             format,
@@ -461,6 +480,35 @@ impl ImageSource {
         })
     }
 
+    /// The configuration.
+    pub(crate) fn config(&self) -> &ImageFeedConfig {
+        &self.inner.cfg
+    }
+
+    /// Encoded bytes a batch's load holds at once.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.inner.held_bytes
+    }
+
+    /// `(epoch, batch, [(path, label)])` of the prefetcher's batch `index`, and the crops'
+    /// generator of that batch (what [`load`](Self::load) draws from, in file order).
+    pub(crate) fn batch_files(
+        &self,
+        op: &'static str,
+        index: u64,
+    ) -> Result<(u64, usize, Vec<(std::path::PathBuf, usize)>, Rng)> {
+        let (epoch, k) = self.position(index);
+        let batches = self.batches(epoch)?;
+        let idx = batches
+            .get(k)
+            .ok_or_else(|| Error::invalid(op, format!("epoch {epoch} has no batch {k}")))?;
+        let files = idx
+            .iter()
+            .map(|&i| self.inner.list.items()[i].clone())
+            .collect();
+        Ok((epoch, k, files, crop_rng(self.inner.cfg.seed, epoch, k)))
+    }
+
     fn batches(&self, epoch: u64) -> Result<Arc<Batches>> {
         let inner = &self.inner;
         if let Some((_, b)) = crate::util::lock(&inner.epochs)
@@ -486,7 +534,7 @@ impl ImageSource {
         Ok(b)
     }
 
-    fn skip(&self, path: &Path, why: &Error) {
+    pub(crate) fn skip(&self, path: &Path, why: &Error) {
         self.inner.skipped.fetch_add(1, Ordering::Relaxed);
         let mut first = crate::util::lock(&self.inner.first_skipped);
         if first.len() < 16 {
@@ -546,12 +594,7 @@ impl ImageSource {
         let mut probe = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
             .layouts(Layout::Nhwc, cfg.layout);
         let mut labels = Vec::with_capacity(files.len());
-        // The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a
-        // stream mixed from both numbers (no two batches share one).
-        let mut rng = Rng::new(
-            cfg.seed ^ 0x6372_6f70_7321_5eed,
-            crate::augment::mix(epoch, k as u64),
-        );
+        let mut rng = crop_rng(cfg.seed, epoch, k);
         let mut offset = 0;
         for (path, label, kept, info) in &mut files {
             let len = info.rgb_len();
@@ -626,14 +669,23 @@ impl ImageSource {
     }
 }
 
-/// An [`ImageSource`] behind a [`Prefetcher`]: batches of `O` on the device with their labels,
-/// epoch after epoch, the prefetcher running across epoch boundaries (no drain, no rebuild).
-/// [`next`](Self::next) returns `None` at the end of each epoch; the call after it starts the
-/// next epoch.
+/// The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a stream
+/// mixed from both numbers (no two batches share one).
+fn crop_rng(seed: u64, epoch: u64, k: usize) -> Rng {
+    Rng::new(
+        seed ^ 0x6372_6f70_7321_5eed,
+        crate::augment::mix(epoch, k as u64),
+    )
+}
+
+/// An [`ImageSource`] decoded on the GPU (see [`Decoding`]) or behind a [`Prefetcher`]:
+/// batches of `O` on the device with their labels, epoch after epoch, without a drain or a
+/// rebuild at epoch boundaries. [`next`](Self::next) returns `None` at the end of each epoch;
+/// the call after it starts the next epoch.
 pub struct ImageFeed<O: OutputElement> {
-    prefetcher: Prefetcher<O, i64>,
+    engine: Engine<O>,
     source: ImageSource,
-    /// Prefetcher batches taken so far.
+    /// Batches taken so far.
     taken: u64,
     /// Whether `None` was returned for the current epoch's end.
     ended: bool,
@@ -641,23 +693,72 @@ pub struct ImageFeed<O: OutputElement> {
     failed: Option<String>,
 }
 
+enum Engine<O: OutputElement> {
+    Cpu(Prefetcher<O, i64>),
+    #[cfg(feature = "nvjpeg")]
+    Gpu(crate::gpu_feed::GpuFeed<O>),
+}
+
 impl<O: OutputElement> std::fmt::Debug for ImageFeed<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ImageFeed")
             .field("source", &self.source)
+            .field("decoding", &self.decoding())
             .field("position", &self.position())
             .finish_non_exhaustive()
     }
 }
 
+/// Whether the GPU decodes, and with what: `Ok` with nvJPEG where `decoding` asks for the GPU
+/// and it can, `Ok(None)` for the CPU, `Err` where the GPU was required and cannot.
+#[cfg(feature = "nvjpeg")]
+fn gpu_decoder(stream: &Stream, decoding: Decoding) -> Result<Option<crate::nvjpeg::Nvjpeg>> {
+    use std::sync::atomic::AtomicBool;
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if decoding == Decoding::Cpu {
+        return Ok(None);
+    }
+    let why = match crate::nvjpeg::Nvjpeg::new(&stream.device()) {
+        Ok(nv) if decoding == Decoding::Gpu || nv.hardware_engines() > 0 => return Ok(Some(nv)),
+        Ok(nv) => nv.hardware_absent().unwrap_or("no JPEG engine").to_string(),
+        Err(e) if decoding == Decoding::Gpu => return Err(e),
+        Err(e) => e.to_string(),
+    };
+    if !SAID.swap(true, Ordering::Relaxed) {
+        eprintln!("pinstream-vision: the image feed decodes on the CPU: {why}");
+    }
+    Ok(None)
+}
+
+#[cfg(not(feature = "nvjpeg"))]
+fn gpu_decoder(_: &Stream, decoding: Decoding) -> Result<Option<std::convert::Infallible>> {
+    match decoding {
+        Decoding::Gpu => Err(Error::invalid(
+            "ImageFeed::new",
+            "GPU decoding needs pinstream-vision's `nvjpeg` feature",
+        )),
+        _ => Ok(None),
+    }
+}
+
 impl<O: OutputElement> ImageFeed<O> {
     /// Starts the loaders on `list` for batches on `stream` (see [`ImageSource::new`] for the
-    /// errors).
+    /// errors; with [`Decoding::Gpu`], also nvJPEG's).
     pub fn new(stream: &Stream, list: ImageList, config: ImageFeedConfig) -> Result<Self> {
         let source = ImageSource::new(list, &config)?;
-        let prefetcher = Prefetcher::new(stream, source.source(), config.prefetch.clone())?;
+        let engine = match gpu_decoder(stream, config.decoding)? {
+            #[cfg(feature = "nvjpeg")]
+            Some(nv) => Engine::Gpu(crate::gpu_feed::GpuFeed::new(stream, source.clone(), nv)?),
+            #[cfg(not(feature = "nvjpeg"))]
+            Some(never) => match never {},
+            None => Engine::Cpu(Prefetcher::new(
+                stream,
+                source.source(),
+                config.prefetch.clone(),
+            )?),
+        };
         Ok(ImageFeed {
-            prefetcher,
+            engine,
             source,
             taken: 0,
             ended: false,
@@ -666,14 +767,13 @@ impl<O: OutputElement> ImageFeed<O> {
     }
 
     /// The next batch of this epoch, `None` after its last (then the next call goes on with
-    /// the next epoch). Errors as [`Prefetcher::next`] reports them; an error ends the feed,
-    /// and every later call returns an error saying so (never a `None` that would look like
-    /// the end of an epoch).
+    /// the next epoch). An error ends the feed, and every later call returns an error saying
+    /// so (never a `None` that would look like the end of an epoch).
     #[allow(clippy::should_implement_trait)]
-    pub fn next(&mut self) -> Option<Result<DeviceBatch<'_, O, i64>>> {
+    pub fn next(&mut self) -> Option<Result<FeedBatch<'_, O>>> {
         if let Some(m) = &self.failed {
             return Some(Err(Error::invalid(
-                "prefetch::ImageFeed::next",
+                "ImageFeed::next",
                 format!("the feed stopped at an earlier error: {m}"),
             )));
         }
@@ -683,19 +783,25 @@ impl<O: OutputElement> ImageFeed<O> {
             return None;
         }
         self.ended = false;
-        match self.prefetcher.next() {
-            Some(Ok(b)) => {
+        let got = match &mut self.engine {
+            Engine::Cpu(p) => match p.next() {
+                Some(r) => r.map(|b| FeedBatch(Inner_::Cpu(b))),
+                None => Err(Error::invalid(
+                    "ImageFeed::next",
+                    "the prefetcher ended (an endless source ended)",
+                )),
+            },
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(g) => g.next().map(|b| FeedBatch(Inner_::Gpu(b))),
+        };
+        match got {
+            Ok(b) => {
                 self.taken += 1;
                 Some(Ok(b))
             }
-            Some(Err(e)) => {
+            Err(e) => {
                 self.failed = Some(e.to_string());
                 Some(Err(e))
-            }
-            None => {
-                let m = "the prefetcher ended (an endless source ended)".to_string();
-                self.failed = Some(m.clone());
-                Some(Err(Error::invalid("prefetch::ImageFeed::next", m)))
             }
         }
     }
@@ -720,9 +826,114 @@ impl<O: OutputElement> ImageFeed<O> {
         &self.source
     }
 
-    /// The prefetcher underneath (its stream, loader and pool statistics).
-    pub fn prefetcher(&self) -> &Prefetcher<O, i64> {
-        &self.prefetcher
+    /// Where this feed decodes: [`Decoding::Gpu`] or [`Decoding::Cpu`] (what `Auto` chose).
+    pub fn decoding(&self) -> Decoding {
+        match &self.engine {
+            Engine::Cpu(_) => Decoding::Cpu,
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(_) => Decoding::Gpu,
+        }
+    }
+
+    /// Images decoded so far by the GPU's engines, nvJPEG's CUDA backend and the CPU (all on
+    /// the CPU where the feed decodes there: those are not counted).
+    #[cfg(feature = "nvjpeg")]
+    pub fn routes(&self) -> crate::gpu_feed::RouteCounts {
+        match &self.engine {
+            Engine::Gpu(g) => g.routes(),
+            Engine::Cpu(_) => Default::default(),
+        }
+    }
+
+    /// The GPU's JPEG engines the feed decodes with (0 on the CPU path).
+    pub fn hardware_engines(&self) -> u32 {
+        match &self.engine {
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(g) => g.nvjpeg().hardware_engines(),
+            Engine::Cpu(_) => 0,
+        }
+    }
+
+    /// The prefetcher underneath, where the feed decodes on the CPU.
+    pub fn prefetcher(&self) -> Option<&Prefetcher<O, i64>> {
+        match &self.engine {
+            Engine::Cpu(p) => Some(p),
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(_) => None,
+        }
+    }
+}
+
+/// A batch of an [`ImageFeed`]: pixels (`n x 3 x h x w`, or NHWC) and labels on the device,
+/// ordered on the feed's stream. Dropping it hands its memory back to the feed.
+#[derive(Debug)]
+pub struct FeedBatch<'a, O: OutputElement>(Inner_<'a, O>);
+
+#[derive(Debug)]
+enum Inner_<'a, O: OutputElement> {
+    Cpu(DeviceBatch<'a, O, i64>),
+    #[cfg(feature = "nvjpeg")]
+    Gpu(crate::gpu_feed::GpuBatch<'a, O>),
+}
+
+impl<O: OutputElement> FeedBatch<'_, O> {
+    /// The batch index (counted from the configuration's start).
+    pub fn index(&self) -> u64 {
+        match &self.0 {
+            Inner_::Cpu(b) => b.index(),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.index(),
+        }
+    }
+
+    /// `[n, c, h, w]` (NCHW) or `[n, h, w, c]` (NHWC).
+    pub fn dims(&self) -> [usize; 4] {
+        match &self.0 {
+            Inner_::Cpu(b) => b.dims().unwrap_or_default(),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.dims(),
+        }
+    }
+
+    /// The pixels.
+    pub fn pixels(&self) -> Result<pinstream::DeviceView<'_, O>> {
+        match &self.0 {
+            Inner_::Cpu(b) => b.pixels(),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.pixels(),
+        }
+    }
+
+    /// The labels, one per sample.
+    pub fn labels(&self) -> Result<pinstream::DeviceView<'_, i64>> {
+        match &self.0 {
+            Inner_::Cpu(b) => b.extras(),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.labels(),
+        }
+    }
+
+    /// The labels ([`labels`](Self::labels); the prefetcher's name for them).
+    pub fn extras(&self) -> Result<pinstream::DeviceView<'_, i64>> {
+        self.labels()
+    }
+
+    /// PyTorch's `record_stream`: `stream` also reads the batch.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        match &self.0 {
+            Inner_::Cpu(b) => b.record_stream(stream),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.record_stream(stream),
+        }
+    }
+
+    /// The prefetcher's batch, where the feed decodes on the CPU.
+    pub fn as_prefetched(&self) -> Option<&DeviceBatch<'_, O, i64>> {
+        match &self.0 {
+            Inner_::Cpu(b) => Some(b),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(_) => None,
+        }
     }
 }
 

@@ -37,9 +37,15 @@ pub mod augment;
 pub mod dataset;
 pub mod decode;
 mod feed;
+#[cfg(feature = "nvjpeg")]
+mod gpu_feed;
 pub mod sampler;
 mod util;
 
-pub use feed::{Augment, BadFiles, ImageFeed, ImageFeedConfig, ImageSource, Skipped};
+pub use feed::{
+    Augment, BadFiles, Decoding, FeedBatch, ImageFeed, ImageFeedConfig, ImageSource, Skipped,
+};
+#[cfg(feature = "nvjpeg")]
+pub use gpu_feed::{GpuBatch, RouteCounts};
 #[cfg(feature = "nvjpeg")]
 pub mod nvjpeg;

@@ -26,3 +26,15 @@ pub(crate) fn try_vec<T>(op: &'static str, len: usize) -> Result<Vec<T>> {
     })?;
     Ok(v)
 }
+
+/// The message of a caught panic (`&str` or `String` payloads), for `Error::Panicked`.
+#[cfg_attr(not(feature = "nvjpeg"), allow(dead_code))]
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}

@@ -395,7 +395,12 @@ impl GpuDecoder {
                 region: full,
             });
         }
-        let route = self.route(data, h, w)?;
+        // A file whose end of image is not found (cut short) goes to the CPU decoder, which
+        // refuses it as the CPU path always has; nvJPEG might decode part of it without a word.
+        let route = match decode::end_of_image(data) {
+            decode::End::At(_) => self.route(data, h, w)?,
+            _ => Route::Cpu,
+        };
         let region = match (route, region) {
             (Route::Hardware, Some(r)) if self.roi => r,
             _ => full,

@@ -9,7 +9,7 @@
 //! ```no_run
 //! use pinstream::memory::DeviceBuffer;
 //! use pinstream_vision::nvjpeg::{Item, Nvjpeg};
-//! # fn main() -> pinstream::Result<()> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = pinstream::Device::get(0)?;
 //! let nv = Nvjpeg::new(&dev)?;                       // Err: no libnvjpeg.so.13 (the reason)
 //! let mut decoder = nv.decoder()?;                   // one per thread

@@ -6,6 +6,8 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 mod feed;
+#[cfg(feature = "nvjpeg")]
+mod nvjpeg;
 
 use libtest_mimic::Arguments;
 
@@ -19,6 +21,8 @@ fn main() {
     trials.extend(feed::trials());
     trials.extend(feed::hostile::trials());
     trials.extend(feed::hostile2::trials());
+    #[cfg(feature = "nvjpeg")]
+    trials.extend(nvjpeg::trials());
     libtest_mimic::run(&args, trials).exit();
 }
 

@@ -1,0 +1,585 @@
+//! The image feed with the GPU decoding: each loader thread reads a batch's files and parses
+//! their headers, draws the crops, decodes the batch with its own [`GpuDecoder`] (the GPU's
+//! JPEG engines, nvJPEG's CUDA backend or the CPU, per file) into its device arena, and runs
+//! the fused resized crop from that arena into an output buffer, on its own stream. No pixel
+//! goes back to the host. The consumer takes the batches in order, each ordered on its stream
+//! by an event.
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
+use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
+use pinstream::{Device, Error, Event, Result, Stream};
+
+use crate::feed::{checked_info, file_error, read_file, Augment, BadFiles, ImageSource};
+use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
+use crate::util::lock;
+
+const OP: &str = "ImageFeed (GPU decoding)";
+
+/// How often a waiting thread looks at the stop flag even without a notification.
+const TICK: Duration = Duration::from_millis(50);
+
+/// Images decoded per route, over the feed's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouteCounts {
+    /// By the GPU's JPEG engines.
+    pub hardware: u64,
+    /// By nvJPEG's CUDA backend.
+    pub cuda: u64,
+    /// By the CPU decoder.
+    pub cpu: u64,
+}
+
+/// One batch's device memory: pixels, labels (and their page-locked staging), and the event
+/// that marks them written.
+struct Output<O: pinstream::Pod> {
+    pixels: DeviceBuffer<O>,
+    labels: DeviceBuffer<i64>,
+    labels_host: PinnedBuffer<i64>,
+    done: Event,
+    /// Samples in the batch (the buffers are sized for a full one).
+    n: usize,
+    dims: [usize; 4],
+}
+
+struct State<O: pinstream::Pod> {
+    /// The next batch index a loader claims.
+    next: u64,
+    /// Batches handed to the consumer.
+    taken: u64,
+    ready: BTreeMap<u64, Result<Output<O>>>,
+    free: Vec<Output<O>>,
+    /// Output buffers made so far.
+    made: usize,
+    stop: bool,
+    /// Loaders still running.
+    alive: usize,
+    routes: RouteCounts,
+}
+
+struct Shared<O: pinstream::Pod> {
+    state: Mutex<State<O>>,
+    changed: Condvar,
+    source: ImageSource,
+    nv: Nvjpeg,
+    /// Batches decoded ahead of the consumer, at most.
+    ahead: usize,
+}
+
+/// The GPU-decoding engine of an [`ImageFeed`](crate::ImageFeed).
+pub(crate) struct GpuFeed<O: OutputElement> {
+    shared: Arc<Shared<O>>,
+    threads: Vec<JoinHandle<()>>,
+    consumer: Stream,
+}
+
+impl<O: OutputElement> GpuFeed<O> {
+    /// Starts `threads` loaders, each with its own decoder and stream, on `consumer`'s device.
+    pub(crate) fn new(consumer: &Stream, source: ImageSource, nv: Nvjpeg) -> Result<Self> {
+        let cfg = source.config();
+        let threads = cfg.prefetch.loader_threads.max(1);
+        let ahead = cfg.prefetch.depth.max(1) + threads;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                next: 0,
+                taken: 0,
+                ready: BTreeMap::new(),
+                free: Vec::new(),
+                made: 0,
+                stop: false,
+                alive: threads,
+                routes: RouteCounts::default(),
+            }),
+            changed: Condvar::new(),
+            source,
+            nv,
+            ahead,
+        });
+        let mut feed = GpuFeed {
+            shared: shared.clone(),
+            threads: Vec::with_capacity(threads),
+            consumer: consumer.clone(),
+        };
+        for t in 0..threads {
+            let sh = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("pinstream-nvjpeg-{t}"))
+                .spawn(move || loader(&sh));
+            match spawned {
+                Ok(h) => feed.threads.push(h),
+                Err(e) => {
+                    lock(&shared.state).alive -= threads - t;
+                    return Err(Error::invalid(OP, format!("cannot start a loader thread: {e}")));
+                }
+            }
+        }
+        Ok(feed)
+    }
+
+    /// The next batch (index `taken`), ordered on the consumer's stream.
+    pub(crate) fn next(&mut self) -> Result<GpuBatch<'_, O>> {
+        let sh = &*self.shared;
+        let mut st = lock(&sh.state);
+        let index = st.taken;
+        let r = loop {
+            if let Some(r) = st.ready.remove(&index) {
+                break r;
+            }
+            if st.alive == 0 {
+                return Err(Error::invalid(OP, "every loader thread stopped"));
+            }
+            st = sh
+                .changed
+                .wait_timeout(st, TICK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        };
+        st.taken += 1;
+        drop(st);
+        sh.changed.notify_all();
+        let out = r?;
+        // The consumer's work waits for the batch's on the GPU; the next write of its buffers
+        // (a later batch's) waits for the consumer's reads queued up to now.
+        self.consumer.wait(&out.done)?;
+        Ok(GpuBatch {
+            feed: self,
+            out: Some(out),
+            index,
+        })
+    }
+
+    /// Images decoded per route so far.
+    pub(crate) fn routes(&self) -> RouteCounts {
+        lock(&self.shared.state).routes
+    }
+
+    /// The nvJPEG the loaders decode with.
+    pub(crate) fn nvjpeg(&self) -> &Nvjpeg {
+        &self.shared.nv
+    }
+}
+
+impl<O: OutputElement> Drop for GpuFeed<O> {
+    fn drop(&mut self) {
+        lock(&self.shared.state).stop = true;
+        self.shared.changed.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A batch decoded on the GPU: pixels and labels on the device, ordered on the feed's stream.
+/// Its buffers go back to the feed when it is dropped (later writes to them wait for the work
+/// the consumer's stream has queued by then).
+pub struct GpuBatch<'a, O: OutputElement> {
+    feed: &'a GpuFeed<O>,
+    out: Option<Output<O>>,
+    index: u64,
+}
+
+impl<O: OutputElement> std::fmt::Debug for GpuBatch<'_, O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBatch")
+            .field("index", &self.index)
+            .field("dims", &self.dims())
+            .finish()
+    }
+}
+
+impl<O: OutputElement> GpuBatch<'_, O> {
+    fn out(&self) -> &Output<O> {
+        self.out.as_ref().expect("taken only by drop")
+    }
+
+    /// The prefetcher-style batch index (counted from the configuration's start).
+    pub fn index(&self) -> u64 {
+        self.index
+    }
+
+    /// `[n, c, h, w]` (NCHW) or `[n, h, w, c]` (NHWC).
+    pub fn dims(&self) -> [usize; 4] {
+        self.out().dims
+    }
+
+    /// The pixels.
+    pub fn pixels(&self) -> Result<DeviceView<'_, O>> {
+        let o = self.out();
+        let len: usize = o.dims.iter().product();
+        o.pixels.slice(..len)
+    }
+
+    /// The labels, one per sample.
+    pub fn labels(&self) -> Result<DeviceView<'_, i64>> {
+        let o = self.out();
+        o.labels.slice(..o.n)
+    }
+
+    /// PyTorch's `record_stream`: `stream` also reads the batch; its buffers are not written
+    /// again before what `stream` has queued by the time the batch is dropped.
+    pub fn record_stream(&self, stream: &Stream) -> Result<()> {
+        let o = self.out();
+        o.pixels.record_stream(stream)?;
+        o.labels.record_stream(stream)
+    }
+}
+
+impl<O: OutputElement> Drop for GpuBatch<'_, O> {
+    fn drop(&mut self) {
+        if let Some(o) = self.out.take() {
+            // Later writes wait for the consumer's reads queued up to now.
+            let ok = o.pixels.record_stream(&self.feed.consumer).is_ok()
+                && o.labels.record_stream(&self.feed.consumer).is_ok();
+            let mut st = lock(&self.feed.shared.state);
+            if ok {
+                st.free.push(o);
+            } else {
+                st.made -= 1;
+            }
+            drop(st);
+            self.feed.shared.changed.notify_all();
+        }
+    }
+}
+
+/// A loader thread: claims batch indices in order, never more than `ahead` past the consumer.
+fn loader<O: OutputElement>(sh: &Shared<O>) {
+    let mut work = match Work::new(&sh.nv) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            // Reported at the next index this thread would have claimed.
+            let mut st = lock(&sh.state);
+            let i = st.next;
+            st.next += 1;
+            st.ready.insert(i, Err(e));
+            None
+        }
+    };
+    loop {
+        let (index, out) = {
+            let mut st = lock(&sh.state);
+            loop {
+                if st.stop || work.is_none() {
+                    st.alive -= 1;
+                    drop(st);
+                    sh.changed.notify_all();
+                    return;
+                }
+                let cap = sh.ahead;
+                if st.next < st.taken + cap as u64 && (st.free.len() > 0 || st.made < cap) {
+                    break;
+                }
+                st = sh
+                    .changed
+                    .wait_timeout(st, TICK)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            let i = st.next;
+            st.next += 1;
+            let out = st.free.pop();
+            if out.is_none() {
+                st.made += 1;
+            }
+            (i, out)
+        };
+        let w = work.as_mut().expect("checked above");
+        let r = catch_unwind(AssertUnwindSafe(|| w.batch(sh, index, out)));
+        let r = match r {
+            Ok(r) => r,
+            Err(p) => Err(Error::Panicked {
+                op: OP,
+                message: crate::util::panic_message(&*p),
+            }),
+        };
+        let mut st = lock(&sh.state);
+        if r.is_err() {
+            // The output buffer went with the failed batch.
+            st.made -= 1;
+        }
+        if let Ok((_, counts)) = &r {
+            st.routes.hardware += counts.hardware;
+            st.routes.cuda += counts.cuda;
+            st.routes.cpu += counts.cpu;
+        }
+        st.ready.insert(index, r.map(|(o, _)| o));
+        drop(st);
+        sh.changed.notify_all();
+    }
+}
+
+/// A loader's own decoder and arena.
+struct Work {
+    decoder: GpuDecoder,
+    arena: Option<DeviceBuffer<u8>>,
+    device: Device,
+}
+
+/// One file of a batch: read (its bytes, or `None` to read again), its crop and plan.
+struct File {
+    path: PathBuf,
+    label: usize,
+    bytes: Option<Vec<u8>>,
+    crop: CropBox,
+    plan: Plan,
+    offset: usize,
+}
+
+impl Work {
+    fn new(nv: &Nvjpeg) -> Result<Work> {
+        Ok(Work {
+            decoder: nv.decoder()?,
+            arena: None,
+            device: nv.device(),
+        })
+    }
+
+    /// The region of the image a crop box reads (the filter stops at the box's edges, widened
+    /// to whole pixels), and the box in that region's coordinates.
+    fn region(crop: &CropBox, h: usize, w: usize) -> Option<(Region, CropBox)> {
+        if !crop.clamp_to_box {
+            return None;
+        }
+        let top = (crop.top.floor().max(0.0) as usize).min(h - 1);
+        let left = (crop.left.floor().max(0.0) as usize).min(w - 1);
+        let bottom = ((crop.top + crop.height).ceil() as usize).clamp(top + 1, h);
+        let right = ((crop.left + crop.width).ceil() as usize).clamp(left + 1, w);
+        let r = Region {
+            top,
+            left,
+            height: bottom - top,
+            width: right - left,
+        };
+        let mut shifted = *crop;
+        shifted.top -= top as f32;
+        shifted.left -= left as f32;
+        Some((r, shifted))
+    }
+
+    fn batch<O: OutputElement>(
+        &mut self,
+        sh: &Shared<O>,
+        index: u64,
+        out: Option<Output<O>>,
+    ) -> Result<(Output<O>, RouteCounts)> {
+        let src = &sh.source;
+        let cfg = src.config();
+        let (epoch, k, list, mut rng) = src.batch_files(OP, index)?;
+        let bad = |path: &std::path::Path, e: Error| -> Result<()> {
+            if cfg.bad_files == BadFiles::Skip {
+                src.skip(path, &e);
+                Ok(())
+            } else {
+                Err(file_error(path, e))
+            }
+        };
+        let mut probe = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
+            .layouts(Layout::Nhwc, cfg.layout);
+        // Read, check, crop and plan every file, in order (the crops drawn as the CPU path
+        // draws them).
+        let mut files: Vec<File> = Vec::with_capacity(list.len());
+        let (mut offset, mut held) = (0usize, 0usize);
+        for (path, label) in list {
+            let read = read_file(OP, &path).and_then(|b| checked_info(&path, &b).map(|i| (b, i)));
+            let (bytes, info) = match read {
+                Ok(x) => x,
+                Err(e) => {
+                    bad(&path, e)?;
+                    continue;
+                }
+            };
+            let (h, w) = (info.height, info.width);
+            let crop = match cfg.augment {
+                Augment::Train(rrc) => rrc.sample(&mut rng, h, w),
+                Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
+            };
+            let crop = crop.and_then(|crop| {
+                probe.samples.clear();
+                probe.push(0, h, w, crop);
+                probe.validate(OP).map(|()| crop)
+            });
+            let crop = match crop {
+                Ok(c) => c,
+                Err(e) => {
+                    let e = Error::invalid(
+                        OP,
+                        format!(
+                            "{}: the {h}x{w} image cannot be resized under this configuration: {e}",
+                            path.display()
+                        ),
+                    );
+                    bad(&path, e)?;
+                    continue;
+                }
+            };
+            let (region, crop) = match Self::region(&crop, h, w) {
+                Some((r, c)) => (Some(r), c),
+                None => (None, crop),
+            };
+            let plan = match self.decoder.plan(&bytes, region) {
+                Ok(p) => p,
+                Err(e) => {
+                    bad(&path, e)?;
+                    continue;
+                }
+            };
+            // A route that decodes the whole image keeps the box in the image's coordinates.
+            let crop = if plan.region == Region::full(h, w) {
+                let mut c = crop;
+                if let Some(r) = region {
+                    c.top += r.top as f32;
+                    c.left += r.left as f32;
+                }
+                c
+            } else {
+                crop
+            };
+            let kept = match held.checked_add(bytes.len()) {
+                Some(n) if n <= src.held_bytes() => {
+                    held = n;
+                    Some(bytes)
+                }
+                _ => None,
+            };
+            let len = plan.region.rgb_len();
+            files.push(File {
+                path,
+                label,
+                bytes: kept,
+                crop,
+                plan,
+                offset,
+            });
+            offset = offset
+                .checked_add(len)
+                .ok_or_else(|| Error::invalid(OP, "the batch's decoded size overflows usize"))?;
+        }
+        if files.is_empty() {
+            return Err(Error::invalid(
+                OP,
+                format!("every file of epoch {epoch}'s batch {k} was left out as undecodable"),
+            ));
+        }
+        if self.arena.as_ref().is_none_or(|a| a.len() < offset) {
+            self.arena = None;
+            // Room for the largest batch seen, plus a quarter for the next ones.
+            let len = offset.saturating_add(offset / 4);
+            self.arena = Some(DeviceBuffer::<u8>::new(&self.device, len)?);
+        }
+        let arena = self.arena.as_mut().expect("made above");
+        // Decode in groups of at most `held_bytes` of files (files not kept are read again).
+        let mut ok = vec![false; files.len()];
+        let mut counts = RouteCounts::default();
+        let mut start = 0;
+        while start < files.len() {
+            let mut end = start;
+            let mut bytes: Vec<Vec<u8>> = Vec::new();
+            let mut total = 0usize;
+            while end < files.len() {
+                let b = match files[end].bytes.take() {
+                    Some(b) => b,
+                    None => match read_file(OP, &files[end].path) {
+                        Ok(b) => b,
+                        Err(e) => {
+                            bad(&files[end].path, e)?;
+                            bytes.push(Vec::new());
+                            end += 1;
+                            continue;
+                        }
+                    },
+                };
+                total = total.saturating_add(b.len());
+                bytes.push(b);
+                end += 1;
+                if total >= src.held_bytes() {
+                    break;
+                }
+            }
+            let idx: Vec<usize> = (start..end).filter(|&i| !bytes[i - start].is_empty()).collect();
+            let items: Vec<Item<'_>> = idx
+                .iter()
+                .map(|&i| Item {
+                    data: &bytes[i - start],
+                    offset: files[i].offset,
+                    region: (files[i].plan.region != Region::full(files[i].plan.height, files[i].plan.width))
+                        .then_some(files[i].plan.region),
+                })
+                .collect();
+            let results = self.decoder.decode(&items, arena)?;
+            for (&i, r) in idx.iter().zip(results) {
+                match r {
+                    // The decode must write what was planned (a file changed in between: bad).
+                    Ok(p) if p.region == files[i].plan.region => {
+                        ok[i] = true;
+                        match p.route {
+                            Route::Hardware => counts.hardware += 1,
+                            Route::Cuda => counts.cuda += 1,
+                            Route::Cpu => counts.cpu += 1,
+                        }
+                    }
+                    Ok(_) => bad(
+                        &files[i].path,
+                        Error::invalid(OP, "the file changed while its batch was read"),
+                    )?,
+                    Err(e) => bad(&files[i].path, e)?,
+                }
+            }
+            start = end;
+        }
+        let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
+            .layouts(Layout::Nhwc, cfg.layout);
+        let mut labels = Vec::with_capacity(files.len());
+        for (f, _) in files.iter().zip(&ok).filter(|(_, &ok)| ok) {
+            spec.push(f.offset, f.plan.region.height, f.plan.region.width, f.crop);
+            labels.push(f.label as i64);
+        }
+        if labels.is_empty() {
+            return Err(Error::invalid(
+                OP,
+                format!("every file of epoch {epoch}'s batch {k} was left out as undecodable"),
+            ));
+        }
+        let mut out = match out {
+            Some(o) => o,
+            None => output::<O>(&self.device, cfg.batch, spec.sample_len()?)?,
+        };
+        let n = labels.len();
+        let (c, (h, w)) = (spec.out_channels(), cfg.out);
+        out.dims = match cfg.layout {
+            Layout::Nhwc => [n, h, w, c],
+            _ => [n, c, h, w],
+        };
+        out.n = n;
+        let stream = self.decoder.stream().clone();
+        let len = spec.output_len()?;
+        kernels::resized_crop(&stream, &*arena, &spec, &mut out.pixels.slice_mut(..len)?)?;
+        out.labels_host.as_mut_slice()?[..n].copy_from_slice(&labels);
+        let host = out.labels_host.slice(..n)?;
+        stream.copy_h2d(&host, &mut out.labels.slice_mut(..n)?)?;
+        drop(host);
+        stream.record(&out.done)?;
+        Ok((out, counts))
+    }
+
+}
+
+/// A batch's device memory, sized for `batch` samples of `sample` elements.
+fn output<O: OutputElement>(device: &Device, batch: usize, sample: usize) -> Result<Output<O>> {
+        let len = batch
+            .checked_mul(sample)
+            .ok_or_else(|| Error::invalid(OP, "the batch's output size overflows usize"))?;
+        Ok(Output {
+            pixels: DeviceBuffer::new(device, len)?,
+            labels: DeviceBuffer::new(device, batch)?,
+            labels_host: PinnedBuffer::new(device, batch, HostAlloc::DEFAULT)?,
+            done: Event::new(device)?,
+            n: 0,
+            dims: [0; 4],
+        })
+}
