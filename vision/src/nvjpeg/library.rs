@@ -2,7 +2,7 @@
 //!
 //! Searched in order: `PINSTREAM_NVJPEG` (a file or a folder), the folder the build provisioned it
 //! into (the per-user cache, beside pinstream's toolkit), the build's toolkit, `CUDA_HOME` /
-//! `CUDA_PATH`, `/usr/local/cuda/lib64`, then the loader's own path (`LD_LIBRARY_PATH`, the
+//! `CUDA_PATH`, `/usr/local/cuda/lib64` and `/usr/local/cuda-13*/lib64`, then the loader's own path (`LD_LIBRARY_PATH`, the
 //! system's). A machine without it gets the reason, once on stderr and from
 //! [`unavailable`], and decodes on the CPU.
 
@@ -32,6 +32,16 @@ fn candidates() -> Vec<PathBuf> {
         }
     }
     out.push(PathBuf::from("/usr/local/cuda/lib64").join(LIBRARY));
+    // Versioned toolkits (`/usr/local/cuda-13.0`), newest name first.
+    let mut versioned: Vec<PathBuf> = std::fs::read_dir("/usr/local")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cuda-13")))
+        .collect();
+    versioned.sort();
+    out.extend(versioned.into_iter().rev().map(|d| d.join("lib64").join(LIBRARY)));
     out
 }
 
