@@ -15,7 +15,7 @@ use std::ptr;
 use std::sync::Arc;
 
 use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
-use pinstream::{Device, Error, Result, Stream};
+use pinstream::{Device, Error, Event, Result, Stream};
 
 use super::library::library;
 use super::sys;
@@ -293,6 +293,9 @@ pub struct GpuDecoder {
     cuda: Batcher,
     staging: Option<PinnedBuffer<u8>>,
     stream: Stream,
+    /// Recorded on `stream` to wait for it: an event's wait sleeps after a short spin, where
+    /// `cudaStreamSynchronize` would spin a core for the whole decode.
+    idle: Event,
     lib: &'static sys::Nvjpeg,
     nv: Nvjpeg,
     /// Decode only the region asked for where the route can (ROI decoding). On by default.
@@ -351,6 +354,7 @@ impl GpuDecoder {
             cuda,
             staging: None,
             stream: sh.device.stream()?,
+            idle: Event::new(&sh.device)?,
             lib,
             nv: nv.clone(),
             roi: true,
@@ -557,7 +561,7 @@ impl GpuDecoder {
         }
         // The guarantee: nothing queued still reads or writes the arena, on any stream.
         arena.synchronize()?;
-        self.stream.synchronize()?;
+        self.wait_stream()?;
         self.nv.shared.device.make_current()?;
         let mut results = plans;
         let base = arena.as_device_mut_ptr();
@@ -583,8 +587,14 @@ impl GpuDecoder {
         self.cpu(items, &mut results, &cpu, arena)?;
         arena.record_stream_mut(&self.stream)?;
         // The files' bytes are borrowed for this call only: the decode must be done with them.
-        self.stream.synchronize()?;
+        self.wait_stream()?;
         Ok(results)
+    }
+
+    /// Blocks until everything queued on the decoder's stream has run.
+    fn wait_stream(&self) -> Result<()> {
+        self.stream.record(&self.idle)?;
+        self.idle.synchronize()
     }
 
     /// One nvJPEG batch of the images `group` (all of `route`) into the arena at `base`.
