@@ -21,7 +21,7 @@ const WHEEL_INCLUDE: &str = "nvidia/cu13/include";
 const WHEEL_LIB: &str = "nvidia/cu13/lib";
 
 /// The functions the decoder calls: the generated loader requires every one of them.
-const FUNCTIONS: &str = "nvjpeg(GetProperty|CreateExV2|Destroy|GetHardwareDecoderInfo\
+const FUNCTIONS: &str = "nvjpeg(GetProperty|CreateEx|CreateExV2|Destroy|GetHardwareDecoderInfo\
     |SetDeviceMemoryPadding|SetPinnedMemoryPadding\
     |JpegStateCreate|JpegStateDestroy\
     |DecodeBatchedInitialize|DecodeBatchedEx|DecodeBatchedPreAllocate\

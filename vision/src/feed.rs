@@ -205,6 +205,12 @@ pub const MAX_BATCH_FILE_BYTES: usize = 256 << 20;
 /// metadata) is refused (`Error::Format` naming it), so that memory is bounded by the image,
 /// not by the file.
 pub(crate) fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
+    read_file_ended(op, path).map(|(bytes, _)| bytes)
+}
+
+/// [`read_file`], and whether the image's end was found (`false`: the whole file, which the
+/// decoder judges).
+pub(crate) fn read_file_ended(op: &'static str, path: &Path) -> Result<(Vec<u8>, bool)> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let io = |e: String| crate::dataset::io(op, path, e);
@@ -247,13 +253,13 @@ pub(crate) fn read_file(op: &'static str, path: &Path) -> Result<Vec<u8>> {
             decode::End::At(n) => {
                 bytes.truncate(n);
                 bytes.shrink_to_fit();
-                return Ok(bytes);
+                return Ok((bytes, true));
             }
             decode::End::More | decode::End::Unknown => {}
         }
         // The whole file (or it was cut short since it was opened): the decoder judges it.
         if bytes.len() >= file_len || got < want {
-            return Ok(bytes);
+            return Ok((bytes, false));
         }
         if info.is_none() {
             if let Ok(i) = decode::info(&bytes) {

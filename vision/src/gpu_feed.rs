@@ -16,7 +16,7 @@ use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
 use pinstream::{Device, Error, Event, Result, Stream};
 
-use crate::feed::{checked_info, file_error, read_file, Augment, BadFiles, ImageSource};
+use crate::feed::{checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::util::lock;
 
@@ -386,8 +386,9 @@ impl Work {
         let mut files: Vec<File> = Vec::with_capacity(list.len());
         let (mut offset, mut held) = (0usize, 0usize);
         for (path, label) in list {
-            let read = read_file(OP, &path).and_then(|b| checked_info(&path, &b).map(|i| (b, i)));
-            let (bytes, info) = match read {
+            let read = read_file_ended(OP, &path)
+                .and_then(|(b, ended)| checked_info(&path, &b).map(|i| (b, i, ended)));
+            let (bytes, info, ended) = match read {
                 Ok(x) => x,
                 Err(e) => {
                     bad(&path, e)?;
@@ -422,23 +423,24 @@ impl Work {
                 Some((r, c)) => (Some(r), c),
                 None => (None, crop),
             };
-            let plan = match self.decoder.plan(&bytes, region) {
+            let plan = match self.decoder.plan_known(&bytes, info, ended, region) {
                 Ok(p) => p,
                 Err(e) => {
                     bad(&path, e)?;
                     continue;
                 }
             };
-            // A route that decodes the whole image keeps the box in the image's coordinates.
-            let crop = if plan.region == Region::full(h, w) {
+            // The box in the coordinates of what is decoded (the region, widened to whole MCUs,
+            // or the whole image).
+            let crop = {
                 let mut c = crop;
                 if let Some(r) = region {
                     c.top += r.top as f32;
                     c.left += r.left as f32;
                 }
+                c.top -= plan.region.top as f32;
+                c.left -= plan.region.left as f32;
                 c
-            } else {
-                crop
             };
             let kept = match held.checked_add(bytes.len()) {
                 Some(n) if n <= src.held_bytes() => {
@@ -470,7 +472,9 @@ impl Work {
             self.arena = None;
             // Room for the largest batch seen, plus a quarter for the next ones.
             let len = offset.saturating_add(offset / 4);
-            self.arena = Some(DeviceBuffer::<u8>::new(&self.device, len)?);
+            // Stream-ordered (no device-wide synchronization, as cudaMalloc / cudaFree would
+            // cost every other loader).
+            self.arena = Some(DeviceBuffer::<u8>::new_async(self.decoder.stream(), len)?);
         }
         let arena = self.arena.as_mut().expect("made above");
         // Decode in groups of at most `held_bytes` of files (files not kept are read again).
@@ -484,8 +488,8 @@ impl Work {
             while end < files.len() {
                 let b = match files[end].bytes.take() {
                     Some(b) => b,
-                    None => match read_file(OP, &files[end].path) {
-                        Ok(b) => b,
+                    None => match read_file_ended(OP, &files[end].path) {
+                        Ok((b, _)) => b,
                         Err(e) => {
                             bad(&files[end].path, e)?;
                             bytes.push(Vec::new());
@@ -506,9 +510,8 @@ impl Work {
                 .iter()
                 .map(|&i| Item {
                     data: &bytes[i - start],
+                    plan: files[i].plan,
                     offset: files[i].offset,
-                    region: (files[i].plan.region != Region::full(files[i].plan.height, files[i].plan.width))
-                        .then_some(files[i].plan.region),
                 })
                 .collect();
             let results = self.decoder.decode(&items, arena)?;

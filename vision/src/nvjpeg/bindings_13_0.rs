@@ -74,6 +74,37 @@ pub struct nvjpegImage_t {
     pub channel: [*mut ::std::os::raw::c_uchar; 4usize],
     pub pitch: [usize; 4usize],
 }
+pub type tDevMalloc = ::std::option::Option<
+    unsafe extern "C" fn(
+        arg1: *mut *mut ::std::os::raw::c_void,
+        arg2: usize,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type tDevFree = ::std::option::Option<
+    unsafe extern "C" fn(arg1: *mut ::std::os::raw::c_void) -> ::std::os::raw::c_int,
+>;
+pub type tPinnedMalloc = ::std::option::Option<
+    unsafe extern "C" fn(
+        arg1: *mut *mut ::std::os::raw::c_void,
+        arg2: usize,
+        flags: ::std::os::raw::c_uint,
+    ) -> ::std::os::raw::c_int,
+>;
+pub type tPinnedFree = ::std::option::Option<
+    unsafe extern "C" fn(arg1: *mut ::std::os::raw::c_void) -> ::std::os::raw::c_int,
+>;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct nvjpegDevAllocator_t {
+    pub dev_malloc: tDevMalloc,
+    pub dev_free: tDevFree,
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct nvjpegPinnedAllocator_t {
+    pub pinned_malloc: tPinnedMalloc,
+    pub pinned_free: tPinnedFree,
+}
 pub type tDevMallocV2 = ::std::option::Option<
     unsafe extern "C" fn(
         ctx: *mut ::std::os::raw::c_void,
@@ -149,6 +180,13 @@ pub struct Nvjpeg {
     pub nvjpegGetProperty: unsafe extern "C" fn(
         type_: libraryPropertyType,
         value: *mut ::std::os::raw::c_int,
+    ) -> nvjpegStatus_t,
+    pub nvjpegCreateEx: unsafe extern "C" fn(
+        backend: nvjpegBackend_t,
+        dev_allocator: *mut nvjpegDevAllocator_t,
+        pinned_allocator: *mut nvjpegPinnedAllocator_t,
+        flags: ::std::os::raw::c_uint,
+        handle: *mut nvjpegHandle_t,
     ) -> nvjpegStatus_t,
     pub nvjpegCreateExV2: unsafe extern "C" fn(
         backend: nvjpegBackend_t,
@@ -270,6 +308,7 @@ impl Nvjpeg {
     {
         let __library = library.into();
         let nvjpegGetProperty = __library.get(b"nvjpegGetProperty\0").map(|sym| *sym)?;
+        let nvjpegCreateEx = __library.get(b"nvjpegCreateEx\0").map(|sym| *sym)?;
         let nvjpegCreateExV2 = __library.get(b"nvjpegCreateExV2\0").map(|sym| *sym)?;
         let nvjpegDestroy = __library.get(b"nvjpegDestroy\0").map(|sym| *sym)?;
         let nvjpegSetDeviceMemoryPadding = __library
@@ -330,6 +369,7 @@ impl Nvjpeg {
         Ok(Nvjpeg {
             __library,
             nvjpegGetProperty,
+            nvjpegCreateEx,
             nvjpegCreateExV2,
             nvjpegDestroy,
             nvjpegSetDeviceMemoryPadding,
@@ -361,6 +401,16 @@ impl Nvjpeg {
         value: *mut ::std::os::raw::c_int,
     ) -> nvjpegStatus_t {
         (self.nvjpegGetProperty)(type_, value)
+    }
+    pub unsafe fn nvjpegCreateEx(
+        &self,
+        backend: nvjpegBackend_t,
+        dev_allocator: *mut nvjpegDevAllocator_t,
+        pinned_allocator: *mut nvjpegPinnedAllocator_t,
+        flags: ::std::os::raw::c_uint,
+        handle: *mut nvjpegHandle_t,
+    ) -> nvjpegStatus_t {
+        (self.nvjpegCreateEx)(backend, dev_allocator, pinned_allocator, flags, handle)
     }
     pub unsafe fn nvjpegCreateExV2(
         &self,

@@ -60,6 +60,11 @@ impl Region {
     pub fn rgb_len(&self) -> usize {
         self.height * self.width * 3
     }
+
+    /// [`rgb_len`](Self::rgb_len), `None` where it overflows.
+    fn rgb_len_checked(&self) -> Option<usize> {
+        self.height.checked_mul(self.width)?.checked_mul(3)
+    }
 }
 
 /// What [`GpuDecoder::plan`] says of an image: its route, size, and the region a decode
@@ -73,19 +78,22 @@ pub struct Plan {
     /// Columns of the image.
     pub width: usize,
     /// What a decode writes: `region.height x region.width x 3` bytes at the item's offset.
+    /// On the hardware route, the region asked for widened to whole MCUs around it (it
+    /// contains the region asked for); elsewhere the whole image.
     pub region: Region,
 }
 
-/// One image of a batch: its file's bytes, where its pixels go in the arena (bytes), and the
-/// region to decode where the route can (`None`: the whole image).
+/// One image of a batch: its file's bytes, its [`Plan`] (from [`GpuDecoder::plan`] of the same
+/// bytes), and where its pixels go in the arena (bytes).
 #[derive(Clone, Copy, Debug)]
 pub struct Item<'a> {
     /// The file.
     pub data: &'a [u8],
+    /// How it is decoded and what that writes. A plan that does not fit the bytes (they
+    /// changed, or the plan was made up) makes the item a bad file, never a stray write.
+    pub plan: Plan,
     /// First byte of its pixels in the arena.
     pub offset: usize,
-    /// The region wanted (ROI decoding on the hardware route).
-    pub region: Option<Region>,
 }
 
 fn status_name(s: sys::nvjpegStatus_t) -> &'static str {
@@ -142,9 +150,18 @@ impl Handle {
     fn new(lib: &'static sys::Nvjpeg, device: &Device, backend: sys::nvjpegBackend_t) -> Result<Self> {
         device.make_current()?;
         let mut raw = ptr::null_mut();
-        // SAFETY: null allocators select nvJPEG's own; `raw` is written on success only.
-        let s = unsafe { lib.nvjpegCreateExV2(backend, ptr::null_mut(), ptr::null_mut(), 0, &mut raw) };
-        check("nvjpegCreateExV2", s)?;
+        // Chroma upsampled with interpolation, as libjpeg-turbo (PIL, torchvision) and the CPU
+        // decoder do, not by replication; a library without the flag decodes without it.
+        for flags in [sys::NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, 0] {
+            // SAFETY: null allocators select nvJPEG's own; `raw` is written on success only.
+            let s = unsafe {
+                lib.nvjpegCreateEx(backend, ptr::null_mut(), ptr::null_mut(), flags, &mut raw)
+            };
+            if s == 0 || flags == 0 {
+                check("nvjpegCreateEx", s)?;
+                break;
+            }
+        }
         Ok(Handle {
             lib,
             raw,
@@ -375,8 +392,21 @@ impl GpuDecoder {
     /// a file neither decoder can read the header of, or an image above
     /// [`decode::MAX_OUTPUT_BYTES`], or a `region` outside the image or empty.
     pub fn plan(&mut self, data: &[u8], region: Option<Region>) -> Result<Plan> {
-        const OP: &str = "nvjpeg::GpuDecoder::plan";
         let info = decode::info(data)?;
+        let ended = matches!(decode::end_of_image(data), decode::End::At(_));
+        self.plan_known(data, info, ended, region)
+    }
+
+    /// [`plan`](Self::plan) where the caller read the header (`info`) and walked the file to
+    /// its end (`ended`: an end-of-image marker after the last scan) already.
+    pub(crate) fn plan_known(
+        &mut self,
+        data: &[u8],
+        info: decode::ImageInfo,
+        ended: bool,
+        region: Option<Region>,
+    ) -> Result<Plan> {
+        const OP: &str = "nvjpeg::GpuDecoder::plan";
         let (h, w) = (info.height, info.width);
         if let Some(r) = region {
             let inside = r.height > 0
@@ -401,12 +431,12 @@ impl GpuDecoder {
         }
         // A file whose end of image is not found (cut short) goes to the CPU decoder, which
         // refuses it as the CPU path always has; nvJPEG might decode part of it without a word.
-        let route = match decode::end_of_image(data) {
-            decode::End::At(_) => self.route(data, h, w)?,
-            _ => Route::Cpu,
+        let (route, mcu) = match ended {
+            true => self.route(data, h, w)?,
+            false => (Route::Cpu, (8, 8)),
         };
         let region = match (route, region) {
-            (Route::Hardware, Some(r)) if self.roi => r,
+            (Route::Hardware, Some(r)) if self.roi => around(r, mcu, h, w),
             _ => full,
         };
         Ok(Plan {
@@ -419,21 +449,25 @@ impl GpuDecoder {
 
     /// The route of a JPEG whose header the CPU decoder read as `h x w`: nvJPEG's parser must
     /// agree on the size (else the file is refused: the two would write different amounts).
-    fn route(&mut self, data: &[u8], h: usize, w: usize) -> Result<Route> {
+    /// nvJPEG's own reading of the header (what its decode will write): `(height, width,
+    /// components, encoding, subsampling)`, or `None` where it cannot parse it.
+    fn parse(&mut self, data: &[u8]) -> Result<Option<(usize, usize, u32, u32, i32)>> {
         let lib = self.lib;
         let js = self.parser.raw.cast::<sys::nvjpegJpegStream>();
         self.nv.shared.device.make_current()?;
         let parse_handle = self.nv.shared.hardware.as_ref().unwrap_or(&self.nv.shared.cuda);
         // SAFETY: `data` is a live slice of `data.len()` bytes, read during the call only; `js`
         // is this decoder's stream object.
-        let s = unsafe { lib.nvjpegJpegStreamParseHeader(parse_handle.raw, data.as_ptr(), data.len(), js) };
+        let s = unsafe {
+            lib.nvjpegJpegStreamParseHeader(parse_handle.raw, data.as_ptr(), data.len(), js)
+        };
         if s != sys::nvjpegStatus_t_NVJPEG_STATUS_SUCCESS {
-            // nvJPEG cannot parse what the CPU decoder could: let the CPU decide.
-            return Ok(Route::Cpu);
+            return Ok(None);
         }
         let (mut fw, mut fh, mut comps) = (0u32, 0u32, 0u32);
         let mut encoding: sys::nvjpegJpegEncoding_t = 0;
-        let mut css: sys::nvjpegChromaSubsampling_t = sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_UNKNOWN;
+        let mut css: sys::nvjpegChromaSubsampling_t =
+            sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_UNKNOWN;
         // SAFETY: `js` holds a parsed header; each out-pointer is a live local.
         let ok = unsafe {
             lib.nvjpegJpegStreamGetFrameDimensions(js, &mut fw, &mut fh) == 0
@@ -441,10 +475,18 @@ impl GpuDecoder {
                 && lib.nvjpegJpegStreamGetJpegEncoding(js, &mut encoding) == 0
                 && lib.nvjpegJpegStreamGetChromaSubsampling(js, &mut css) == 0
         };
-        if !ok {
-            return Ok(Route::Cpu);
-        }
-        if (fh as usize, fw as usize) != (h, w) {
+        Ok(ok.then_some((fh as usize, fw as usize, comps, encoding, css)))
+    }
+
+    /// The route, and the size of the file's MCU (rows, columns) where it goes to the engines.
+    fn route(&mut self, data: &[u8], h: usize, w: usize) -> Result<(Route, (usize, usize))> {
+        let lib = self.lib;
+        let js = self.parser.raw.cast::<sys::nvjpegJpegStream>();
+        // nvJPEG cannot parse what the CPU decoder could: let the CPU decide.
+        let Some((fh, fw, comps, encoding, css)) = self.parse(data)? else {
+            return Ok((Route::Cpu, (8, 8)));
+        };
+        if (fh, fw) != (h, w) {
             return Err(bad_jpeg(format!(
                 "the header's size is read as {h}x{w} by the CPU decoder and {fh}x{fw} by nvJPEG"
             )));
@@ -455,7 +497,7 @@ impl GpuDecoder {
         // CMYK and other 4-component files, progressive and lossless ones go to the CPU decoder,
         // which reads them as the CPU path always has.
         if !sequential || !(comps == 1 || comps == 3) {
-            return Ok(Route::Cpu);
+            return Ok((Route::Cpu, (8, 8)));
         }
         let hw_css = [
             sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_444,
@@ -474,11 +516,55 @@ impl GpuDecoder {
                     lib.nvjpegDecodeBatchedSupportedEx(hw.raw, js, params, &mut unsupported)
                 };
                 if s == 0 && unsupported == 0 {
-                    return Ok(Route::Hardware);
+                    let mcu = match css {
+                        sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_420 => (16, 16),
+                        sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_422 => (8, 16),
+                        sys::nvjpegChromaSubsampling_t_NVJPEG_CSS_440 => (16, 8),
+                        _ => (8, 8),
+                    };
+                    return Ok((Route::Hardware, mcu));
                 }
             }
         }
-        Ok(Route::Cuda)
+        Ok((Route::Cuda, (8, 8)))
+    }
+
+    /// An item's plan, checked against its bytes as nvJPEG reads them (the bytes may have
+    /// changed since `plan`, or the plan may be made up): `Err` makes it a bad file. The
+    /// region must lie in the image; a route that cannot decode a region alone (CUDA) hands
+    /// the item to the CPU decoder, which cuts the region from its decode.
+    fn recheck(&mut self, it: &Item<'_>) -> Result<Plan> {
+        const OP: &str = "nvjpeg::GpuDecoder::decode";
+        let mut p = it.plan;
+        let r = p.region;
+        let inside = r.height > 0
+            && r.width > 0
+            && r.top.checked_add(r.height).is_some_and(|b| b <= p.height)
+            && r.left.checked_add(r.width).is_some_and(|b| b <= p.width)
+            && r.rgb_len_checked().is_some();
+        if !inside {
+            return Err(Error::invalid(
+                OP,
+                format!("the plan's region {r:?} is not in its {}x{} image", p.height, p.width),
+            ));
+        }
+        if p.route == Route::Cpu {
+            return Ok(p);
+        }
+        if p.route == Route::Hardware && self.hardware.is_none() {
+            p.route = Route::Cuda;
+        }
+        if p.route == Route::Cuda && r != Region::full(p.height, p.width) {
+            p.route = Route::Cpu;
+            return Ok(p);
+        }
+        match self.parse(it.data)? {
+            Some((h, w, ..)) if (h, w) == (p.height, p.width) => Ok(p),
+            _ => Err(bad_jpeg(format!(
+                "the file is not the {}x{} JPEG it was planned as (changed since?)",
+                p.height, p.width
+            ))),
+        }
     }
 
     /// The `i`th decode-parameters object (made on first use), reset to interleaved RGB output
@@ -506,8 +592,8 @@ impl GpuDecoder {
         Ok(p)
     }
 
-    /// Decodes `items` into `arena`, each as interleaved RGB at its offset, `plan.region` of it
-    /// (see [`plan`](Self::plan)). Returns per item its plan, or the error that made it a bad
+    /// Decodes `items` into `arena`, each as interleaved RGB at its offset, the `plan.region`
+    /// of it (see [`plan`](Self::plan)). Returns per item its plan, or the error that made it a bad
     /// file (its bytes in the arena are then unspecified); the other items are decoded all the
     /// same.
     ///
@@ -533,7 +619,7 @@ impl GpuDecoder {
                 found: arena.device().ordinal() as i32,
             });
         }
-        let plans: Vec<Result<Plan>> = items.iter().map(|it| self.plan(it.data, it.region)).collect();
+        let plans: Vec<Result<Plan>> = items.iter().map(|it| self.recheck(it)).collect();
         // Every destination inside the arena, none overlapping another: checked before anything
         // is queued (nvJPEG writes where it is told).
         let mut spans: Vec<(usize, usize)> = Vec::with_capacity(items.len());
@@ -712,10 +798,26 @@ impl GpuDecoder {
             let Ok(plan) = results[i] else { continue };
             let len = plan.region.rgb_len();
             let dst = &mut host[at..at + len];
+            let same = |info: decode::ImageInfo| {
+                if (info.height, info.width) == (plan.height, plan.width) {
+                    Ok(())
+                } else {
+                    Err(bad_jpeg(format!(
+                        "the file is not the {}x{} image it was planned as (changed since?)",
+                        plan.height, plan.width
+                    )))
+                }
+            };
             let r = if plan.region == Region::full(plan.height, plan.width) {
-                decode::decode_rgb_into(items[i].data, dst).map(|_| ())
+                // A larger image is refused before anything is written; a smaller one is
+                // written in part and refused here.
+                decode::decode_rgb_into(items[i].data, dst).and_then(same)
             } else {
-                decode::decode_rgb(items[i].data).map(|(_, px)| copy_region(&px, plan.width, plan.region, dst))
+                decode::decode_rgb(items[i].data).and_then(|(info, px)| {
+                    same(info)?;
+                    copy_region(&px, plan.width, plan.region, dst);
+                    Ok(())
+                })
             };
             match r {
                 Ok(()) => {
@@ -736,6 +838,22 @@ impl GpuDecoder {
             self.stream.copy_h2d(&src, &mut dst)?;
         }
         Ok(())
+    }
+}
+
+/// The region decoded for a wanted one: widened by one MCU on every side (the chroma of the
+/// wanted pixels is interpolated from its neighbours) and aligned to the MCU grid, within the
+/// `h x w` image. Decoded so, its pixels equal those of the whole image decoded.
+fn around(r: Region, (mh, mw): (usize, usize), h: usize, w: usize) -> Region {
+    let top = r.top.saturating_sub(mh) / mh * mh;
+    let left = r.left.saturating_sub(mw) / mw * mw;
+    let bottom = (r.top + r.height).saturating_add(mh).div_ceil(mh).saturating_mul(mh).min(h);
+    let right = (r.left + r.width).saturating_add(mw).div_ceil(mw).saturating_mul(mw).min(w);
+    Region {
+        top,
+        left,
+        height: bottom - top,
+        width: right - left,
     }
 }
 

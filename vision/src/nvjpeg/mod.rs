@@ -18,8 +18,8 @@
 //! let mut items = Vec::new();
 //! let mut at = 0;
 //! for f in &files {
-//!     let plan = decoder.plan(f, None)?;
-//!     items.push(Item { data: f, offset: at, region: None });
+//!     let plan = decoder.plan(f, None)?;                 // or a region: ROI decoding
+//!     items.push(Item { data: f, plan, offset: at });
 //!     at += plan.region.rgb_len();
 //! }
 //! let mut arena = DeviceBuffer::<u8>::new(&dev, at)?;

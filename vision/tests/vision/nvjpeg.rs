@@ -90,20 +90,28 @@ fn decode_all(
     let dev = dec.nvjpeg().device();
     let mut items = Vec::new();
     let mut offsets = Vec::new();
+    // Per file: its plan's error, or its place among the items.
+    let mut planned: Vec<Result<usize, pinstream::Error>> = Vec::new();
     let mut at = 0;
     for (f, r) in files.iter().zip(regions) {
-        let len = dec.plan(f, *r).map(|p| p.region.rgb_len()).unwrap_or(0);
-        items.push(Item {
-            data: f,
-            offset: at,
-            region: *r,
-        });
         offsets.push(at);
-        at += len;
+        match dec.plan(f, *r) {
+            Ok(plan) => {
+                planned.push(Ok(items.len()));
+                items.push(Item { data: f, plan, offset: at });
+                at += plan.region.rgb_len();
+            }
+            Err(e) => planned.push(Err(e)),
+        }
     }
     let mut arena = DeviceBuffer::<u8>::new(&dev, at.max(1))?;
     dec.stream().memset(&mut arena, 0xAB)?; // poison
-    let plans = dec.decode(&items, &mut arena)?;
+    let mut decoded: Vec<Option<pinstream::Result<Plan>>> =
+        dec.decode(&items, &mut arena)?.into_iter().map(Some).collect();
+    let plans = planned
+        .into_iter()
+        .map(|p| p.and_then(|k| decoded[k].take().expect("one result per item")))
+        .collect();
     let mut host = vec![0u8; arena.len()];
     dec.stream().copy_d2h(&arena, &mut host[..])?.wait()?;
     Ok((plans, offsets, host))
@@ -123,13 +131,15 @@ fn diff(a: &[u8], b: &[u8]) -> (f64, u8, f64) {
     (sum as f64 / n, max, far as f64 / n)
 }
 
-/// What the decoders may differ by: nvJPEG's IDCT and chroma upsampling are not zune-jpeg's
-/// (NVIDIA documents no bit-exactness with libjpeg): on average within 2 levels, and at most
-/// 3 % of the bytes more than 8 levels apart (edges of upsampled chroma).
+/// What the decoders may differ by: nvJPEG's IDCT is not zune-jpeg's (NVIDIA documents no
+/// bit-exactness with libjpeg), and both upsample chroma by interpolation (nvJPEG with
+/// `NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION`): on average within 1 level, and at most
+/// 0.1 % of the bytes more than 8 levels apart. (Without the flag, nvJPEG replicates chroma:
+/// 6 % of a 4:2:2 file's bytes were over 8 levels apart, 33 at most.)
 fn close(name: &str, got: &[u8], want: &[u8]) -> R {
     let (mean, max, far) = diff(got, want);
     eprintln!("  {name}: mean {mean:.3} max {max} far {:.4}", far);
-    ensure(mean <= 2.0 && far <= 0.03, || {
+    ensure(mean <= 1.0 && far <= 0.001, || {
         format!("{name}: mean difference {mean:.3}, largest {max}, {:.2} % over 8 levels", far * 100.0)
     })
 }
@@ -153,6 +163,7 @@ fn pixels() -> R {
     }
     let bytes: Vec<Vec<u8>> = files.iter().map(|f| f.1.clone()).collect();
     let (plans, offsets, host) = decode_all(&mut dec, &bytes, &vec![None; bytes.len()])?;
+    let mut failed = Vec::new();
     for (((name, data, route), plan), at) in files.iter().zip(&plans).zip(&offsets) {
         let plan = plan.as_ref().map_err(|e| format!("{name}: {e}"))?;
         eprintln!("  {name}: {:?} {}x{}", plan.route, plan.height, plan.width);
@@ -166,9 +177,11 @@ fn pixels() -> R {
         }
         let (info, cpu) = decode::decode_rgb(data)?;
         ensure((info.height, info.width) == (plan.height, plan.width), || name.clone())?;
-        close(name, &host[*at..*at + cpu.len()], &cpu)?;
+        if let Err(e) = close(name, &host[*at..*at + cpu.len()], &cpu) {
+            failed.push(format!("{e:?}"));
+        }
     }
-    Ok(())
+    ensure(failed.is_empty(), || failed.join("; "))
 }
 
 /// A region decoded alone equals that region of the whole image decoded (the CPU crops its
@@ -210,9 +223,11 @@ fn regions() -> R {
             let from = (y * info.width + out.left) * 3;
             want.extend_from_slice(&full[from..from + out.width * 3]);
         }
-        if plan.route == Route::Hardware {
-            ensure(out == *r, || format!("{name}: wrote {out:?}, asked {r:?}"))?;
-        }
+        let contains = out.top <= r.top
+            && out.left <= r.left
+            && out.top + out.height >= r.top + r.height
+            && out.left + out.width >= r.left + r.width;
+        ensure(contains, || format!("{name}: wrote {out:?}, asked {r:?}"))?;
         close(&format!("{name} {r:?} ({:?})", plan.route), &host[*at..*at + want.len()], &want)?;
     }
     Ok(())
@@ -282,7 +297,8 @@ fn layouts() -> R {
     let len = dec.plan(&a, None)?.region.rgb_len();
     let mut arena = DeviceBuffer::<u8>::new(&dev, 2 * len)?;
     dec.stream().memset(&mut arena, 0xAB)?;
-    let item = |offset| Item { data: &a, offset, region: None };
+    let plan = dec.plan(&a, None)?;
+    let item = |offset| Item { data: &a, plan, offset };
     for bad in [
         vec![item(0), item(len - 1)],
         vec![item(len + 1)],
@@ -291,6 +307,25 @@ fn layouts() -> R {
         let r = dec.decode(&bad, &mut arena);
         ensure(matches!(r, Err(pinstream::Error::InvalidArgument { .. })), || format!("{r:?}"))?;
     }
+    // Made-up plans: a size the file does not have, a region outside the image, a route the
+    // file cannot take. Each is a bad file of its own; nothing outside its bytes is written.
+    let lie = |p: Plan| Item { data: &a, plan: p, offset: 0 };
+    let bigger = Plan { height: plan.height + 1, region: Region::full(plan.height + 1, plan.width), ..plan };
+    let smaller = Plan { width: plan.width - 1, region: Region::full(plan.height, plan.width - 1), ..plan };
+    let outside = Plan { region: Region { top: plan.height, left: 0, height: 1, width: 1 }, ..plan };
+    for (what, p) in [("bigger", bigger), ("smaller", smaller), ("outside", outside)] {
+        for route in [Route::Hardware, Route::Cuda, Route::Cpu] {
+            let p = Plan { route, ..p };
+            let r = dec.decode(&[lie(p)], &mut arena);
+            let bad = matches!(&r, Ok(v) if v.len() == 1 && v[0].is_err())
+                || matches!(&r, Err(pinstream::Error::InvalidArgument { .. }));
+            ensure(bad, || format!("{what} {route:?}: {r:?}"))?;
+        }
+    }
+    let mut host = vec![0u8; arena.len()];
+    dec.stream().copy_d2h(&arena, &mut host[..])?.wait()?;
+    ensure(host[len + 3..].iter().all(|&b| b == 0xAB), || "a lying plan wrote past its image".into())?;
+    dec.stream().memset(&mut arena, 0xAB)?;
     let bad_region = dec.plan(&a, Some(Region { top: 0, left: 0, height: 0, width: 4 }));
     ensure(bad_region.is_err(), || format!("{bad_region:?}"))?;
     let bad_region = dec.plan(&a, Some(Region { top: 150, left: 0, height: 20, width: 4 }));
@@ -310,9 +345,10 @@ fn race(own_stream: bool) -> R {
     let mut dec = nv.decoder()?;
     let data = read("large_odd.jpg")?;
     let files = vec![data; 8];
-    let len = dec.plan(&files[0], None)?.region.rgb_len();
+    let plan = dec.plan(&files[0], None)?;
+    let len = plan.region.rgb_len();
     let items: Vec<Item<'_>> =
-        (0..8).map(|i| Item { data: &files[i], offset: i * len, region: None }).collect();
+        (0..8).map(|i| Item { data: &files[i], plan, offset: i * len }).collect();
     let mut arena = DeviceBuffer::<u8>::new(&dev, 8 * len)?;
     let mut copy = DeviceBuffer::<u8>::new(&dev, 8 * len)?;
     // The reference: decoded with nothing queued.
