@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
-use pinstream::{Device, Error, Event, Result, Stream};
+use pinstream::{Error, Event, Result, Stream};
 
 use crate::feed::{checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
@@ -318,7 +318,6 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
 struct Work {
     decoder: GpuDecoder,
     arena: Option<DeviceBuffer<u8>>,
-    device: Device,
 }
 
 /// One file of a batch: read (its bytes, or `None` to read again), its crop and plan.
@@ -336,7 +335,6 @@ impl Work {
         Ok(Work {
             decoder: nv.decoder()?,
             arena: None,
-            device: nv.device(),
         })
     }
 
@@ -470,10 +468,9 @@ impl Work {
         }
         if self.arena.as_ref().is_none_or(|a| a.len() < offset) {
             self.arena = None;
-            // Room for the largest batch seen, plus a quarter for the next ones.
-            let len = offset.saturating_add(offset / 4);
             // Stream-ordered (no device-wide synchronization, as cudaMalloc / cudaFree would
-            // cost every other loader).
+            // cost every other loader), with room to spare: random crops vary the size.
+            let len = offset.saturating_mul(2);
             self.arena = Some(DeviceBuffer::<u8>::new_async(self.decoder.stream(), len)?);
         }
         let arena = self.arena.as_mut().expect("made above");
@@ -550,7 +547,7 @@ impl Work {
         }
         let mut out = match out {
             Some(o) => o,
-            None => output::<O>(&self.device, cfg.batch, spec.sample_len()?)?,
+            None => output::<O>(self.decoder.stream(), cfg.batch, spec.sample_len()?)?,
         };
         let n = labels.len();
         let (c, (h, w)) = (spec.out_channels(), cfg.out);
@@ -572,14 +569,16 @@ impl Work {
 
 }
 
-/// A batch's device memory, sized for `batch` samples of `sample` elements.
-fn output<O: OutputElement>(device: &Device, batch: usize, sample: usize) -> Result<Output<O>> {
+/// A batch's device memory, sized for `batch` samples of `sample` elements (stream-ordered on
+/// the loader's `stream`).
+fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Result<Output<O>> {
+    let device = &stream.device();
         let len = batch
             .checked_mul(sample)
             .ok_or_else(|| Error::invalid(OP, "the batch's output size overflows usize"))?;
         Ok(Output {
-            pixels: DeviceBuffer::new(device, len)?,
-            labels: DeviceBuffer::new(device, batch)?,
+            pixels: DeviceBuffer::new_async(stream, len)?,
+            labels: DeviceBuffer::new_async(stream, batch)?,
             labels_host: PinnedBuffer::new(device, batch, HostAlloc::DEFAULT)?,
             done: Event::new(device)?,
             n: 0,
