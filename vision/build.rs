@@ -124,13 +124,27 @@ fn pip_install(dest: &Path) -> Result<(), String> {
     let parent = dest.parent().ok_or("bad provisioning folder")?;
     std::fs::create_dir_all(parent)
         .map_err(|e| format!("cannot create {}: {e}", parent.display()))?;
-    let name = dest.file_name().and_then(|n| n.to_str()).unwrap_or("nvjpeg");
+    let name = dest
+        .file_name()
+        .and_then(|n| n.to_str())
+        .unwrap_or("nvjpeg");
     let tmp = dest.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let python = env_nonempty("PINSTREAM_PYTHON").unwrap_or_else(|| "python3".into());
     let out = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-        .args(["--no-deps", "--no-compile", "--only-binary=:all:", "--target"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args([
+            "--no-deps",
+            "--no-compile",
+            "--only-binary=:all:",
+            "--target",
+        ])
         .arg(&tmp)
         .arg(NVJPEG_PIN)
         .output()
@@ -153,7 +167,11 @@ fn pip_install(dest: &Path) -> Result<(), String> {
             let _ = std::fs::remove_dir_all(&tmp);
             Ok(())
         }
-        Err(e) => Err(format!("cannot move {} to {}: {e}", tmp.display(), dest.display())),
+        Err(e) => Err(format!(
+            "cannot move {} to {}: {e}",
+            tmp.display(),
+            dest.display()
+        )),
     }
 }
 
@@ -185,7 +203,9 @@ fn bind(include: &Path, cuda_include: &Path, out_dir: &Path) -> Result<(), Strin
         .clang_arg(format!("-I{}", cuda_include.display()))
         .clang_args(clang_args)
         .allowlist_function(FUNCTIONS)
-        .allowlist_type("nvjpeg(Status|ChromaSubsampling|OutputFormat|Backend|JpegEncoding|Image)_t")
+        .allowlist_type(
+            "nvjpeg(Status|ChromaSubsampling|OutputFormat|Backend|JpegEncoding|Image)_t",
+        )
         .allowlist_type("nvjpeg(Dev|Pinned)AllocatorV2_t")
         .allowlist_var("NVJPEG_(FLAGS_.*|MAX_COMPONENT)")
         .allowlist_type("libraryPropertyType")

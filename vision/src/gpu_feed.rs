@@ -115,7 +115,10 @@ impl<O: OutputElement> GpuFeed<O> {
                 Ok(h) => feed.threads.push(h),
                 Err(e) => {
                     lock(&shared.state).alive -= threads - t;
-                    return Err(Error::invalid(OP, format!("cannot start a loader thread: {e}")));
+                    return Err(Error::invalid(
+                        OP,
+                        format!("cannot start a loader thread: {e}"),
+                    ));
                 }
             }
         }
@@ -502,7 +505,9 @@ impl Work {
                     break;
                 }
             }
-            let idx: Vec<usize> = (start..end).filter(|&i| !bytes[i - start].is_empty()).collect();
+            let idx: Vec<usize> = (start..end)
+                .filter(|&i| !bytes[i - start].is_empty())
+                .collect();
             let items: Vec<Item<'_>> = idx
                 .iter()
                 .map(|&i| Item {
@@ -566,22 +571,21 @@ impl Work {
         stream.record(&out.done)?;
         Ok((out, counts))
     }
-
 }
 
 /// A batch's device memory, sized for `batch` samples of `sample` elements (stream-ordered on
 /// the loader's `stream`).
 fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Result<Output<O>> {
     let device = &stream.device();
-        let len = batch
-            .checked_mul(sample)
-            .ok_or_else(|| Error::invalid(OP, "the batch's output size overflows usize"))?;
-        Ok(Output {
-            pixels: DeviceBuffer::new_async(stream, len)?,
-            labels: DeviceBuffer::new_async(stream, batch)?,
-            labels_host: PinnedBuffer::new(device, batch, HostAlloc::DEFAULT)?,
-            done: Event::new(device)?,
-            n: 0,
-            dims: [0; 4],
-        })
+    let len = batch
+        .checked_mul(sample)
+        .ok_or_else(|| Error::invalid(OP, "the batch's output size overflows usize"))?;
+    Ok(Output {
+        pixels: DeviceBuffer::new_async(stream, len)?,
+        labels: DeviceBuffer::new_async(stream, batch)?,
+        labels_host: PinnedBuffer::new(device, batch, HostAlloc::DEFAULT)?,
+        done: Event::new(device)?,
+        n: 0,
+        dims: [0; 4],
+    })
 }

@@ -147,7 +147,11 @@ unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
 impl Handle {
-    fn new(lib: &'static sys::Nvjpeg, device: &Device, backend: sys::nvjpegBackend_t) -> Result<Self> {
+    fn new(
+        lib: &'static sys::Nvjpeg,
+        device: &Device,
+        backend: sys::nvjpegBackend_t,
+    ) -> Result<Self> {
         device.make_current()?;
         let mut raw = ptr::null_mut();
         // Chroma upsampled with interpolation, as libjpeg-turbo (PIL, torchvision) and the CPU
@@ -459,7 +463,12 @@ impl GpuDecoder {
         let lib = self.lib;
         let js = self.parser.raw.cast::<sys::nvjpegJpegStream>();
         self.nv.shared.device.make_current()?;
-        let parse_handle = self.nv.shared.hardware.as_ref().unwrap_or(&self.nv.shared.cuda);
+        let parse_handle = self
+            .nv
+            .shared
+            .hardware
+            .as_ref()
+            .unwrap_or(&self.nv.shared.cuda);
         // SAFETY: `data` is a live slice of `data.len()` bytes, read during the call only; `js`
         // is this decoder's stream object.
         let s = unsafe {
@@ -495,9 +504,9 @@ impl GpuDecoder {
                 "the header's size is read as {h}x{w} by the CPU decoder and {fh}x{fw} by nvJPEG"
             )));
         }
-        let sequential = encoding
-            == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_BASELINE_DCT
-            || encoding == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN;
+        let sequential = encoding == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_BASELINE_DCT
+            || encoding
+                == sys::nvjpegJpegEncoding_t_NVJPEG_ENCODING_EXTENDED_SEQUENTIAL_DCT_HUFFMAN;
         // CMYK and other 4-component files, progressive and lossless ones go to the CPU decoder,
         // which reads them as the CPU path always has.
         if !sequential || !(comps == 1 || comps == 3) {
@@ -549,7 +558,10 @@ impl GpuDecoder {
         if !inside {
             return Err(Error::invalid(
                 OP,
-                format!("the plan's region {r:?} is not in its {}x{} image", p.height, p.width),
+                format!(
+                    "the plan's region {r:?} is not in its {}x{} image",
+                    p.height, p.width
+                ),
             ));
         }
         if p.route == Route::Cpu {
@@ -576,7 +588,13 @@ impl GpuDecoder {
     fn params_at(&mut self, i: usize) -> Result<sys::nvjpegDecodeParams_t> {
         let lib = self.lib;
         while self.params.len() <= i {
-            let h = self.nv.shared.hardware.as_ref().unwrap_or(&self.nv.shared.cuda).raw;
+            let h = self
+                .nv
+                .shared
+                .hardware
+                .as_ref()
+                .unwrap_or(&self.nv.shared.cuda)
+                .raw;
             self.params.push(owned(
                 "nvjpegDecodeParamsCreate",
                 // SAFETY: a live handle; the object is written on success only.
@@ -589,9 +607,15 @@ impl GpuDecoder {
         unsafe {
             check(
                 "nvjpegDecodeParamsSetOutputFormat",
-                lib.nvjpegDecodeParamsSetOutputFormat(p, sys::nvjpegOutputFormat_t_NVJPEG_OUTPUT_RGBI),
+                lib.nvjpegDecodeParamsSetOutputFormat(
+                    p,
+                    sys::nvjpegOutputFormat_t_NVJPEG_OUTPUT_RGBI,
+                ),
             )?;
-            check("nvjpegDecodeParamsSetROI", lib.nvjpegDecodeParamsSetROI(p, 0, 0, -1, -1))?;
+            check(
+                "nvjpegDecodeParamsSetROI",
+                lib.nvjpegDecodeParamsSetROI(p, 0, 0, -1, -1),
+            )?;
         }
         Ok(p)
     }
@@ -647,7 +671,10 @@ impl GpuDecoder {
         }
         spans.sort_unstable();
         if spans.windows(2).any(|w| w[1].0 < w[0].1) {
-            return Err(Error::invalid(OP, "two images' pixels overlap in the arena"));
+            return Err(Error::invalid(
+                OP,
+                "two images' pixels overlap in the arena",
+            ));
         }
         // The guarantee: nothing queued still reads or writes the arena, on any stream.
         arena.synchronize()?;
@@ -705,7 +732,13 @@ impl GpuDecoder {
                 if r != Region::full(plan.height, plan.width) {
                     // SAFETY: a live params object; the region is inside the image (`plan`).
                     let s = unsafe {
-                        lib.nvjpegDecodeParamsSetROI(p, r.left as i32, r.top as i32, r.width as i32, r.height as i32)
+                        lib.nvjpegDecodeParamsSetROI(
+                            p,
+                            r.left as i32,
+                            r.top as i32,
+                            r.width as i32,
+                            r.height as i32,
+                        )
                     };
                     check("nvjpegDecodeParamsSetROI", s)?;
                 }
@@ -715,7 +748,12 @@ impl GpuDecoder {
         let (handle, batcher) = match route {
             Route::Hardware => match (&self.nv.shared.hardware, &mut self.hardware) {
                 (Some(h), Some(b)) => (h.raw, b),
-                _ => return Err(Error::invalid("nvjpeg::GpuDecoder::decode", "no hardware route")),
+                _ => {
+                    return Err(Error::invalid(
+                        "nvjpeg::GpuDecoder::decode",
+                        "no hardware route",
+                    ))
+                }
             },
             _ => (self.nv.shared.cuda.raw, &mut self.cuda),
         };
@@ -792,7 +830,11 @@ impl GpuDecoder {
         if self.staging.as_ref().is_none_or(|s| s.len() < total) {
             self.staging = None;
             let dev = self.nv.shared.device.clone();
-            self.staging = Some(PinnedBuffer::<u8>::new(&dev, total.max(1 << 20), HostAlloc::DEFAULT)?);
+            self.staging = Some(PinnedBuffer::<u8>::new(
+                &dev,
+                total.max(1 << 20),
+                HostAlloc::DEFAULT,
+            )?);
         }
         let staging = self.staging.as_mut().expect("made above");
         let host = staging.as_mut_slice()?;
@@ -851,8 +893,16 @@ impl GpuDecoder {
 fn around(r: Region, (mh, mw): (usize, usize), h: usize, w: usize) -> Region {
     let top = r.top.saturating_sub(mh) / mh * mh;
     let left = r.left.saturating_sub(mw) / mw * mw;
-    let bottom = (r.top + r.height).saturating_add(mh).div_ceil(mh).saturating_mul(mh).min(h);
-    let right = (r.left + r.width).saturating_add(mw).div_ceil(mw).saturating_mul(mw).min(w);
+    let bottom = (r.top + r.height)
+        .saturating_add(mh)
+        .div_ceil(mh)
+        .saturating_mul(mh)
+        .min(h);
+    let right = (r.left + r.width)
+        .saturating_add(mw)
+        .div_ceil(mw)
+        .saturating_mul(mw)
+        .min(w);
     Region {
         top,
         left,

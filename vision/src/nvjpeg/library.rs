@@ -38,10 +38,18 @@ fn candidates() -> Vec<PathBuf> {
         .flatten()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("cuda-13")))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("cuda-13"))
+        })
         .collect();
     versioned.sort();
-    out.extend(versioned.into_iter().rev().map(|d| d.join("lib64").join(LIBRARY)));
+    out.extend(
+        versioned
+            .into_iter()
+            .rev()
+            .map(|d| d.join("lib64").join(LIBRARY)),
+    );
     out
 }
 

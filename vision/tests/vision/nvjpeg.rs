@@ -27,7 +27,12 @@ pub fn trials() -> Vec<Trial> {
     let no_gpu = !pinstream::available();
     vec![
         trial(PREFIX, "library_loads_or_says_why", library),
-        trial(PREFIX, "gpu/routes_and_pixels_match_the_cpu_decoder", pixels).with_ignored_flag(no_gpu),
+        trial(
+            PREFIX,
+            "gpu/routes_and_pixels_match_the_cpu_decoder",
+            pixels,
+        )
+        .with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/regions_match_the_whole_image", regions).with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/mixed_batch_with_bad_files", mixed).with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/refuses_bad_layouts_before_queuing", layouts).with_ignored_flag(no_gpu),
@@ -75,9 +80,10 @@ fn library() -> R {
     // Either it loads, or the reason names the library and where it looked.
     match pinstream_vision::nvjpeg::unavailable() {
         None => Ok(()),
-        Some(why) => ensure(why.contains("libnvjpeg.so.13") && why.contains("Tried"), || {
-            why.to_string()
-        }),
+        Some(why) => ensure(
+            why.contains("libnvjpeg.so.13") && why.contains("Tried"),
+            || why.to_string(),
+        ),
     }
 }
 
@@ -98,7 +104,11 @@ fn decode_all(
         match dec.plan(f, *r) {
             Ok(plan) => {
                 planned.push(Ok(items.len()));
-                items.push(Item { data: f, plan, offset: at });
+                items.push(Item {
+                    data: f,
+                    plan,
+                    offset: at,
+                });
                 at += plan.region.rgb_len();
             }
             Err(e) => planned.push(Err(e)),
@@ -106,8 +116,11 @@ fn decode_all(
     }
     let mut arena = DeviceBuffer::<u8>::new(&dev, at.max(1))?;
     dec.stream().memset(&mut arena, 0xAB)?; // poison
-    let mut decoded: Vec<Option<pinstream::Result<Plan>>> =
-        dec.decode(&items, &mut arena)?.into_iter().map(Some).collect();
+    let mut decoded: Vec<Option<pinstream::Result<Plan>>> = dec
+        .decode(&items, &mut arena)?
+        .into_iter()
+        .map(Some)
+        .collect();
     let plans = planned
         .into_iter()
         .map(|p| p.and_then(|k| decoded[k].take().expect("one result per item")))
@@ -140,7 +153,10 @@ fn close(name: &str, got: &[u8], want: &[u8]) -> R {
     let (mean, max, far) = diff(got, want);
     eprintln!("  {name}: mean {mean:.3} max {max} far {:.4}", far);
     ensure(mean <= 1.0 && far <= 0.001, || {
-        format!("{name}: mean difference {mean:.3}, largest {max}, {:.2} % over 8 levels", far * 100.0)
+        format!(
+            "{name}: mean difference {mean:.3}, largest {max}, {:.2} % over 8 levels",
+            far * 100.0
+        )
     })
 }
 
@@ -156,7 +172,9 @@ fn pixels() -> R {
     for dir in crate::image_dirs() {
         for e in std::fs::read_dir(dir)?.flatten() {
             let p = e.path();
-            if p.extension().is_some_and(|x| x == "jpg" || x == "jpeg" || x == "png") {
+            if p.extension()
+                .is_some_and(|x| x == "jpg" || x == "jpeg" || x == "png")
+            {
                 files.push((p.display().to_string(), std::fs::read(&p)?, None));
             }
         }
@@ -173,10 +191,15 @@ fn pixels() -> R {
             } else {
                 *want
             };
-            ensure(plan.route == want, || format!("{name}: {:?}, want {want:?}", plan.route))?;
+            ensure(plan.route == want, || {
+                format!("{name}: {:?}, want {want:?}", plan.route)
+            })?;
         }
         let (info, cpu) = decode::decode_rgb(data)?;
-        ensure((info.height, info.width) == (plan.height, plan.width), || name.clone())?;
+        ensure(
+            (info.height, info.width) == (plan.height, plan.width),
+            || name.clone(),
+        )?;
         if let Err(e) = close(name, &host[*at..*at + cpu.len()], &cpu) {
             failed.push(format!("{e:?}"));
         }
@@ -193,16 +216,46 @@ fn regions() -> R {
     let mut files = Vec::new();
     let mut regions = Vec::new();
     let mut cases = Vec::new();
-    for name in ["large_odd.jpg", "baseline_444.jpg", "baseline_420.jpg", "progressive_420.jpg"] {
+    for name in [
+        "large_odd.jpg",
+        "baseline_444.jpg",
+        "baseline_420.jpg",
+        "progressive_420.jpg",
+    ] {
         let data = read(name)?;
         let info = decode::info(&data)?;
         let (h, w) = (info.height, info.width);
         for r in [
-            Region { top: 0, left: 0, height: h, width: w },
-            Region { top: 1, left: 3, height: h / 2, width: w / 3 },
-            Region { top: h / 3, left: w / 5, height: h - h / 3, width: w - w / 5 },
-            Region { top: h - 1, left: w - 1, height: 1, width: 1 },
-            Region { top: 7, left: 9, height: 17, width: 33 },
+            Region {
+                top: 0,
+                left: 0,
+                height: h,
+                width: w,
+            },
+            Region {
+                top: 1,
+                left: 3,
+                height: h / 2,
+                width: w / 3,
+            },
+            Region {
+                top: h / 3,
+                left: w / 5,
+                height: h - h / 3,
+                width: w - w / 5,
+            },
+            Region {
+                top: h - 1,
+                left: w - 1,
+                height: 1,
+                width: 1,
+            },
+            Region {
+                top: 7,
+                left: 9,
+                height: 17,
+                width: 33,
+            },
         ] {
             if r.top + r.height > h || r.left + r.width > w || r.height == 0 || r.width == 0 {
                 continue;
@@ -213,7 +266,8 @@ fn regions() -> R {
         }
     }
     let (plans, offsets, host) = decode_all(&mut dec, &files, &regions)?;
-    for (((name, r), plan), (at, data)) in cases.iter().zip(&plans).zip(offsets.iter().zip(&files)) {
+    for (((name, r), plan), (at, data)) in cases.iter().zip(&plans).zip(offsets.iter().zip(&files))
+    {
         let plan = plan.as_ref().map_err(|e| format!("{name}: {e}"))?;
         let (info, full) = decode::decode_rgb(data)?;
         let out = plan.region;
@@ -228,7 +282,11 @@ fn regions() -> R {
             && out.top + out.height >= r.top + r.height
             && out.left + out.width >= r.left + r.width;
         ensure(contains, || format!("{name}: wrote {out:?}, asked {r:?}"))?;
-        close(&format!("{name} {r:?} ({:?})", plan.route), &host[*at..*at + want.len()], &want)?;
+        close(
+            &format!("{name} {r:?} ({:?})", plan.route),
+            &host[*at..*at + want.len()],
+            &want,
+        )?;
     }
     Ok(())
 }
@@ -241,13 +299,24 @@ fn mixed() -> R {
     let nv = Nvjpeg::new(&dev)?;
     let mut dec = nv.decoder()?;
     let mut names: Vec<&str> = GOOD.iter().map(|g| g.0).collect();
-    names.extend(["truncated.jpg", "no_eoi.jpg", "huge_header.jpg", "corrupt_huffman.jpg"]);
+    names.extend([
+        "truncated.jpg",
+        "no_eoi.jpg",
+        "huge_header.jpg",
+        "corrupt_huffman.jpg",
+    ]);
     // Twice over, interleaved, so that groups are not contiguous.
     let mut order: Vec<&str> = names.iter().chain(names.iter().rev()).copied().collect();
     order.push("not-an-image");
     let files: Vec<Vec<u8>> = order
         .iter()
-        .map(|n| if *n == "not-an-image" { Ok(b"GIF89a....".to_vec()) } else { read(n) })
+        .map(|n| {
+            if *n == "not-an-image" {
+                Ok(b"GIF89a....".to_vec())
+            } else {
+                read(n)
+            }
+        })
         .collect::<T<_>>()?;
     let (plans, offsets, host) = decode_all(&mut dec, &files, &vec![None; files.len()])?;
     let mut covered = vec![false; host.len()];
@@ -256,14 +325,18 @@ fn mixed() -> R {
         match (plan, &cpu) {
             (Ok(p), Ok((_, px))) => {
                 close(name, &host[*at..*at + px.len()], px)?;
-                covered[*at..*at + px.len()].iter_mut().for_each(|c| *c = true);
+                covered[*at..*at + px.len()]
+                    .iter_mut()
+                    .for_each(|c| *c = true);
                 let _ = p;
             }
             (Err(_), Err(_)) => {}
             // nvJPEG may decode corrupt entropy-coded data the CPU decoder refuses (both
             // decode something: neither reads outside the file).
             (Ok(p), Err(_)) if *name == "corrupt_huffman.jpg" => {
-                covered[*at..*at + p.region.rgb_len()].iter_mut().for_each(|c| *c = true);
+                covered[*at..*at + p.region.rgb_len()]
+                    .iter_mut()
+                    .for_each(|c| *c = true);
             }
             (Err(e), Ok(_)) if *name == "corrupt_huffman.jpg" => {
                 let _ = e;
@@ -284,7 +357,9 @@ fn mixed() -> R {
         .zip(&covered)
         .filter(|(b, c)| !**c && **b != 0xAB)
         .count();
-    ensure(stray == 0, || format!("{stray} bytes outside the images were written"))
+    ensure(stray == 0, || {
+        format!("{stray} bytes outside the images were written")
+    })
 }
 
 /// Overlapping or out-of-arena destinations, and an arena on another device, are refused with
@@ -298,22 +373,53 @@ fn layouts() -> R {
     let mut arena = DeviceBuffer::<u8>::new(&dev, 2 * len)?;
     dec.stream().memset(&mut arena, 0xAB)?;
     let plan = dec.plan(&a, None)?;
-    let item = |offset| Item { data: &a, plan, offset };
+    let item = |offset| Item {
+        data: &a,
+        plan,
+        offset,
+    };
     for bad in [
         vec![item(0), item(len - 1)],
         vec![item(len + 1)],
         vec![item(usize::MAX - 3)],
     ] {
         let r = dec.decode(&bad, &mut arena);
-        ensure(matches!(r, Err(pinstream::Error::InvalidArgument { .. })), || format!("{r:?}"))?;
+        ensure(
+            matches!(r, Err(pinstream::Error::InvalidArgument { .. })),
+            || format!("{r:?}"),
+        )?;
     }
     // Made-up plans: a size the file does not have, a region outside the image, a route the
     // file cannot take. Each is a bad file of its own; nothing outside its bytes is written.
-    let lie = |p: Plan| Item { data: &a, plan: p, offset: 0 };
-    let bigger = Plan { height: plan.height + 1, region: Region::full(plan.height + 1, plan.width), ..plan };
-    let smaller = Plan { width: plan.width - 1, region: Region::full(plan.height, plan.width - 1), ..plan };
-    let outside = Plan { region: Region { top: plan.height, left: 0, height: 1, width: 1 }, ..plan };
-    for (what, p) in [("bigger", bigger), ("smaller", smaller), ("outside", outside)] {
+    let lie = |p: Plan| Item {
+        data: &a,
+        plan: p,
+        offset: 0,
+    };
+    let bigger = Plan {
+        height: plan.height + 1,
+        region: Region::full(plan.height + 1, plan.width),
+        ..plan
+    };
+    let smaller = Plan {
+        width: plan.width - 1,
+        region: Region::full(plan.height, plan.width - 1),
+        ..plan
+    };
+    let outside = Plan {
+        region: Region {
+            top: plan.height,
+            left: 0,
+            height: 1,
+            width: 1,
+        },
+        ..plan
+    };
+    for (what, p) in [
+        ("bigger", bigger),
+        ("smaller", smaller),
+        ("outside", outside),
+    ] {
         for route in [Route::Hardware, Route::Cuda, Route::Cpu] {
             let p = Plan { route, ..p };
             let r = dec.decode(&[lie(p)], &mut arena);
@@ -324,15 +430,35 @@ fn layouts() -> R {
     }
     let mut host = vec![0u8; arena.len()];
     dec.stream().copy_d2h(&arena, &mut host[..])?.wait()?;
-    ensure(host[len + 3..].iter().all(|&b| b == 0xAB), || "a lying plan wrote past its image".into())?;
+    ensure(host[len + 3..].iter().all(|&b| b == 0xAB), || {
+        "a lying plan wrote past its image".into()
+    })?;
     dec.stream().memset(&mut arena, 0xAB)?;
-    let bad_region = dec.plan(&a, Some(Region { top: 0, left: 0, height: 0, width: 4 }));
+    let bad_region = dec.plan(
+        &a,
+        Some(Region {
+            top: 0,
+            left: 0,
+            height: 0,
+            width: 4,
+        }),
+    );
     ensure(bad_region.is_err(), || format!("{bad_region:?}"))?;
-    let bad_region = dec.plan(&a, Some(Region { top: 150, left: 0, height: 20, width: 4 }));
+    let bad_region = dec.plan(
+        &a,
+        Some(Region {
+            top: 150,
+            left: 0,
+            height: 20,
+            width: 4,
+        }),
+    );
     ensure(bad_region.is_err(), || format!("{bad_region:?}"))?;
     let mut host = vec![0u8; arena.len()];
     dec.stream().copy_d2h(&arena, &mut host[..])?.wait()?;
-    ensure(host.iter().all(|&b| b == 0xAB), || "a refused decode wrote".into())
+    ensure(host.iter().all(|&b| b == 0xAB), || {
+        "a refused decode wrote".into()
+    })
 }
 
 /// The 2026 defect's pattern (pytorch/vision #9606): a long kernel, then a fill of the
@@ -347,8 +473,13 @@ fn race(own_stream: bool) -> R {
     let files = vec![data; 8];
     let plan = dec.plan(&files[0], None)?;
     let len = plan.region.rgb_len();
-    let items: Vec<Item<'_>> =
-        (0..8).map(|i| Item { data: &files[i], plan, offset: i * len }).collect();
+    let items: Vec<Item<'_>> = (0..8)
+        .map(|i| Item {
+            data: &files[i],
+            plan,
+            offset: i * len,
+        })
+        .collect();
     let mut arena = DeviceBuffer::<u8>::new(&dev, 8 * len)?;
     let mut copy = DeviceBuffer::<u8>::new(&dev, 8 * len)?;
     // The reference: decoded with nothing queued.
@@ -361,7 +492,11 @@ fn race(own_stream: bool) -> R {
     let mut got = vec![0u8; arena.len()];
     let mut seen = vec![0u8; arena.len()];
     for i in 0..200 {
-        let s = if own_stream { dec.stream().clone() } else { other.clone() };
+        let s = if own_stream {
+            dec.stream().clone()
+        } else {
+            other.clone()
+        };
         s.spin(Duration::from_millis(5))?;
         s.memset(&mut arena, 0x5A)?;
         s.copy_d2d(&arena, &mut copy)?;

@@ -360,7 +360,9 @@ fn gpu_feed(decoding: Decoding) -> R {
         ..config(5)
     };
     let mut feed = ImageFeed::<f32>::new(&stream, list(), cfg.clone())?;
-    ensure(feed.decoding() == decoding, || format!("{:?}", feed.decoding()))?;
+    ensure(feed.decoding() == decoding, || {
+        format!("{:?}", feed.decoding())
+    })?;
     let source = feed.source().clone();
     let per = feed.batches_per_epoch();
     let mut index = 0u64;
@@ -393,7 +395,11 @@ fn gpu_feed(decoding: Decoding) -> R {
                     format!("epoch {epoch} batch {seen}: {worst:?}")
                 })?;
             } else {
-                let diff: f64 = got.iter().zip(&exact).map(|(g, e)| (*g as f64 - e).abs()).sum::<f64>()
+                let diff: f64 = got
+                    .iter()
+                    .zip(&exact)
+                    .map(|(g, e)| (*g as f64 - e).abs())
+                    .sum::<f64>()
                     / got.len() as f64;
                 ensure(diff < 0.05 && got.iter().all(|v| v.is_finite()), || {
                     format!("epoch {epoch} batch {seen}: mean difference {diff} (> 3 levels)")
