@@ -13,7 +13,7 @@
 //! for epoch in 0..90 {
 //!     while let Some(batch) = feed.next() {                   // None at the end of each epoch
 //!         let batch = batch?;
-//!         let (x, y) = (batch.pixels()?, batch.extras()?);    // 256 x 3 x 224 x 224, labels
+//!         let (x, y) = (batch.pixels()?, batch.labels()?);    // 256 x 3 x 224 x 224, labels
 //!         // ... the training step on `stream`
 //! #       let _ = (x, y, epoch);
 //!     }

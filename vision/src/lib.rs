@@ -9,9 +9,11 @@
 //! - [`augment`]: torchvision's `RandomResizedCrop` + flip and `Resize` + `CenterCrop` as
 //!   crop boxes for the core's fused resized-crop kernel
 //!   ([`pinstream::kernels::resized_crop`]);
-//! - [`ImageFeed`] / [`ImageSource`]: the training feed — read and decoded on loader threads
-//!   into page-locked memory, cropped, resized, normalized and cast on the GPU in one launch per
-//!   batch, through [`pinstream::prefetch`].
+//! - `nvjpeg` (feature `nvjpeg`, default): batched JPEG decoding on the GPU's JPEG engines,
+//!   nvJPEG's CUDA backend or the CPU, per file, into one device arena;
+//! - [`ImageFeed`] / [`ImageSource`]: the training feed — decoded on the GPU ([`Decoding`]) or
+//!   on loader threads into page-locked memory, cropped, resized, normalized and cast on the GPU
+//!   in one launch per batch.
 //!
 //! ```no_run
 //! use pinstream_vision::dataset::ImageList;
@@ -22,7 +24,7 @@
 //! let mut feed = ImageFeed::<pinstream::bf16>::new(&stream, train, ImageFeedConfig::default())?;
 //! while let Some(batch) = feed.next() {
 //!     let batch = batch?;
-//!     let (x, y) = (batch.pixels()?, batch.extras()?); // 256 x 3 x 224 x 224, labels
+//!     let (x, y) = (batch.pixels()?, batch.labels()?); // 256 x 3 x 224 x 224, labels
 //! #   let _ = (x, y);
 //! }
 //! # Ok(()) }
