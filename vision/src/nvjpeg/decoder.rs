@@ -17,6 +17,7 @@ use std::sync::Arc;
 use pinstream::memory::{DeviceBuffer, HostAlloc, PinnedBuffer};
 use pinstream::{Device, Error, Event, Result, Stream};
 
+use super::alloc::Allocators;
 use super::library::library;
 use super::sys;
 use crate::decode::{self, Format};
@@ -151,18 +152,21 @@ impl Handle {
         lib: &'static sys::Nvjpeg,
         device: &Device,
         backend: sys::nvjpegBackend_t,
+        alloc: &Allocators,
     ) -> Result<Self> {
         device.make_current()?;
         let mut raw = ptr::null_mut();
+        let (mut dev_alloc, mut pinned_alloc) = alloc.tables();
         // Chroma upsampled with interpolation, as libjpeg-turbo (PIL, torchvision) and the CPU
         // decoder do, not by replication; a library without the flag decodes without it.
         for flags in [sys::NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION, 0] {
-            // SAFETY: null allocators select nvJPEG's own; `raw` is written on success only.
+            // SAFETY: the allocator tables point at `alloc`, which outlives the handle (`Shared`
+            // drops its handles first); nvJPEG copies the tables; `raw` is written on success.
             let s = unsafe {
-                lib.nvjpegCreateEx(backend, ptr::null_mut(), ptr::null_mut(), flags, &mut raw)
+                lib.nvjpegCreateExV2(backend, &mut dev_alloc, &mut pinned_alloc, flags, &mut raw)
             };
             if s == 0 || flags == 0 {
-                check("nvjpegCreateEx", s)?;
+                check("nvjpegCreateExV2", s)?;
                 break;
             }
         }
@@ -189,6 +193,8 @@ struct Shared {
     cuda: Handle,
     engines: u32,
     hardware_absent: Option<String>,
+    /// The handles' allocators: dropped after them (field order), at a stable address (boxed).
+    alloc: Box<Allocators>,
 }
 
 /// nvJPEG on one device: the hardware backend where the GPU has JPEG engines, and the CUDA
@@ -213,23 +219,33 @@ impl Nvjpeg {
     pub fn new(device: &Device) -> Result<Nvjpeg> {
         const OP: &str = "nvjpeg::Nvjpeg::new";
         let lib = library().map_err(|why| Error::invalid(OP, why))?;
-        let cuda = Handle::new(lib, device, sys::nvjpegBackend_t_NVJPEG_BACKEND_GPU_HYBRID)?;
-        let (hardware, engines, absent) =
-            match Handle::new(lib, device, sys::nvjpegBackend_t_NVJPEG_BACKEND_HARDWARE) {
-                Ok(h) => {
-                    let (mut engines, mut cores) = (0u32, 0u32);
-                    // SAFETY: `h.raw` is a live handle; the two counts are written on success.
-                    let s = unsafe {
-                        lib.nvjpegGetHardwareDecoderInfo(h.raw, &mut engines, &mut cores)
-                    };
-                    match check("nvjpegGetHardwareDecoderInfo", s) {
-                        Ok(()) if engines > 0 => (Some(h), engines, None),
-                        Ok(()) => (None, 0, Some("the GPU has no JPEG engine".to_string())),
-                        Err(e) => (None, 0, Some(e.to_string())),
-                    }
+        let alloc = Box::new(Allocators::new(device)?);
+        let cuda = Handle::new(
+            lib,
+            device,
+            sys::nvjpegBackend_t_NVJPEG_BACKEND_GPU_HYBRID,
+            &alloc,
+        )?;
+        let hardware = Handle::new(
+            lib,
+            device,
+            sys::nvjpegBackend_t_NVJPEG_BACKEND_HARDWARE,
+            &alloc,
+        );
+        let (hardware, engines, absent) = match hardware {
+            Ok(h) => {
+                let (mut engines, mut cores) = (0u32, 0u32);
+                // SAFETY: `h.raw` is a live handle; the two counts are written on success.
+                let s =
+                    unsafe { lib.nvjpegGetHardwareDecoderInfo(h.raw, &mut engines, &mut cores) };
+                match check("nvjpegGetHardwareDecoderInfo", s) {
+                    Ok(()) if engines > 0 => (Some(h), engines, None),
+                    Ok(()) => (None, 0, Some("the GPU has no JPEG engine".to_string())),
+                    Err(e) => (None, 0, Some(e.to_string())),
                 }
-                Err(e) => (None, 0, Some(e.to_string())),
-            };
+            }
+            Err(e) => (None, 0, Some(e.to_string())),
+        };
         Ok(Nvjpeg {
             shared: Arc::new(Shared {
                 device: device.clone(),
@@ -237,8 +253,14 @@ impl Nvjpeg {
                 cuda,
                 engines,
                 hardware_absent: absent,
+                alloc,
             }),
         })
+    }
+
+    /// Bytes nvJPEG holds now from pinstream's pools: (device, page-locked host).
+    pub fn pool_bytes(&self) -> (usize, usize) {
+        self.shared.alloc.in_use()
     }
 
     /// The GPU's JPEG engines (0: no hardware route).

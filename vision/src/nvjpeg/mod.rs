@@ -1,7 +1,8 @@
 //! JPEG decoding on the GPU through nvJPEG (feature `nvjpeg`, on by default): the GPU's
 //! hardware JPEG engines where it has them (A100, H100, H200, ...), nvJPEG's CUDA backend for the
 //! other sequential JPEGs, the CPU decoder for the rest, routed per file within one batch, into
-//! one device arena that the fused resized-crop kernel reads.
+//! one device arena that the fused resized-crop kernel reads. nvJPEG's own device and pinned
+//! memory comes from pinstream's pools (its stream-ordered v2 allocators).
 //!
 //! nvJPEG is loaded at run time (`libnvjpeg.so.13`, see [`unavailable`] for where it is looked
 //! for); without it, [`Nvjpeg::new`] fails with the reason and the image feed decodes on the CPU.
@@ -30,6 +31,7 @@
 //! # Ok(()) }
 //! ```
 
+mod alloc;
 mod decoder;
 mod library;
 mod sys;

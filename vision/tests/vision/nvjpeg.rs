@@ -181,6 +181,10 @@ fn pixels() -> R {
     }
     let bytes: Vec<Vec<u8>> = files.iter().map(|f| f.1.clone()).collect();
     let (plans, offsets, host) = decode_all(&mut dec, &bytes, &vec![None; bytes.len()])?;
+    // nvJPEG's own buffers came from pinstream's pools (its v2 allocators).
+    let (device_bytes, pinned_bytes) = nv.pool_bytes();
+    eprintln!("  nvJPEG holds {device_bytes} device and {pinned_bytes} pinned bytes of the pools");
+    ensure(device_bytes > 0, || "nvJPEG allocated no device memory through the pools".into())?;
     let mut failed = Vec::new();
     for (((name, data, route), plan), at) in files.iter().zip(&plans).zip(&offsets) {
         let plan = plan.as_ref().map_err(|e| format!("{name}: {e}"))?;
