@@ -94,6 +94,17 @@ pub struct ImageFeedConfig {
     pub decoding: Decoding,
 }
 
+/// Images decoded per route, over the feed's life.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouteCounts {
+    /// By the GPU's JPEG engines.
+    pub hardware: u64,
+    /// By nvJPEG's CUDA backend.
+    pub cuda: u64,
+    /// By the CPU decoder.
+    pub cpu: u64,
+}
+
 /// Where an [`ImageFeed`] decodes its images.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Decoding {
@@ -498,11 +509,7 @@ impl ImageSource {
 
     /// `(epoch, batch, [(path, label)])` of the prefetcher's batch `index`, and the crops'
     /// generator of that batch (what [`load`](Self::load) draws from, in file order).
-    pub(crate) fn batch_files(
-        &self,
-        op: &'static str,
-        index: u64,
-    ) -> Result<(u64, usize, Vec<(std::path::PathBuf, usize)>, Rng)> {
+    pub(crate) fn batch_files(&self, op: &'static str, index: u64) -> Result<BatchFiles> {
         let (epoch, k) = self.position(index);
         let batches = self.batches(epoch)?;
         let idx = batches
@@ -675,6 +682,9 @@ impl ImageSource {
     }
 }
 
+/// `(epoch, batch, [(path, label)], the crops' generator)` of one batch.
+pub(crate) type BatchFiles = (u64, usize, Vec<(std::path::PathBuf, usize)>, Rng);
+
 /// The crops' own generator for (epoch, batch): a seed apart from the shuffle's, and a stream
 /// mixed from both numbers (no two batches share one).
 fn crop_rng(seed: u64, epoch: u64, k: usize) -> Rng {
@@ -700,7 +710,7 @@ pub struct ImageFeed<O: OutputElement> {
 }
 
 enum Engine<O: OutputElement> {
-    Cpu(Prefetcher<O, i64>),
+    Cpu(Box<Prefetcher<O, i64>>),
     #[cfg(feature = "nvjpeg")]
     Gpu(crate::gpu_feed::GpuFeed<O>),
 }
@@ -757,11 +767,11 @@ impl<O: OutputElement> ImageFeed<O> {
             Some(nv) => Engine::Gpu(crate::gpu_feed::GpuFeed::new(stream, source.clone(), nv)?),
             #[cfg(not(feature = "nvjpeg"))]
             Some(never) => match never {},
-            None => Engine::Cpu(Prefetcher::new(
+            None => Engine::Cpu(Box::new(Prefetcher::new(
                 stream,
                 source.source(),
                 config.prefetch.clone(),
-            )?),
+            )?)),
         };
         Ok(ImageFeed {
             engine,
@@ -798,7 +808,7 @@ impl<O: OutputElement> ImageFeed<O> {
                 )),
             },
             #[cfg(feature = "nvjpeg")]
-            Engine::Gpu(g) => g.next().map(|b| FeedBatch(Inner_::Gpu(b))),
+            Engine::Gpu(g) => g.next().map(|b| FeedBatch(Inner_::Gpu(Box::new(b)))),
         };
         match got {
             Ok(b) => {
@@ -843,11 +853,11 @@ impl<O: OutputElement> ImageFeed<O> {
 
     /// Images decoded so far by the GPU's engines, nvJPEG's CUDA backend and the CPU (all on
     /// the CPU where the feed decodes there: those are not counted).
-    #[cfg(feature = "nvjpeg")]
-    pub fn routes(&self) -> crate::gpu_feed::RouteCounts {
+    pub fn routes(&self) -> RouteCounts {
         match &self.engine {
+            #[cfg(feature = "nvjpeg")]
             Engine::Gpu(g) => g.routes(),
-            Engine::Cpu(_) => Default::default(),
+            Engine::Cpu(_) => RouteCounts::default(),
         }
     }
 
@@ -863,7 +873,7 @@ impl<O: OutputElement> ImageFeed<O> {
     /// The prefetcher underneath, where the feed decodes on the CPU.
     pub fn prefetcher(&self) -> Option<&Prefetcher<O, i64>> {
         match &self.engine {
-            Engine::Cpu(p) => Some(p),
+            Engine::Cpu(p) => Some(&**p),
             #[cfg(feature = "nvjpeg")]
             Engine::Gpu(_) => None,
         }
@@ -879,7 +889,7 @@ pub struct FeedBatch<'a, O: OutputElement>(Inner_<'a, O>);
 enum Inner_<'a, O: OutputElement> {
     Cpu(DeviceBatch<'a, O, i64>),
     #[cfg(feature = "nvjpeg")]
-    Gpu(crate::gpu_feed::GpuBatch<'a, O>),
+    Gpu(Box<crate::gpu_feed::GpuBatch<'a, O>>),
 }
 
 impl<O: OutputElement> FeedBatch<'_, O> {

@@ -16,7 +16,9 @@ use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
 use pinstream::{Error, Event, Result, Stream};
 
-use crate::feed::{checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource};
+use crate::feed::{
+    checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource, RouteCounts,
+};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::util::lock;
 
@@ -24,17 +26,6 @@ const OP: &str = "ImageFeed (GPU decoding)";
 
 /// How often a waiting thread looks at the stop flag even without a notification.
 const TICK: Duration = Duration::from_millis(50);
-
-/// Images decoded per route, over the feed's life.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RouteCounts {
-    /// By the GPU's JPEG engines.
-    pub hardware: u64,
-    /// By nvJPEG's CUDA backend.
-    pub cuda: u64,
-    /// By the CPU decoder.
-    pub cpu: u64,
-}
 
 /// One batch's device memory: pixels, labels (and their page-locked staging), and the event
 /// that marks them written.
@@ -275,7 +266,7 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
                     return;
                 }
                 let cap = sh.ahead;
-                if st.next < st.taken + cap as u64 && (st.free.len() > 0 || st.made < cap) {
+                if st.next < st.taken + cap as u64 && (!st.free.is_empty() || st.made < cap) {
                     break;
                 }
                 st = sh
@@ -567,7 +558,6 @@ impl Work {
         out.labels_host.as_mut_slice()?[..n].copy_from_slice(&labels);
         let host = out.labels_host.slice(..n)?;
         stream.copy_h2d(&host, &mut out.labels.slice_mut(..n)?)?;
-        drop(host);
         stream.record(&out.done)?;
         Ok((out, counts))
     }

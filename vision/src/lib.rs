@@ -34,6 +34,8 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 #![warn(missing_debug_implementations)]
+// The GPU path's helpers in `feed` are dead code without it.
+#![cfg_attr(not(feature = "nvjpeg"), allow(dead_code))]
 
 pub mod augment;
 pub mod dataset;
@@ -45,9 +47,10 @@ pub mod sampler;
 mod util;
 
 pub use feed::{
-    Augment, BadFiles, Decoding, FeedBatch, ImageFeed, ImageFeedConfig, ImageSource, Skipped,
+    Augment, BadFiles, Decoding, FeedBatch, ImageFeed, ImageFeedConfig, ImageSource, RouteCounts,
+    Skipped,
 };
 #[cfg(feature = "nvjpeg")]
-pub use gpu_feed::{GpuBatch, RouteCounts};
+pub use gpu_feed::GpuBatch;
 #[cfg(feature = "nvjpeg")]
 pub mod nvjpeg;

@@ -34,7 +34,7 @@ pub(crate) struct Allocators {
 impl Allocators {
     pub(crate) fn new(device: &Device) -> Result<Allocators> {
         Ok(Allocators {
-            device: device.clone(),
+            device: *device,
             stream: device.stream()?,
             pinned: PinnedPool::new(device, PoolConfig::default())?,
             device_blocks: Mutex::new(HashMap::new()),

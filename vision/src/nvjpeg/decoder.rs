@@ -134,6 +134,9 @@ fn bad_jpeg(detail: String) -> Error {
     }
 }
 
+/// nvJPEG's reading of a header: height, width, components, encoding, chroma subsampling.
+type Header = (usize, usize, u32, u32, i32);
+
 /// A library handle: the device it was made on, destroyed with it current.
 struct Handle {
     lib: &'static sys::Nvjpeg,
@@ -173,7 +176,7 @@ impl Handle {
         Ok(Handle {
             lib,
             raw,
-            device: device.clone(),
+            device: *device,
         })
     }
 }
@@ -248,7 +251,7 @@ impl Nvjpeg {
         };
         Ok(Nvjpeg {
             shared: Arc::new(Shared {
-                device: device.clone(),
+                device: *device,
                 hardware,
                 cuda,
                 engines,
@@ -275,7 +278,7 @@ impl Nvjpeg {
 
     /// The device.
     pub fn device(&self) -> Device {
-        self.shared.device.clone()
+        self.shared.device
     }
 
     /// A decoder for one thread, with its own stream and decode states.
@@ -481,7 +484,7 @@ impl GpuDecoder {
     /// agree on the size (else the file is refused: the two would write different amounts).
     /// nvJPEG's own reading of the header (what its decode will write): `(height, width,
     /// components, encoding, subsampling)`, or `None` where it cannot parse it.
-    fn parse(&mut self, data: &[u8]) -> Result<Option<(usize, usize, u32, u32, i32)>> {
+    fn parse(&mut self, data: &[u8]) -> Result<Option<Header>> {
         let lib = self.lib;
         let js = self.parser.raw.cast::<sys::nvjpegJpegStream>();
         self.nv.shared.device.make_current()?;
@@ -851,7 +854,7 @@ impl GpuDecoder {
             .sum();
         if self.staging.as_ref().is_none_or(|s| s.len() < total) {
             self.staging = None;
-            let dev = self.nv.shared.device.clone();
+            let dev = self.nv.shared.device;
             self.staging = Some(PinnedBuffer::<u8>::new(
                 &dev,
                 total.max(1 << 20),

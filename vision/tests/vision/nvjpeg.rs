@@ -87,12 +87,11 @@ fn library() -> R {
     }
 }
 
+/// Per file its decode's result, its offset in the arena, and the arena copied back.
+type Decoded = (Vec<pinstream::Result<Plan>>, Vec<usize>, Vec<u8>);
+
 /// Decodes `files` in one batch, packed, and copies the arena back.
-fn decode_all(
-    dec: &mut GpuDecoder,
-    files: &[Vec<u8>],
-    regions: &[Option<Region>],
-) -> T<(Vec<pinstream::Result<Plan>>, Vec<usize>, Vec<u8>)> {
+fn decode_all(dec: &mut GpuDecoder, files: &[Vec<u8>], regions: &[Option<Region>]) -> T<Decoded> {
     let dev = dec.nvjpeg().device();
     let mut items = Vec::new();
     let mut offsets = Vec::new();
@@ -184,7 +183,9 @@ fn pixels() -> R {
     // nvJPEG's own buffers came from pinstream's pools (its v2 allocators).
     let (device_bytes, pinned_bytes) = nv.pool_bytes();
     eprintln!("  nvJPEG holds {device_bytes} device and {pinned_bytes} pinned bytes of the pools");
-    ensure(device_bytes > 0, || "nvJPEG allocated no device memory through the pools".into())?;
+    ensure(device_bytes > 0, || {
+        "nvJPEG allocated no device memory through the pools".into()
+    })?;
     let mut failed = Vec::new();
     for (((name, data, route), plan), at) in files.iter().zip(&plans).zip(&offsets) {
         let plan = plan.as_ref().map_err(|e| format!("{name}: {e}"))?;
