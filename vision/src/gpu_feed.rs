@@ -16,10 +16,10 @@ use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
 use pinstream::{Error, Event, Result, Stream};
 
-use crate::feed::{
+use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
+use crate::source::{
     checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource, RouteCounts,
 };
-use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::util::lock;
 
 const OP: &str = "ImageFeed (GPU decoding)";

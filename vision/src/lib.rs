@@ -44,13 +44,12 @@ mod feed;
 #[cfg(feature = "nvjpeg")]
 mod gpu_feed;
 pub mod sampler;
+mod source;
 mod util;
 
-pub use feed::{
-    Augment, BadFiles, Decoding, FeedBatch, ImageFeed, ImageFeedConfig, ImageSource, RouteCounts,
-    Skipped,
-};
+pub use feed::{FeedBatch, ImageFeed};
 #[cfg(feature = "nvjpeg")]
 pub use gpu_feed::GpuBatch;
+pub use source::{Augment, BadFiles, Decoding, ImageFeedConfig, ImageSource, RouteCounts, Skipped};
 #[cfg(feature = "nvjpeg")]
 pub mod nvjpeg;
