@@ -8,6 +8,8 @@ mod common;
 mod feed;
 #[cfg(feature = "nvjpeg")]
 mod nvjpeg;
+#[cfg(feature = "nvjpeg")]
+mod nvjpeg_hostile;
 
 use libtest_mimic::Arguments;
 
@@ -23,6 +25,8 @@ fn main() {
     trials.extend(feed::hostile2::trials());
     #[cfg(feature = "nvjpeg")]
     trials.extend(nvjpeg::trials());
+    #[cfg(feature = "nvjpeg")]
+    trials.extend(nvjpeg_hostile::trials());
     libtest_mimic::run(&args, trials).exit();
 }
 
