@@ -81,10 +81,10 @@ fn find_header(
     out_dir: &Path,
 ) -> Result<(PathBuf, Option<PathBuf>), String> {
     if let Some(dir) = env_nonempty("PINSTREAM_NVJPEG_INCLUDE").map(PathBuf::from) {
-        return match dir.join("nvjpeg.h").is_file() {
+        return match is_nvjpeg_13(&dir.join("nvjpeg.h")) {
             true => Ok((dir, None)),
             false => Err(format!(
-                "PINSTREAM_NVJPEG_INCLUDE={} has no nvjpeg.h",
+                "PINSTREAM_NVJPEG_INCLUDE={} has no nvjpeg.h of nvJPEG 13 (NVJPEG_VER_MAJOR 13)",
                 dir.display()
             )),
         };
@@ -94,7 +94,8 @@ fn find_header(
         // No per-user cache: next to the build's output, as pinstream does.
         None => out_dir.join(NVJPEG_CACHE_NAME),
     };
-    if cuda_include.join("nvjpeg.h").is_file() {
+    // The toolkit's header only where it is nvJPEG 13's (the library loaded is libnvjpeg.so.13).
+    if is_nvjpeg_13(&cuda_include.join("nvjpeg.h")) {
         return Ok((cuda_include.to_path_buf(), None));
     }
     if dest.join(WHEEL_INCLUDE).join("nvjpeg.h").is_file() {
@@ -116,6 +117,19 @@ fn find_header(
         dest.display()
     );
     Ok((dest.join(WHEEL_INCLUDE), Some(dest.join(WHEEL_LIB))))
+}
+
+/// Whether `header` is nvJPEG 13's (`#define NVJPEG_VER_MAJOR 13`): the ABI of the library
+/// loaded at run time.
+fn is_nvjpeg_13(header: &Path) -> bool {
+    std::fs::read_to_string(header).is_ok_and(|text| {
+        text.lines().any(|l| {
+            let mut w = l.split_whitespace();
+            w.next() == Some("#define")
+                && w.next() == Some("NVJPEG_VER_MAJOR")
+                && w.next() == Some("13")
+        })
+    })
 }
 
 /// `python3 -m pip install --target` into a temporary sibling of `dest`, renamed at the end, so

@@ -57,9 +57,10 @@ impl Region {
         }
     }
 
-    /// Bytes of this region as interleaved RGB.
+    /// Bytes of this region as interleaved RGB (`usize::MAX` where that overflows: no arena
+    /// holds it).
     pub fn rgb_len(&self) -> usize {
-        self.height * self.width * 3
+        self.height.saturating_mul(self.width).saturating_mul(3)
     }
 
     /// [`rgb_len`](Self::rgb_len), `None` where it overflows.
@@ -184,8 +185,9 @@ impl Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         let _ = self.device.make_current();
-        // SAFETY: `raw` came from nvjpegCreateExV2, and every state made from it is gone (states
-        // hold an `Arc` of the handles).
+        // SAFETY: `raw` came from nvjpegCreateExV2, and every object made from it is gone: each
+        // `GpuDecoder` holds an `Arc` of the handles and destroys its states, streams and params
+        // first, after waiting for its stream.
         unsafe { self.lib.nvjpegDestroy(self.raw) };
     }
 }
@@ -353,6 +355,13 @@ pub struct GpuDecoder {
 // `&mut self`), which is all nvJPEG asks of states, streams and parameters; the handles are
 // `Send + Sync` themselves.
 unsafe impl Send for GpuDecoder {}
+
+impl Drop for GpuDecoder {
+    fn drop(&mut self) {
+        // Its states and buffers may still be used by work queued on its stream.
+        let _ = self.wait_stream().or_else(|_| self.stream.synchronize());
+    }
+}
 
 impl std::fmt::Debug for GpuDecoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -590,22 +599,30 @@ impl GpuDecoder {
             ));
         }
         if p.route == Route::Cpu {
+            // The CPU decoder checks the size itself.
             return Ok(p);
         }
-        if p.route == Route::Hardware && self.hardware.is_none() {
-            p.route = Route::Cuda;
-        }
-        if p.route == Route::Cuda && r != Region::full(p.height, p.width) {
-            p.route = Route::Cpu;
-            return Ok(p);
-        }
-        match self.parse(it.data)? {
-            Some((h, w, ..)) if (h, w) == (p.height, p.width) => Ok(p),
-            _ => Err(bad_jpeg(format!(
-                "the file is not the {}x{} JPEG it was planned as (changed since?)",
-                p.height, p.width
-            ))),
-        }
+        // What the plan asked for must suit the bytes as they are now: cut short (no end of
+        // image after the last scan) goes to the CPU decoder, which refuses it as the CPU path
+        // does; the route and region are the decoder's own choice for these bytes (an unaligned
+        // or subsampled region on the engines would come out wrong).
+        let ended = it.data.ends_with(&[0xFF, 0xD9])
+            || matches!(decode::end_of_image(it.data), decode::End::At(_));
+        let (route, mcu) = match ended {
+            true => self.route(it.data, p.height, p.width)?,
+            false => (Route::Cpu, (8, 8)),
+        };
+        let full = Region::full(p.height, p.width);
+        p.route = match route {
+            _ if r == full => route,
+            Route::Hardware if self.roi && mcu == (8, 8) && aligned(r, mcu, p.height, p.width) => {
+                Route::Hardware
+            }
+            // A region the engines would get wrong, or a route that decodes only whole images:
+            // the CPU decoder cuts it from its decode.
+            _ => Route::Cpu,
+        };
+        Ok(p)
     }
 
     /// The `i`th decode-parameters object (made on first use), reset to interleaved RGB output
@@ -704,8 +721,27 @@ impl GpuDecoder {
         // The guarantee: nothing queued still reads or writes the arena, on any stream.
         arena.synchronize()?;
         self.wait_stream()?;
-        self.nv.shared.device.make_current()?;
         let mut results = plans;
+        let queued = self.queue(items, &mut results, arena);
+        // On every way out once anything may be queued: the arena's write recorded, and the
+        // decode finished (the files' bytes are borrowed for this call only, and the arena may
+        // be freed after it).
+        let recorded = arena.record_stream_mut(&self.stream);
+        let waited = self.wait_stream().or_else(|_| self.stream.synchronize());
+        queued?;
+        recorded?;
+        waited?;
+        Ok(results)
+    }
+
+    /// Queues the batch's decodes (engines, CUDA backend, CPU decoder with copies).
+    fn queue(
+        &mut self,
+        items: &[Item<'_>],
+        results: &mut [Result<Plan>],
+        arena: &mut DeviceBuffer<u8>,
+    ) -> Result<()> {
+        self.nv.shared.device.make_current()?;
         let base = arena.as_device_mut_ptr();
         let mut fallback = Vec::new();
         for route in [Route::Hardware, Route::Cuda] {
@@ -715,7 +751,7 @@ impl GpuDecoder {
             if group.is_empty() {
                 continue;
             }
-            if let Err(e) = self.batch(route, items, &results, &group, base) {
+            if let Err(e) = self.batch(route, items, results, &group, base) {
                 // A batch fails as a whole: its images go to the CPU decoder one by one, which
                 // names the bad one.
                 let _ = e;
@@ -726,11 +762,7 @@ impl GpuDecoder {
             .filter(|&i| matches!(&results[i], Ok(p) if p.route == Route::Cpu))
             .chain(fallback)
             .collect();
-        self.cpu(items, &mut results, &cpu, arena)?;
-        arena.record_stream_mut(&self.stream)?;
-        // The files' bytes are borrowed for this call only: the decode must be done with them.
-        self.wait_stream()?;
-        Ok(results)
+        self.cpu(items, results, &cpu, arena)
     }
 
     /// Blocks until everything queued on the decoder's stream has run.
@@ -934,6 +966,15 @@ fn around(r: Region, (mh, mw): (usize, usize), h: usize, w: usize) -> Region {
         height: bottom - top,
         width: right - left,
     }
+}
+
+/// Whether `r` lies on the MCU grid of an `h x w` image (its far edges may be the image's).
+fn aligned(r: Region, (mh, mw): (usize, usize), h: usize, w: usize) -> bool {
+    let (bottom, right) = (r.top + r.height, r.left + r.width);
+    r.top % mh == 0
+        && r.left % mw == 0
+        && (bottom % mh == 0 || bottom == h)
+        && (right % mw == 0 || right == w)
 }
 
 /// Copies `region` of the interleaved RGB image `px` (`width` columns) into `dst`.

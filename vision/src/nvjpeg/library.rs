@@ -1,10 +1,11 @@
 //! Finding and loading `libnvjpeg.so.13` at run time, once per process.
 //!
-//! Searched in order: `PINSTREAM_NVJPEG` (a file or a folder), the folder the build provisioned it
-//! into (the per-user cache, beside pinstream's toolkit), the build's toolkit, `CUDA_HOME` /
-//! `CUDA_PATH`, `/usr/local/cuda/lib64` and `/usr/local/cuda-13*/lib64`, then the loader's own path (`LD_LIBRARY_PATH`, the
-//! system's). A machine without it gets the reason, once on stderr and from
-//! [`unavailable`], and decodes on the CPU.
+//! `PINSTREAM_NVJPEG` (a file or a folder) is the only place tried where it is set. Otherwise,
+//! in order: the folder the build provisioned it into (the per-user cache, beside pinstream's
+//! toolkit), the build's toolkit, `CUDA_HOME` / `CUDA_PATH`, `/usr/local/cuda/lib64` and
+//! `/usr/local/cuda-13*/lib64`, then the loader's own path (`LD_LIBRARY_PATH`, the system's). A
+//! machine without it gets the reason, once on stderr and from [`unavailable`], and decodes on
+//! the CPU.
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -20,10 +21,6 @@ static LOADED: OnceLock<Result<sys::Nvjpeg, String>> = OnceLock::new();
 /// Where to look, most specific first (the loader's own search comes last, by name only).
 fn candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    if let Some(p) = std::env::var_os("PINSTREAM_NVJPEG").filter(|v| !v.is_empty()) {
-        let p = PathBuf::from(p);
-        out.push(if p.is_dir() { p.join(LIBRARY) } else { p });
-    }
     let built = option_env!("PINSTREAM_NVJPEG_DIRS").unwrap_or("");
     out.extend(std::env::split_paths(built).map(|d| d.join(LIBRARY)));
     for var in ["CUDA_HOME", "CUDA_PATH"] {
@@ -54,6 +51,20 @@ fn candidates() -> Vec<PathBuf> {
 }
 
 fn load() -> Result<sys::Nvjpeg, String> {
+    // An explicit choice is the only one tried: a wrong path is an error, not a silent fallback
+    // to another copy.
+    if let Some(p) = std::env::var_os("PINSTREAM_NVJPEG").filter(|v| !v.is_empty()) {
+        let p = PathBuf::from(p);
+        let path = if p.is_dir() { p.join(LIBRARY) } else { p };
+        // SAFETY: as below.
+        return unsafe { sys::Nvjpeg::new(&path) }.map_err(|e| {
+            format!(
+                "nvJPEG could not be loaded from PINSTREAM_NVJPEG={} ({e}), so JPEGs decode on \
+                 the CPU",
+                path.display()
+            )
+        });
+    }
     let mut tried = Vec::new();
     for path in candidates() {
         if !path.is_file() {
@@ -61,7 +72,8 @@ fn load() -> Result<sys::Nvjpeg, String> {
         }
         // SAFETY: loading runs the library's initializers; libnvjpeg's only open libcuda (no
         // other code of this process runs in them). Every symbol the bindings name is resolved
-        // here with the type bindgen took from the header of the same ABI version.
+        // here with the type bindgen took from a header of the same ABI (`libnvjpeg.so.13`: the
+        // build binds only an nvJPEG 13 header).
         match unsafe { sys::Nvjpeg::new(&path) } {
             Ok(lib) => return Ok(lib),
             Err(e) => tried.push(format!("{}: {e}", path.display())),
