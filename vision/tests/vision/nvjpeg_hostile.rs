@@ -1052,21 +1052,23 @@ fn degenerate() -> R {
         let p = dec.plan(&a, Some(r));
         ensure(p.is_err(), || format!("plan with {r:?}: {p:?}"))?;
     }
-    // A bad item (zero-length data) overlapping a good one: the good one decodes right, the
-    // bad one is an error of its own, and nothing else is written.
-    let r = dec.decode(
-        &[
-            item(0),
-            Item {
-                data: &a[..0],
-                plan,
-                offset: len / 2,
-            },
-        ],
-        &mut arena,
-    )?;
-    ensure(r.len() == 2 && r[0].is_ok() && r[1].is_err(), || {
+    // A bad item (zero-length data) declared over a good one: the declared destinations
+    // overlap, so the call is refused before anything is queued (the layout is the caller's);
+    // apart, the good one decodes right, the bad one is an error of its own, and nothing else
+    // is written.
+    let bad = |offset| Item {
+        data: &a[..0],
+        plan,
+        offset,
+    };
+    let r = dec.decode(&[item(0), bad(len / 2)], &mut arena);
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
         format!("good + overlapping bad: {r:?}")
+    })?;
+    untouched(&mut dec, &arena, "good + overlapping bad")?;
+    let r = dec.decode(&[item(0), bad(2 * len)], &mut arena)?;
+    ensure(r.len() == 2 && r[0].is_ok() && r[1].is_err(), || {
+        format!("good + bad apart: {r:?}")
     })?;
     let mut host = vec![0u8; arena.len()];
     dec.stream().copy_d2h(&arena, &mut host[..])?.wait()?;
@@ -1417,9 +1419,19 @@ fn feed_same_files() -> R {
         per.push(batches);
     }
     let _ = std::fs::remove_dir_all(&dir);
-    ensure(per[0] == per[1], || {
+    // A documented limit (docs/image-feed.md): the engines decode corrupt entropy-coded data
+    // without an error, as DALI's do, so the GPU feed may keep a file whose scan the CPU decoder
+    // refuses. Every file the CPU feed keeps, the GPU feed keeps, in the same batch and order;
+    // the only extra ones are the corrupted files (labels from `first_bad` on).
+    let first_bad = list.len() - corrupted()?.len();
+    let ok = per[0].len() == per[1].len()
+        && per[0].iter().zip(&per[1]).all(|(c, g)| {
+            let kept: Vec<i64> = g.iter().copied().filter(|l| c.contains(l)).collect();
+            kept == *c && g.iter().all(|l| c.contains(l) || *l as usize >= first_bad)
+        });
+    ensure(ok, || {
         format!(
-            "the CPU feed's batches {:?} differ from the GPU feed's {:?}",
+            "the CPU feed's batches {:?} are not the GPU feed's {:?} less corrupted files",
             per[0], per[1]
         )
     })
