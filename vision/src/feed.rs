@@ -164,7 +164,7 @@ impl<O: OutputElement> ImageFeed<O> {
         self.source.batches_per_epoch()
     }
 
-    /// Files skipped so far ([`BadFiles::Skip`]).
+    /// Files skipped so far ([`BadFiles::Skip`](crate::BadFiles::Skip)).
     pub fn skipped(&self) -> Skipped {
         self.source.skipped()
     }

@@ -39,7 +39,7 @@ pub enum BadFiles {
     Skip,
 }
 
-/// How an [`ImageFeed`] (or an [`ImageSource`]) reads, orders and transforms the images.
+/// How an [`ImageFeed`](crate::ImageFeed) (or an [`ImageSource`]) reads, orders and transforms the images.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ImageFeedConfig {
     /// Images per batch (per rank).
@@ -65,7 +65,7 @@ pub struct ImageFeedConfig {
     pub drop_last: bool,
     /// Undecodable files: an error, or skipped and counted.
     pub bad_files: BadFiles,
-    /// Where to start: epoch and batch within it (a checkpoint's [`ImageFeed::position`]).
+    /// Where to start: epoch and batch within it (a checkpoint's [`ImageFeed::position`](crate::ImageFeed::position)).
     pub start: (u64, usize),
     /// The prefetcher underneath (`loader_threads` decode in parallel; with GPU decoding,
     /// `loader_threads` read and parse files and queue their decodes, and `depth` batches are
@@ -86,7 +86,7 @@ pub struct RouteCounts {
     pub cpu: u64,
 }
 
-/// Where an [`ImageFeed`] decodes its images.
+/// Where an [`ImageFeed`](crate::ImageFeed) decodes its images.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Decoding {
     /// On the GPU where nvJPEG loads and the GPU has JPEG engines (feature `nvjpeg`), else on
@@ -158,7 +158,7 @@ struct Inner {
 
 /// The batches of an [`ImageList`] as a prefetcher [`Source`]: global batch `g` is batch
 /// `g % per_epoch` of epoch `g / per_epoch`, counted from `config.start`, endlessly. Usable
-/// with a [`Prefetcher`] (see [`ImageFeed`]) and, without a GPU, a [`DryRun`](pinstream::prefetch::DryRun),
+/// with a [`Prefetcher`](pinstream::prefetch::Prefetcher) (see [`ImageFeed`](crate::ImageFeed)) and, without a GPU, a [`DryRun`](pinstream::prefetch::DryRun),
 /// which resamples with the kernel's CPU reference.
 #[derive(Clone)]
 pub struct ImageSource {
