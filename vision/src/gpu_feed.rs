@@ -10,7 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
@@ -52,6 +52,49 @@ struct State<O: pinstream::Pod> {
     /// Loaders still running.
     alive: usize,
     routes: RouteCounts,
+    pacer: Pacer,
+}
+
+/// Spaces the loaders' claims evenly over a batch's decode time. Each loader decodes a whole
+/// batch, so loaders that start together finish together, and a consumer faster than the feed
+/// gets batches in bursts (waiting about one batch time per burst). With claims at least
+/// `0.9 x period / loaders` apart, batches come out at an even cadence and the feed's rate is
+/// unchanged (the loaders' own rate is `loaders / period`).
+#[derive(Debug)]
+struct Pacer {
+    loaders: u32,
+    last_claim: Option<Instant>,
+    /// A running estimate of one batch's time on a loader.
+    period: Option<Duration>,
+}
+
+impl Pacer {
+    fn new(loaders: usize) -> Pacer {
+        Pacer {
+            loaders: loaders.clamp(1, u32::MAX as usize) as u32,
+            last_claim: None,
+            period: None,
+        }
+    }
+
+    /// How long a claim at `now` must still wait (`None`: it may go now).
+    fn wait(&self, now: Instant) -> Option<Duration> {
+        let (last, period) = (self.last_claim?, self.period?);
+        let gap = period.mul_f64(0.9) / self.loaders;
+        (last + gap).checked_duration_since(now).filter(|d| !d.is_zero())
+    }
+
+    fn claimed(&mut self, now: Instant) {
+        self.last_claim = Some(now);
+    }
+
+    /// A loader took `took` for a batch.
+    fn finished(&mut self, took: Duration) {
+        self.period = Some(match self.period {
+            Some(p) => p.mul_f64(0.75) + took.mul_f64(0.25),
+            None => took,
+        });
+    }
 }
 
 struct Shared<O: pinstream::Pod> {
@@ -86,6 +129,7 @@ impl<O: OutputElement> GpuFeed<O> {
                 stop: false,
                 alive: threads,
                 routes: RouteCounts::default(),
+                pacer: Pacer::new(threads),
             }),
             changed: Condvar::new(),
             source,
@@ -266,17 +310,22 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
                     return;
                 }
                 let cap = sh.ahead;
+                let mut tick = TICK;
                 if st.next < st.taken + cap as u64 && (!st.free.is_empty() || st.made < cap) {
-                    break;
+                    match st.pacer.wait(Instant::now()) {
+                        None => break,
+                        Some(d) => tick = d.min(TICK),
+                    }
                 }
                 st = sh
                     .changed
-                    .wait_timeout(st, TICK)
+                    .wait_timeout(st, tick)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             }
             let i = st.next;
             st.next += 1;
+            st.pacer.claimed(Instant::now());
             let out = st.free.pop();
             if out.is_none() {
                 st.made += 1;
@@ -284,7 +333,9 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
             (i, out)
         };
         let w = work.as_mut().expect("checked above");
+        let started = Instant::now();
         let r = catch_unwind(AssertUnwindSafe(|| w.batch(sh, index, out)));
+        let took = started.elapsed();
         let r = match r {
             Ok(r) => r,
             Err(p) => Err(Error::Panicked {
@@ -296,6 +347,8 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
         if r.is_err() {
             // The output buffer went with the failed batch.
             st.made -= 1;
+        } else {
+            st.pacer.finished(took);
         }
         if let Ok((_, counts)) = &r {
             st.routes.hardware += counts.hardware;
@@ -579,3 +632,38 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
         dims: [0; 4],
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Pacer;
+    use std::time::{Duration, Instant};
+
+    /// Claims are spaced by 0.9 x the period over the loaders once a period is known; the
+    /// first claims (no estimate yet) are not held back. Times are given, not measured.
+    #[test]
+    fn pacer_spaces_claims_over_the_period() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut p = Pacer::new(8);
+        assert_eq!(p.wait(t0), None);
+        p.claimed(t0);
+        assert_eq!(p.wait(t0), None, "no period yet");
+        p.finished(ms(80));
+        // Gap: 0.9 x 80 ms / 8 = 9 ms after the last claim.
+        assert_eq!(p.wait(t0), Some(ms(9)));
+        assert_eq!(p.wait(t0 + ms(4)), Some(ms(5)));
+        assert_eq!(p.wait(t0 + ms(9)), None);
+        assert_eq!(p.wait(t0 + ms(50)), None);
+        // The estimate follows the batches' times: 0.75 x 80 + 0.25 x 160 = 100 ms.
+        p.finished(ms(160));
+        p.claimed(t0 + ms(100));
+        assert_eq!(p.wait(t0 + ms(100)), Some(Duration::from_micros(11_250)));
+        // One loader: the gap is 0.9 of the period.
+        let mut one = Pacer::new(1);
+        one.claimed(t0);
+        one.finished(ms(10));
+        assert_eq!(one.wait(t0), Some(ms(9)));
+        assert_eq!(Pacer::new(0).loaders, 1);
+    }
+}
+
