@@ -97,55 +97,13 @@ impl Pacer {
     }
 }
 
-/// Batches in nvJPEG's hands at once, at most: on an H200 (7 engines), 4 loaders fed 33 900
-/// images/s and 8 fed 28 100 when all decoded at once; the others read and parse meanwhile.
-const DECODING_AT_ONCE: usize = 4;
-
 struct Shared<O: pinstream::Pod> {
     state: Mutex<State<O>>,
     changed: Condvar,
-    /// Loaders decoding now (at most [`DECODING_AT_ONCE`]), and the wait for a turn.
-    decoding: Mutex<usize>,
-    turn: Condvar,
     source: ImageSource,
     nv: Nvjpeg,
     /// Batches decoded ahead of the consumer, at most.
     ahead: usize,
-}
-
-/// A loader's turn to decode (see [`DECODING_AT_ONCE`]); given back when dropped.
-struct Turn<'a> {
-    decoding: &'a Mutex<usize>,
-    turn: &'a Condvar,
-}
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        *lock(self.decoding) -= 1;
-        self.turn.notify_one();
-    }
-}
-
-impl<O: pinstream::Pod> Shared<O> {
-    /// Waits for a turn to decode; an error once the feed stops (every wait wakes on it).
-    fn gpu_turn(&self) -> Result<Turn<'_>> {
-        let mut n = lock(&self.decoding);
-        while *n >= DECODING_AT_ONCE {
-            if lock(&self.state).stop {
-                return Err(Error::invalid(OP, "the feed stopped"));
-            }
-            n = self
-                .turn
-                .wait_timeout(n, TICK)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        *n += 1;
-        Ok(Turn {
-            decoding: &self.decoding,
-            turn: &self.turn,
-        })
-    }
 }
 
 /// The GPU-decoding engine of an [`ImageFeed`](crate::ImageFeed).
@@ -174,8 +132,6 @@ impl<O: OutputElement> GpuFeed<O> {
                 pacer: Pacer::new(threads),
             }),
             changed: Condvar::new(),
-            decoding: Mutex::new(0),
-            turn: Condvar::new(),
             source,
             nv,
             ahead,
@@ -604,10 +560,7 @@ impl Work {
                     offset: files[i].offset,
                 })
                 .collect();
-            let results = {
-                let _turn = sh.gpu_turn()?;
-                self.decoder.decode(&items, arena)?
-            };
+            let results = self.decoder.decode(&items, arena)?;
             for (&i, r) in idx.iter().zip(results) {
                 match r {
                     // The decode must write what was planned (a file changed in between: bad).
