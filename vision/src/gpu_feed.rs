@@ -81,7 +81,9 @@ impl Pacer {
     fn wait(&self, now: Instant) -> Option<Duration> {
         let (last, period) = (self.last_claim?, self.period?);
         let gap = period.mul_f64(0.9) / self.loaders;
-        (last + gap).checked_duration_since(now).filter(|d| !d.is_zero())
+        (last + gap)
+            .checked_duration_since(now)
+            .filter(|d| !d.is_zero())
     }
 
     fn claimed(&mut self, now: Instant) {
@@ -666,4 +668,3 @@ mod tests {
         assert_eq!(Pacer::new(0).loaders, 1);
     }
 }
-
