@@ -7,7 +7,7 @@
 //! cargo run --release --example imagenet_feed -- /data/imagenet/train
 //! cargo run --release --example imagenet_feed                 # the shared sample photographs
 //! cargo run --release --example imagenet_feed -- DIR --threads 8 --batch 256 --epochs 3 \
-//!     [--decode auto|gpu|cpu] [--val] [--check] [--json]
+//!     [--decode auto|gpu|cpu] [--decodes-at-once N] [--val] [--check] [--json]
 //! ```
 //!
 //! `--check` compares every batch with the kernel's CPU reference on the same host batch
@@ -36,6 +36,7 @@ struct Args {
     check: bool,
     json: bool,
     decoding: Decoding,
+    at_once: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -48,6 +49,7 @@ fn args() -> Result<Args, String> {
         check: false,
         json: false,
         decoding: Decoding::Auto,
+        at_once: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -63,6 +65,7 @@ fn args() -> Result<Args, String> {
             "--val" => a.val = true,
             "--check" => a.check = true,
             "--json" => a.json = true,
+            "--decodes-at-once" => a.at_once = num("--decodes-at-once")?,
             "--decode" => {
                 a.decoding = match it.next().as_deref() {
                     Some("auto") => Decoding::Auto,
@@ -113,6 +116,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         batch: a.batch.min(list.len()),
         bad_files: BadFiles::Skip,
         decoding: a.decoding,
+        gpu_decodes_at_once: a.at_once,
         ..ImageFeedConfig::default()
     };
     cfg.prefetch.loader_threads = a.threads;

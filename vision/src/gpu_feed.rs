@@ -102,10 +102,57 @@ impl Pacer {
 struct Shared<O: pinstream::Pod> {
     state: Mutex<State<O>>,
     changed: Condvar,
+    /// Turns to decode (`ImageFeedConfig::gpu_decodes_at_once`).
+    turns: Turns,
     source: ImageSource,
     nv: Nvjpeg,
     /// Batches decoded ahead of the consumer, at most.
     ahead: usize,
+}
+
+/// At most `max` holders at once (0: no limit): a counting semaphore whose waits wake on a
+/// stop (checked every [`TICK`]).
+struct Turns {
+    max: usize,
+    held: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// A turn of [`Turns`], given back when dropped.
+struct Turn<'a>(&'a Turns);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.held) -= 1;
+        self.0.freed.notify_one();
+    }
+}
+
+impl Turns {
+    fn new(max: usize) -> Turns {
+        Turns {
+            max,
+            held: Mutex::new(0),
+            freed: Condvar::new(),
+        }
+    }
+
+    /// Waits for a turn; an error once `stopped()` says so.
+    fn take(&self, stopped: impl Fn() -> bool) -> Result<Turn<'_>> {
+        let mut n = lock(&self.held);
+        while self.max > 0 && *n >= self.max {
+            if stopped() {
+                return Err(Error::invalid(OP, "the feed stopped"));
+            }
+            n = self
+                .freed
+                .wait_timeout(n, TICK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *n += 1;
+        Ok(Turn(self))
+    }
 }
 
 /// The GPU-decoding engine of an [`ImageFeed`](crate::ImageFeed).
@@ -134,6 +181,7 @@ impl<O: OutputElement> GpuFeed<O> {
                 pacer: Pacer::new(threads),
             }),
             changed: Condvar::new(),
+            turns: Turns::new(cfg.gpu_decodes_at_once),
             source,
             nv,
             ahead,
@@ -562,7 +610,10 @@ impl Work {
                     offset: files[i].offset,
                 })
                 .collect();
-            let results = self.decoder.decode(&items, arena)?;
+            let results = {
+                let _turn = sh.turns.take(|| lock(&sh.state).stop)?;
+                self.decoder.decode(&items, arena)?
+            };
             for (&i, r) in idx.iter().zip(results) {
                 match r {
                     // The decode must write what was planned (a file changed in between: bad).
@@ -637,8 +688,48 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::Pacer;
+    use super::{Pacer, Turns};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
+
+    /// No more than `max` holders at once, counted (not timed): 6 threads x 200 turns of 2.
+    /// 0 is no limit; a stop wakes a waiter with an error.
+    #[test]
+    fn turns_limit_holders_and_wake_on_stop() {
+        let turns = Turns::new(2);
+        let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        std::thread::scope(|s| {
+            for _ in 0..6 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        let _t = turns.take(|| false).unwrap();
+                        let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(n, Ordering::SeqCst);
+                        std::thread::yield_now();
+                        now.fetch_sub(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+        assert!(most.load(Ordering::SeqCst) <= 2, "{most:?} holders at once");
+        assert_eq!(*turns.held.lock().unwrap(), 0);
+        let free = Turns::new(0);
+        let all: Vec<_> = (0..100).map(|_| free.take(|| false).unwrap()).collect();
+        assert_eq!(all.len(), 100);
+        let one = Turns::new(1);
+        let held = one.take(|| false).unwrap();
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| one.take(|| stop.load(Ordering::SeqCst)).map(|_| ()));
+            stop.store(true, Ordering::SeqCst);
+            assert!(waiter.join().unwrap().is_err());
+        });
+        drop(held);
+        assert!(
+            one.take(|| true).is_ok(),
+            "a free turn is taken even when stopped"
+        );
+    }
 
     /// Claims are spaced by 0.9 x the period over the loaders once a period is known; the
     /// first claims (no estimate yet) are not held back. Times are given, not measured.

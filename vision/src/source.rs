@@ -73,6 +73,9 @@ pub struct ImageFeedConfig {
     pub prefetch: PrefetchConfig,
     /// Where JPEGs are decoded: on the GPU where it can ([`Decoding::Auto`], the default).
     pub decoding: Decoding,
+    /// With GPU decoding: how many loaders may have a batch in nvJPEG's hands at once (the
+    /// others read and parse meanwhile); 0, the default, for no limit.
+    pub gpu_decodes_at_once: usize,
 }
 
 /// Images decoded per route, over the feed's life.
@@ -119,6 +122,7 @@ impl Default for ImageFeedConfig {
             start: (0, 0),
             prefetch: PrefetchConfig::default(),
             decoding: Decoding::Auto,
+            gpu_decodes_at_once: 0,
         }
     }
 }
