@@ -90,10 +90,12 @@ impl Pacer {
         self.last_claim = Some(now);
     }
 
-    /// A loader took `took` for a batch.
+    /// A loader took `took` for a batch. One slow batch (a huge file, a stall) moves the
+    /// estimate at most as a batch of twice the estimate would, so it cannot hold the claims
+    /// back for long.
     fn finished(&mut self, took: Duration) {
         self.period = Some(match self.period {
-            Some(p) => p.mul_f64(0.75) + took.mul_f64(0.25),
+            Some(p) => p.mul_f64(0.75) + took.min(p * 2).mul_f64(0.25),
             None => took,
         });
     }
@@ -751,6 +753,9 @@ mod tests {
         p.finished(ms(160));
         p.claimed(t0 + ms(100));
         assert_eq!(p.wait(t0 + ms(100)), Some(Duration::from_micros(11_250)));
+        // An outlier counts as twice the estimate: 0.75 x 100 + 0.25 x 200 = 125 ms, not 15 s.
+        p.finished(Duration::from_secs(60));
+        assert_eq!(p.period, Some(ms(125)));
         // One loader: the gap is 0.9 of the period.
         let mut one = Pacer::new(1);
         one.claimed(t0);
