@@ -18,7 +18,7 @@ use pinstream::{Error, Event, Result, Stream};
 
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::source::{
-    checked_info, file_error, read_file_ended, Augment, BadFiles, ImageSource, RouteCounts,
+    checked_info, file_error, read_file_ended, BadFiles, ImageSource, RouteCounts,
 };
 use crate::util::lock;
 
@@ -493,25 +493,9 @@ impl Work {
                 }
             };
             let (h, w) = (info.height, info.width);
-            let crop = match cfg.augment {
-                Augment::Train(rrc) => rrc.sample(&mut rng, h, w),
-                Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
-            };
-            let crop = crop.and_then(|crop| {
-                probe.samples.clear();
-                probe.push(0, h, w, crop);
-                probe.validate(OP).map(|()| crop)
-            });
-            let crop = match crop {
+            let crop = match src.crop(OP, &path, &info, &mut rng, &mut probe) {
                 Ok(c) => c,
                 Err(e) => {
-                    let e = Error::invalid(
-                        OP,
-                        format!(
-                            "{}: the {h}x{w} image cannot be resized under this configuration: {e}",
-                            path.display()
-                        ),
-                    );
                     bad(&path, e)?;
                     continue;
                 }

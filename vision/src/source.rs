@@ -482,6 +482,40 @@ impl ImageSource {
         })
     }
 
+    /// The crop of the image `info` of `path`, drawn from `rng`, checked one sample at a time
+    /// (in `probe`) as the kernel will check the batch: an image that cannot be resized under
+    /// this configuration is a bad file of its own, not a batch that fails as a whole (issue
+    /// 29, finding 12).
+    pub(crate) fn crop(
+        &self,
+        op: &'static str,
+        path: &Path,
+        info: &decode::ImageInfo,
+        rng: &mut Rng,
+        probe: &mut ResizeSpec,
+    ) -> Result<CropBox> {
+        let cfg = &self.inner.cfg;
+        let (h, w) = (info.height, info.width);
+        let crop = match cfg.augment {
+            Augment::Train(rrc) => rrc.sample(rng, h, w),
+            Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
+        };
+        let resizable = crop.and_then(|crop| {
+            probe.samples.clear();
+            probe.push(0, h, w, crop);
+            probe.validate(op).map(|()| crop)
+        });
+        resizable.map_err(|e| {
+            Error::invalid(
+                op,
+                format!(
+                    "{}: the {h}x{w} image cannot be resized under this configuration: {e}",
+                    path.display()
+                ),
+            )
+        })
+    }
+
     /// The configuration.
     pub(crate) fn config(&self) -> &ImageFeedConfig {
         &self.inner.cfg
@@ -616,28 +650,7 @@ impl ImageSource {
                 .and_then(|bytes| {
                     decode::decode_rgb_into(&bytes, dst).map_err(|e| file_error(path, e))
                 })
-                .and_then(|_| {
-                    let (h, w) = (info.height, info.width);
-                    let crop = match cfg.augment {
-                        Augment::Train(rrc) => rrc.sample(&mut rng, h, w),
-                        Augment::Val { resize } => CropBox::center(h, w, resize, cfg.out.0),
-                    };
-                    let resizable = crop.and_then(|crop| {
-                        probe.samples.clear();
-                        probe.push(0, h, w, crop);
-                        probe.validate(OP).map(|()| crop)
-                    });
-                    resizable.map_err(|e| {
-                        Error::invalid(
-                            OP,
-                            format!(
-                                "{}: the {h}x{w} image cannot be resized under this \
-                                 configuration: {e}",
-                                path.display()
-                            ),
-                        )
-                    })
-                });
+                .and_then(|_| self.crop(OP, path, info, &mut rng, &mut probe));
             match decoded {
                 Ok(crop) => {
                     spec.push(offset, info.height, info.width, crop);

@@ -63,6 +63,14 @@ impl Region {
         self.height.saturating_mul(self.width).saturating_mul(3)
     }
 
+    /// Whether it is a non-empty part of an `h x w` image.
+    fn is_inside(&self, h: usize, w: usize) -> bool {
+        self.height > 0
+            && self.width > 0
+            && self.top.checked_add(self.height).is_some_and(|b| b <= h)
+            && self.left.checked_add(self.width).is_some_and(|b| b <= w)
+    }
+
     /// [`rgb_len`](Self::rgb_len), `None` where it overflows.
     fn rgb_len_checked(&self) -> Option<usize> {
         self.height.checked_mul(self.width)?.checked_mul(3)
@@ -448,11 +456,7 @@ impl GpuDecoder {
         const OP: &str = "nvjpeg::GpuDecoder::plan";
         let (h, w) = (info.height, info.width);
         if let Some(r) = region {
-            let inside = r.height > 0
-                && r.width > 0
-                && r.top.checked_add(r.height).is_some_and(|b| b <= h)
-                && r.left.checked_add(r.width).is_some_and(|b| b <= w);
-            if !inside {
+            if !r.is_inside(h, w) {
                 return Err(Error::invalid(
                     OP,
                     format!("region {r:?} is not a non-empty part of the {h}x{w} image"),
@@ -584,12 +588,7 @@ impl GpuDecoder {
         const OP: &str = "nvjpeg::GpuDecoder::decode";
         let mut p = it.plan;
         let r = p.region;
-        let inside = r.height > 0
-            && r.width > 0
-            && r.top.checked_add(r.height).is_some_and(|b| b <= p.height)
-            && r.left.checked_add(r.width).is_some_and(|b| b <= p.width)
-            && r.rgb_len_checked().is_some();
-        if !inside {
+        if !r.is_inside(p.height, p.width) || r.rgb_len_checked().is_none() {
             return Err(Error::invalid(
                 OP,
                 format!(
