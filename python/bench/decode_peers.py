@@ -20,7 +20,8 @@ endless stream: an epoch is ceil(files / batch) batches of `batch` images (the o
 the next pass like DALI's reader). --epochs epochs run; the last is reported as ONE JSON line on
 stdout: images/s (wall clock from the epoch's first batch request to its last batch complete on
 the GPU), CPU ms per image (this process, all threads, same interval), and the latency of each
-batch request (request -> pixels complete on the GPU): p50, p99, max. Progress goes to stderr.
+batch request (request -> pixels complete on the GPU): p50, p99, max. "steady" holds the same
+figures over every epoch but the first (the warm-up). Progress goes to stderr.
 `check` takes one batch of each pipeline and checks its shape, dtype, device and values.
 """
 
@@ -170,17 +171,31 @@ def bench(a):
     files = list_files(a.root)  # counted once
     batches = math.ceil(len(files) / a.batch)
     next_batch = FEEDS[a.what](a, files)
+    steady = {"n": 0, "secs": 0.0, "cpu": 0.0, "lat": []}
     for e in range(a.epochs):
         n, secs, cpu, lat = measure(next_batch, batches)
         print(f"{a.what} epoch {e + 1}: {n} images in {secs:.2f} s = {n / secs:.0f} images/s, "
               f"{cpu / n * 1e3:.3f} CPU ms per image", file=sys.stderr, flush=True)
-    ms = np.array(lat) * 1e3
+        if e > 0 or a.epochs == 1:  # the first epoch is the warm-up
+            steady["n"] += n
+            steady["secs"] += secs
+            steady["cpu"] += cpu
+            steady["lat"] += lat
+
+    def lat_ms(lat):
+        ms = np.array(lat) * 1e3
+        return {"p50": round(float(np.percentile(ms, 50)), 3),
+                "p99": round(float(np.percentile(ms, 99)), 3),
+                "max": round(float(ms.max()), 3)}
+
     print(json.dumps({
         "pipeline": a.what, "threads": a.threads, "batch": a.batch, "images": n,
         "images_per_s": round(n / secs, 1), "cpu_ms_per_image": round(cpu / n * 1e3, 4),
-        "batch_ms": {"p50": round(float(np.percentile(ms, 50)), 3),
-                     "p99": round(float(np.percentile(ms, 99)), 3),
-                     "max": round(float(ms.max()), 3)},
+        "batch_ms": lat_ms(lat),
+        "steady": {"epochs": max(a.epochs - 1, 1), "images": steady["n"],
+                   "images_per_s": round(steady["n"] / steady["secs"], 1),
+                   "cpu_ms_per_image": round(steady["cpu"] / steady["n"] * 1e3, 4),
+                   "batch_ms": lat_ms(steady["lat"])},
         "device": torch.cuda.get_device_name(a.device), "versions": versions(a.what)}))
 
 

@@ -15,7 +15,10 @@
 //! mean difference is bounded instead. `--val` runs the validation transform (`Resize(256)` +
 //! `CenterCrop(224)`, in order). Without a folder it feeds the photographs in
 //! `../shared/data/images` (one class each). Without a CUDA device it runs the same pipeline in
-//! a `DryRun` (the CPU reference instead of the kernel) for one epoch.
+//! a `DryRun` (the CPU reference instead of the kernel) for one epoch. `--decodes-at-once N`
+//! caps the loaders decoding on the GPU at once (0, the default: automatic; `none`: no cap).
+//! With `--json`, each epoch prints a `FEED_JSON` line, and the run ends with a `FEED_STEADY`
+//! line: the same figures over every epoch but the first (the warm-up).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -65,7 +68,15 @@ fn args() -> Result<Args, String> {
             "--val" => a.val = true,
             "--check" => a.check = true,
             "--json" => a.json = true,
-            "--decodes-at-once" => a.at_once = num("--decodes-at-once")?,
+            "--decodes-at-once" => {
+                a.at_once = match it.next().as_deref() {
+                    Some("none") => usize::MAX,
+                    Some(v) => v
+                        .parse()
+                        .map_err(|_| "--decodes-at-once needs a number or none".to_string())?,
+                    None => return Err("--decodes-at-once needs a number or none".into()),
+                }
+            }
             "--decode" => {
                 a.decoding = match it.next().as_deref() {
                     Some("auto") => Decoding::Auto,
@@ -158,6 +169,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         feed.hardware_engines()
     );
     let mut index = 0u64;
+    // Every epoch but the first (the warm-up): images, seconds, CPU seconds, batch latencies.
+    let (mut s_images, mut s_secs, mut s_cpu, mut s_latency) = (0usize, 0f64, 0f64, Vec::new());
     for epoch in 0..a.epochs {
         let (t0, c0) = (Instant::now(), cpu_seconds());
         let (mut seen, mut worst, mut mean_diff) = (0usize, 0f64, 0f64);
@@ -198,22 +211,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             asked = Instant::now();
             index += 1;
         }
-        latency.sort_by(f64::total_cmp);
-        let pct = |p: f64| -> f64 {
-            if latency.is_empty() {
-                return 0.0;
-            }
-            let i = ((latency.len() - 1) as f64 * p).round() as usize;
-            latency[i]
-        };
-        let (p50, p99, max) = (pct(0.5), pct(0.99), pct(1.0));
+        let (p50, p99, max) = percentiles(&mut latency);
         let routes = feed.routes();
         let (secs, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        if epoch > 0 || a.epochs == 1 {
+            s_images += seen;
+            s_secs += secs;
+            s_cpu += cpu;
+            s_latency.extend_from_slice(&latency);
+        }
         let skipped = feed.skipped().count;
         if a.json {
             println!(
-                "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"mean_diff\":{mean_diff:.5},\"dataset\":{n_images},\"decoding\":\"{}\",\"engines\":{},\"routes\":{{\"hardware\":{},\"cuda\":{},\"cpu\":{}}},\"batch_ms\":{{\"p50\":{p50:.3},\"p99\":{p99:.3},\"max\":{max:.3}}}}}",
-                a.threads, a.check, if on_gpu { "gpu" } else { "cpu" }, feed.hardware_engines(),
+                "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"decodes_at_once\":\"{}\",\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"mean_diff\":{mean_diff:.5},\"dataset\":{n_images},\"decoding\":\"{}\",\"engines\":{},\"routes\":{{\"hardware\":{},\"cuda\":{},\"cpu\":{}}},\"batch_ms\":{{\"p50\":{p50:.3},\"p99\":{p99:.3},\"max\":{max:.3}}}}}",
+                a.threads,
+                match a.at_once {
+                    0 => "auto".to_string(),
+                    usize::MAX => "none".to_string(),
+                    n => n.to_string(),
+                },
+                a.check, if on_gpu { "gpu" } else { "cpu" }, feed.hardware_engines(),
                 routes.hardware, routes.cuda, routes.cpu
             );
         }
@@ -229,5 +246,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         );
     }
+    if a.json && s_images > 0 {
+        let (p50, p99, max) = percentiles(&mut s_latency);
+        println!(
+            "FEED_STEADY {{\"epochs\":{},\"images\":{s_images},\"images_per_s\":{:.1},\"cpu_ms_per_image\":{:.4},\"batch_ms\":{{\"p50\":{p50:.3},\"p99\":{p99:.3},\"max\":{max:.3}}}}}",
+            a.epochs.saturating_sub(1).max(1),
+            s_images as f64 / s_secs,
+            s_cpu / s_images as f64 * 1e3
+        );
+    }
     Ok(())
+}
+
+/// p50, p99 and max of `ms` (sorted here); zeros when empty.
+fn percentiles(ms: &mut [f64]) -> (f64, f64, f64) {
+    if ms.is_empty() {
+        return (0.0, 0.0, 0.0);
+    }
+    ms.sort_by(f64::total_cmp);
+    let at = |p: f64| ms[((ms.len() - 1) as f64 * p).round() as usize];
+    (at(0.5), at(0.99), at(1.0))
 }

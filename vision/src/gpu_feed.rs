@@ -19,6 +19,7 @@ use pinstream::{Error, Event, Result, Stream};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::source::{
     checked_info, file_error, read_file_ended, BadFiles, ImageSource, RouteCounts,
+    AUTO_DECODES_AT_ONCE,
 };
 use crate::util::lock;
 
@@ -112,6 +113,21 @@ struct Shared<O: pinstream::Pod> {
     ahead: usize,
 }
 
+/// `ImageFeedConfig::gpu_decodes_at_once` resolved for `loaders` loader threads: 0 for no
+/// limit (the cap is at least the loaders), else the cap.
+fn decodes_at_once(asked: usize, loaders: usize) -> usize {
+    let cap = if asked == 0 {
+        AUTO_DECODES_AT_ONCE
+    } else {
+        asked
+    };
+    if cap >= loaders {
+        0
+    } else {
+        cap
+    }
+}
+
 /// At most `max` holders at once (0: no limit): a counting semaphore whose waits wake on a
 /// stop (checked every [`TICK`]).
 struct Turns {
@@ -183,7 +199,7 @@ impl<O: OutputElement> GpuFeed<O> {
                 pacer: Pacer::new(threads),
             }),
             changed: Condvar::new(),
-            turns: Turns::new(cfg.gpu_decodes_at_once),
+            turns: Turns::new(decodes_at_once(cfg.gpu_decodes_at_once, threads)),
             source,
             nv,
             ahead,
@@ -674,7 +690,21 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{Pacer, Turns};
+    use super::{decodes_at_once, Pacer, Turns, AUTO_DECODES_AT_ONCE};
+
+    /// 0 picks the automatic cap, which is no cap where the loaders are fewer; any cap at least
+    /// the loaders is no cap; `usize::MAX` is no cap.
+    #[test]
+    fn decodes_at_once_resolves_auto_and_no_limit() {
+        assert_eq!(decodes_at_once(0, 8), AUTO_DECODES_AT_ONCE);
+        assert_eq!(decodes_at_once(0, AUTO_DECODES_AT_ONCE), 0);
+        assert_eq!(decodes_at_once(0, 2), 0);
+        assert_eq!(decodes_at_once(3, 8), 3);
+        assert_eq!(decodes_at_once(8, 8), 0);
+        assert_eq!(decodes_at_once(usize::MAX, 16), 0);
+        assert_eq!(decodes_at_once(1, 1), 0);
+        assert_eq!(decodes_at_once(1, 2), 1);
+    }
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::time::{Duration, Instant};
 

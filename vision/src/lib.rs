@@ -50,6 +50,9 @@ mod util;
 pub use feed::{FeedBatch, ImageFeed};
 #[cfg(feature = "nvjpeg")]
 pub use gpu_feed::GpuBatch;
-pub use source::{Augment, BadFiles, Decoding, ImageFeedConfig, ImageSource, RouteCounts, Skipped};
+pub use source::{
+    Augment, BadFiles, Decoding, ImageFeedConfig, ImageSource, RouteCounts, Skipped,
+    AUTO_DECODES_AT_ONCE,
+};
 #[cfg(feature = "nvjpeg")]
 pub mod nvjpeg;

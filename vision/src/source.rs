@@ -74,9 +74,16 @@ pub struct ImageFeedConfig {
     /// Where JPEGs are decoded: on the GPU where it can ([`Decoding::Auto`], the default).
     pub decoding: Decoding,
     /// With GPU decoding: how many loaders may have a batch in nvJPEG's hands at once (the
-    /// others read and parse meanwhile); 0, the default, for no limit.
+    /// others read and parse meanwhile). 0, the default, picks
+    /// [`AUTO_DECODES_AT_ONCE`](crate::AUTO_DECODES_AT_ONCE) (more batches in the engines' hands
+    /// at once decode slower); `usize::MAX` for no limit.
     pub gpu_decodes_at_once: usize,
 }
+
+/// What `ImageFeedConfig::gpu_decodes_at_once = 0` stands for: batches in nvJPEG's hands at
+/// once, at most. Measured on H100 and H200 (7 JPEG engines), where eight loaders decoding at
+/// once fed fewer images per second than four (BENCHMARKS.md, issue 31).
+pub const AUTO_DECODES_AT_ONCE: usize = 4;
 
 /// Images decoded per route, over the feed's life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
