@@ -117,3 +117,21 @@ def load_safetensors(path, device=None, direct="auto"):
     """``safetensors.torch.load_file(path, device="cuda:N")`` through pinstream:
     ``{name: torch tensor}`` on the GPU, the bytes staged at link speed into one arena."""
     return {k: torch.from_dlpack(v) for k, v in pinstream.load_safetensors(path, _device(device), direct).items()}
+
+
+class ImageFeed(pinstream.ImageFeed):
+    """``pinstream.ImageFeed`` giving torch tensors: ``(images, labels)`` on the GPU, ordered on
+    torch's current stream (no host wait). ``device`` defaults to torch's current device and
+    ``dtype`` may be a torch dtype (default ``torch.bfloat16``)."""
+
+    def __init__(self, data, batch_size=256, *, device=None, dtype=torch.bfloat16, **kwargs):
+        super().__init__(data, batch_size, device=_device(device), dtype=dtype, **kwargs)
+
+    def _convert(self, pixels, labels):
+        return torch.from_dlpack(pixels), torch.from_dlpack(labels)
+
+
+def image_feed(data, batch_size=256, **kwargs):
+    """``pinstream.torch.ImageFeed(data, batch_size, ...)``: ``for images, labels in
+    pinstream.torch.image_feed("/data/imagenet/train", 256): ...``."""
+    return ImageFeed(data, batch_size, **kwargs)

@@ -9,6 +9,7 @@ mod bench;
 mod capsule;
 mod context;
 mod errors;
+mod feed;
 mod fork;
 mod prefetch;
 mod safetensors;
@@ -38,5 +39,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(torch_many::upload_torch_packed, m)?)?;
     m.add_class::<tensor::Tensor>()?;
     m.add_class::<prefetch::PyPrefetcher>()?;
+    m.add_class::<feed::PyImageFeed>()?;
     Ok(())
 }

@@ -154,6 +154,25 @@ impl<O: OutputElement> ImageFeed<O> {
         }
     }
 
+    /// Waits up to `timeout` for [`next`](Self::next) to have something to return without
+    /// waiting (a batch, the end of the epoch, an error): `true` once it has, `false` if
+    /// `timeout` passed first. For callers that must stay responsive while they wait (a Python
+    /// binding checking for Ctrl-C between slices); nothing is lost.
+    pub fn poll(&mut self, timeout: std::time::Duration) -> bool {
+        if self.failed.is_some() {
+            return true;
+        }
+        let (_, k) = self.source.position(self.taken);
+        if k == 0 && self.taken > 0 && !self.ended {
+            return true;
+        }
+        match &mut self.engine {
+            Engine::Cpu(p) => p.poll(timeout),
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(g) => g.poll(timeout),
+        }
+    }
+
     /// `(epoch, batch)` of the next batch: where to resume from (`ImageFeedConfig::start`).
     pub fn position(&self) -> (u64, usize) {
         self.source.position(self.taken)
@@ -272,6 +291,23 @@ impl<O: OutputElement> FeedBatch<'_, O> {
             Inner_::Cpu(b) => b.record_stream(stream),
             #[cfg(feature = "nvjpeg")]
             Inner_::Gpu(b) => b.record_stream(stream),
+        }
+    }
+
+    /// The batch as two DLPack tensors, pixels (`[n, c, h, w]` or `[n, h, w, c]`) and labels
+    /// (`[n]`, int64), owning its memory until both are released (feature `dlpack`). Hand each
+    /// over with a consumer stream (`Tensor::into_versioned(Some(&stream))`): that stream waits
+    /// for the batch on the GPU, and the memory is reused only after what it queued before the
+    /// release. The feed goes on meanwhile with other buffers.
+    #[cfg(feature = "dlpack")]
+    pub fn into_dlpack(self) -> Result<(pinstream::dlpack::Tensor, pinstream::dlpack::Tensor)>
+    where
+        O: pinstream::dlpack::Element,
+    {
+        match self.0 {
+            Inner_::Cpu(b) => b.into_dlpack(),
+            #[cfg(feature = "nvjpeg")]
+            Inner_::Gpu(b) => b.into_dlpack(),
         }
     }
 

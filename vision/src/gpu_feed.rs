@@ -260,6 +260,28 @@ impl<O: OutputElement> GpuFeed<O> {
         })
     }
 
+    /// Waits up to `timeout` for [`next`](Self::next) to have something to return without
+    /// waiting (a batch, an error): `true` once it has, `false` if `timeout` passed first.
+    pub(crate) fn poll(&self, timeout: Duration) -> bool {
+        let sh = &*self.shared;
+        let deadline = Instant::now() + timeout;
+        let mut st = lock(&sh.state);
+        loop {
+            if st.ready.contains_key(&st.taken) || st.alive == 0 {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            st = sh
+                .changed
+                .wait_timeout(st, (deadline - now).min(TICK))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
     /// Images decoded per route so far.
     pub(crate) fn routes(&self) -> RouteCounts {
         lock(&self.shared.state).routes
@@ -333,6 +355,38 @@ impl<O: OutputElement> GpuBatch<'_, O> {
         let o = self.out();
         o.pixels.record_stream(stream)?;
         o.labels.record_stream(stream)
+    }
+}
+
+#[cfg(feature = "dlpack")]
+impl<O: OutputElement + pinstream::dlpack::Element> GpuBatch<'_, O> {
+    /// The batch as two DLPack tensors, pixels (`dims`) and labels (`[n]`), owning its
+    /// buffers until their consumers release them (the feed makes new buffers meanwhile). Hand
+    /// them over with a consumer stream: it waits for the batch on the GPU, and the memory is
+    /// freed only after the work that stream queued before the release.
+    pub fn into_dlpack(mut self) -> Result<(pinstream::dlpack::Tensor, pinstream::dlpack::Tensor)> {
+        use pinstream::dlpack::Tensor;
+        let o = self
+            .out
+            .take()
+            .ok_or_else(|| Error::invalid(OP, "the batch was given back"))?;
+        {
+            // Its buffers leave the feed's circle: a loader makes new ones in their place.
+            let mut st = lock(&self.feed.shared.state);
+            st.made -= 1;
+        }
+        self.feed.shared.changed.notify_all();
+        let Output {
+            pixels,
+            labels,
+            dims,
+            n,
+            ..
+        } = o;
+        let len: usize = dims.iter().product();
+        let pixels = Tensor::from_device(pixels)?.slice(..len)?.reshape(&dims)?;
+        let labels = Tensor::from_device(labels)?.slice(..n)?;
+        Ok((pixels, labels))
     }
 }
 

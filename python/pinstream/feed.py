@@ -1,0 +1,321 @@
+"""``pinstream.ImageFeed``: a folder of JPEGs to training batches on the GPU.
+
+The Rust feed (``pinstream-vision``) thinly bound: JPEGs decoded by the GPU's JPEG engines
+(nvJPEG) where it has them, else on loader threads; ``RandomResizedCrop`` + flip (train) or
+``Resize`` + ``CenterCrop`` (val), normalize and cast in one kernel. This module adds the
+defaults, the distributed rank, ``set_epoch`` and the state dict.
+"""
+
+import os
+import sys
+
+from . import _native
+from .errors import InvalidArgumentError
+
+#: ImageNet's mean and std on the 0..255 scale (RGB).
+_IMAGENET = ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))
+
+_STATE_VERSION = 1
+
+
+def _int_env(name):
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgumentError(f"pinstream.ImageFeed: {name}={text!r} is not an integer") from None
+
+
+def distributed_defaults(rank=None, world_size=None):
+    """``(rank, world_size)``: those given; else ``torch.distributed``'s where it is initialized;
+    else the ``RANK`` and ``WORLD_SIZE`` environment variables (as ``torchrun`` sets them); else
+    ``(0, 1)``."""
+    r, w = None, None
+    if "torch" in sys.modules:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                r, w = dist.get_rank(), dist.get_world_size()
+        except ImportError:
+            pass
+    if w is None:
+        w = _int_env("WORLD_SIZE")
+        r = _int_env("RANK")
+    if world_size is not None:
+        w = world_size
+    if rank is not None:
+        r = rank
+    w = 1 if w is None else w
+    r = 0 if r is None else r
+    for name, v in (("rank", r), ("world_size", w)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidArgumentError(f"pinstream.ImageFeed: {name} {v!r} is not an integer")
+    if w < 1 or not 0 <= r < w:
+        raise InvalidArgumentError(
+            f"pinstream.ImageFeed: rank {r} of world size {w}: need world_size >= 1 and 0 <= rank < world_size"
+        )
+    return r, w
+
+
+def _pair(name, v, cast):
+    try:
+        a, b = v
+        return cast(a), cast(b)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"pinstream.ImageFeed: {name}={v!r} is not a pair of numbers") from None
+
+
+def _count(name, v, least=0):
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise InvalidArgumentError(f"pinstream.ImageFeed: {name}={v!r} must be an integer >= {least}")
+    return v
+
+
+class ImageFeed:
+    """Training (or validation) batches from a folder of JPEGs (or PNGs), on the GPU.
+
+    ``data`` is a folder of class folders (``root/<class>/<image>.jpg``, labels by sorted class
+    name, as torchvision's ``ImageFolder``) or a list of ``(path, label)`` pairs. Iterating
+    gives one epoch of ``(images, labels)``: ``images`` ``[N, 3, H, W]`` (``layout="NCHW"``) or
+    ``[N, H, W, 3]`` of ``dtype``, normalized as ``(x - mean) / std`` on the 0..255 scale
+    (``normalize=None``: the raw 0..255 values), ``labels`` int64 ``[N]``. The next ``for``
+    goes on with the next epoch; ``len(feed)`` is the batches in one epoch of this rank.
+
+    - ``train=True``: ``RandomResizedCrop(size, scale, ratio)`` + a flip with probability
+      ``flip``; ``train=False``: ``Resize(resize)`` + ``CenterCrop(size)``.
+    - ``decode``: ``"auto"`` (the GPU's JPEG engines where nvJPEG loads and the GPU has them,
+      else the CPU), ``"gpu"`` or ``"cpu"``. ``threads`` loader threads read and parse the files
+      (and decode them on the CPU path).
+    - ``seed``, ``shuffle`` (default: ``train``) and ``drop_last`` as ``DistributedSampler``'s:
+      each epoch's order is drawn from ``(seed, epoch)``, and the augmentation from ``(seed,
+      epoch, batch)``, so a position replays exactly.
+    - ``rank`` and ``world_size`` default to ``torch.distributed`` where it is initialized, else
+      to ``RANK`` and ``WORLD_SIZE``. Every rank gets a disjoint share of equal length (the list
+      padded by wrapping around, as ``DistributedSampler`` does, unless ``drop_last``).
+    - ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device``; by default ``LOCAL_RANK``, else 0.
+    - ``bad_files``: ``"error"`` (the batch raises an error naming the file) or ``"skip"``
+      (left out and counted in ``stats()``).
+
+    Batches are ordered on the consumer's stream (``torch.from_dlpack`` passes torch's current
+    stream): no host wait. Waiting for a batch releases the GIL and handles Ctrl-C.
+    """
+
+    def __init__(
+        self,
+        data,
+        batch_size=256,
+        *,
+        train=True,
+        size=224,
+        resize=256,
+        scale=(0.08, 1.0),
+        ratio=(3.0 / 4.0, 4.0 / 3.0),
+        flip=0.5,
+        normalize=_IMAGENET,
+        dtype="bfloat16",
+        layout="NCHW",
+        seed=0,
+        shuffle=None,
+        drop_last=False,
+        decode="auto",
+        threads=4,
+        depth=2,
+        decodes_at_once=0,
+        device=None,
+        rank=None,
+        world_size=None,
+        bad_files="error",
+    ):
+        from . import _device, _dtype_name
+
+        if isinstance(data, (str, bytes, os.PathLike)):
+            root, items = os.fsdecode(data), None
+        else:
+            root = None
+            try:
+                items = [(os.fsdecode(p), int(label)) for p, label in data]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    "pinstream.ImageFeed: data must be a folder or (path, label) pairs"
+                ) from None
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size, size)
+        size = _pair("size", size, int)
+        if normalize is None:
+            mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+        else:
+            try:
+                mean, std = normalize
+                mean, std = [float(m) for m in mean], [float(s) for s in std]
+            except (TypeError, ValueError):
+                raise InvalidArgumentError(
+                    f"pinstream.ImageFeed: normalize={normalize!r} is not (mean, std)"
+                ) from None
+        if device is None:
+            local = _int_env("LOCAL_RANK")
+            device = 0 if local is None else local
+        rank, world_size = distributed_defaults(rank, world_size)
+        self._args = dict(
+            root=root,
+            items=items,
+            device=_device(device),
+            batch_size=_count("batch_size", batch_size, 1),
+            train=bool(train),
+            size=size,
+            resize=_count("resize", resize, 1),
+            scale=_pair("scale", scale, float),
+            ratio=_pair("ratio", ratio, float),
+            flip=float(flip),
+            mean=list(mean),
+            std=list(std),
+            dtype=_dtype_name(dtype),
+            layout=str(layout),
+            seed=_count("seed", seed),
+            shuffle=bool(train if shuffle is None else shuffle),
+            drop_last=bool(drop_last),
+            decode=str(decode),
+            threads=_count("threads", threads, 1),
+            depth=_count("depth", depth, 1),
+            decodes_at_once=_count("decodes_at_once", decodes_at_once),
+            rank=rank,
+            world_size=world_size,
+            bad_files=str(bad_files),
+        )
+        self._native = None
+        self._build(0, 0)
+
+    def _build(self, epoch, batch):
+        # The new feed first: where it cannot be made, the old one goes on.
+        new = _native.ImageFeed(**self._args, start_epoch=epoch, start_batch=batch)
+        old, self._native = self._native, new
+        if old is not None:
+            old.close()
+
+    def _convert(self, pixels, labels):
+        return pixels, labels
+
+    def __iter__(self):
+        feed = self._live()
+        first = True
+        while True:
+            got = feed.next()
+            if got is None:
+                if first:
+                    # The end of the previous epoch, not yet reported (its last batch was
+                    # taken without a further call): this loop is the next epoch.
+                    first = False
+                    continue
+                return
+            first = False
+            yield self._convert(*got)
+
+    def _live(self):
+        if self._native is None:
+            raise InvalidArgumentError("pinstream.ImageFeed: the feed was closed")
+        return self._native
+
+    def __len__(self):
+        return self._live().batches_per_epoch
+
+    @property
+    def position(self):
+        """``(epoch, batch)`` of the next batch."""
+        return self._live().position()
+
+    @property
+    def epoch(self):
+        """The epoch of the next batch."""
+        return self.position[0]
+
+    @property
+    def rank(self):
+        return self._args["rank"]
+
+    @property
+    def world_size(self):
+        return self._args["world_size"]
+
+    @property
+    def decoding(self):
+        """``"gpu"`` or ``"cpu"``."""
+        return self._live().decoding
+
+    @property
+    def hardware_engines(self):
+        """The GPU's JPEG engines in use (0 when decoding on the CPU)."""
+        return self._live().hardware_engines
+
+    def stats(self):
+        """Images decoded per route (``hardware``, ``cuda``, ``cpu``) and bad files skipped."""
+        return self._live().stats()
+
+    def set_epoch(self, epoch):
+        """Starts epoch ``epoch`` at its first batch, unless the feed is in that epoch already
+        (so calling it at the top of every epoch keeps a mid-epoch resume and costs nothing)."""
+        epoch = _count("epoch", epoch)
+        if self.position[0] != epoch:
+            self._build(epoch, 0)
+
+    def state_dict(self):
+        """Where the feed is: the next batch's epoch and index, and what the order depends on.
+        Batches handed out count as consumed."""
+        epoch, batch = self.position
+        a = self._args
+        return {
+            "version": _STATE_VERSION,
+            "epoch": epoch,
+            "batch": batch,
+            "seed": a["seed"],
+            "world_size": a["world_size"],
+            "batch_size": a["batch_size"],
+            "drop_last": a["drop_last"],
+            "shuffle": a["shuffle"],
+            "files": self._live().files,
+        }
+
+    def load_state_dict(self, state):
+        """Resumes at ``state``'s position with its seed: the same batches, in the same order, with
+        the same crops. The world size, batch size, ``drop_last``, ``shuffle`` and number of files
+        must be those of the state (else another order would be replayed)."""
+        try:
+            version = state["version"]
+            epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
+        except (TypeError, KeyError) as e:
+            raise InvalidArgumentError(f"pinstream.ImageFeed.load_state_dict: missing {e}") from None
+        if version != _STATE_VERSION:
+            raise InvalidArgumentError(f"pinstream.ImageFeed.load_state_dict: version {version!r}")
+        here = self.state_dict()
+        for k in ("world_size", "batch_size", "drop_last", "shuffle", "files"):
+            if state.get(k) != here[k]:
+                raise InvalidArgumentError(
+                    f"pinstream.ImageFeed.load_state_dict: {k} {state.get(k)!r} in the state, "
+                    f"{here[k]!r} here: the order would differ"
+                )
+        epoch, batch, seed = _count("epoch", epoch), _count("batch", batch), _count("seed", seed)
+        if batch >= len(self):
+            raise InvalidArgumentError(
+                f"pinstream.ImageFeed.load_state_dict: batch {batch} of an epoch of {len(self)}"
+            )
+        old_seed = self._args["seed"]
+        self._args["seed"] = seed
+        try:
+            self._build(epoch, batch)
+        except BaseException:
+            self._args["seed"] = old_seed
+            raise
+
+    def close(self):
+        """Stops the loader threads; the batches handed out stay valid."""
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

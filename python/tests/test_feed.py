@@ -1,0 +1,288 @@
+"""pinstream.ImageFeed (issue 32): the Rust image feed from Python.
+
+Labels are the files' indices here, so each batch's labels say which files it holds: the order,
+the shares of the ranks and a resume are checked through them, and the pixels through their
+checksums. The tests that need a GPU are skipped without one; argument errors and the
+distributed defaults are checked anywhere.
+"""
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import pinstream
+from pinstream.feed import distributed_defaults
+
+from conftest import needs_gpu
+
+
+def make_jpegs(folder, n, seed=0):
+    """``n`` JPEGs of varied sizes with random blocks of colour (not flat, not zeros)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        h, w = int(rng.integers(96, 400)), int(rng.integers(96, 400))
+        small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
+        img = np.clip(img.astype(np.int16) + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
+        path = os.path.join(folder, f"img{i:04d}.jpg")
+        Image.fromarray(img).save(path, quality=90)
+        items.append((path, i))
+    return items
+
+
+def batches(feed):
+    """One epoch as a list of (labels, pixels as float64 numpy)."""
+    out = []
+    for x, y in feed:
+        out.append((pinstream.download(y).tolist(), _host(x)))
+    return out
+
+
+def _host(x):
+    a = pinstream.download(x)
+    if a.dtype == np.uint16:  # bfloat16's bits
+        a = (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float64)
+
+
+# --- anywhere ---------------------------------------------------------------------------------
+
+
+def test_distributed_defaults_from_env(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert distributed_defaults() == (0, 1)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert distributed_defaults() == (2, 4)
+    assert distributed_defaults(rank=1) == (1, 4)
+    assert distributed_defaults(rank=0, world_size=1) == (0, 1)
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(pinstream.InvalidArgumentError, match="rank 4 of world size 4"):
+        distributed_defaults()
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(pinstream.InvalidArgumentError, match="RANK"):
+        distributed_defaults()
+    with pytest.raises(pinstream.InvalidArgumentError):
+        distributed_defaults(rank=0, world_size=0)
+    with pytest.raises(pinstream.InvalidArgumentError):
+        distributed_defaults(rank=True, world_size=2)
+
+
+def test_bad_arguments_are_typed_before_any_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    items = [(str(tmp_path / "a.jpg"), 0)]
+    for kwargs, kind in [
+        (dict(layout="CHWN"), pinstream.InvalidArgumentError),
+        (dict(decode="tpu"), pinstream.InvalidArgumentError),
+        (dict(bad_files="ignore"), pinstream.InvalidArgumentError),
+        (dict(batch_size=0), pinstream.InvalidArgumentError),
+        (dict(threads=0), pinstream.InvalidArgumentError),
+        (dict(size=(224,)), pinstream.InvalidArgumentError),
+        (dict(normalize=(1, 2)), pinstream.InvalidArgumentError),
+        (dict(rank=3, world_size=2), pinstream.InvalidArgumentError),
+        (dict(seed=-1), pinstream.InvalidArgumentError),
+    ]:
+        with pytest.raises(kind):
+            pinstream.ImageFeed(items, **{"batch_size": 4, **kwargs})
+    with pytest.raises(pinstream.InvalidArgumentError, match="negative"):
+        pinstream.ImageFeed([(str(tmp_path / "a.jpg"), -1)], 4)
+    with pytest.raises(pinstream.InvalidArgumentError):
+        pinstream.ImageFeed([("a.jpg",)], 4)
+    with pytest.raises(pinstream.IoError):
+        pinstream.ImageFeed(str(tmp_path / "no such folder"), 4)
+
+
+# --- on a GPU ---------------------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("decode", ["auto", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "uint8"])
+def test_shapes_labels_and_epochs(tmp_path, decode, dtype):
+    items = make_jpegs(tmp_path, 40)
+    with pinstream.ImageFeed(items, 16, size=64, decode=decode, dtype=dtype, rank=0, world_size=1) as feed:
+        assert len(feed) == 3
+        for epoch in range(2):
+            got = batches(feed)
+            assert [len(y) for y, _ in got] == [16, 16, 8]
+            assert [x.shape for _, x in got] == [(16, 3, 64, 64), (16, 3, 64, 64), (8, 3, 64, 64)]
+            assert sorted(sum((y for y, _ in got), [])) == list(range(40))
+            assert feed.position == (epoch + 1, 0)
+            if dtype != "uint8":
+                x = np.concatenate([x for _, x in got])
+                assert np.isfinite(x).all() and x.std() > 0.3  # normalized, not constant
+        assert feed.decoding in ("gpu", "cpu")
+
+
+@needs_gpu
+def test_gpu_and_cpu_decoding_agree(tmp_path):
+    items = make_jpegs(tmp_path, 24, seed=3)
+    common = dict(size=96, train=False, resize=110, dtype="float32", rank=0, world_size=1)
+    with pinstream.ImageFeed(items, 8, decode="auto", **common) as g:
+        if g.decoding != "gpu":
+            pytest.skip("nvJPEG or a JPEG engine is missing here")
+        gpu = batches(g)
+    with pinstream.ImageFeed(items, 8, decode="cpu", **common) as c:
+        cpu = batches(c)
+    for (ly, x), (lc, xc) in zip(gpu, cpu):
+        assert ly == lc
+        # The decoders differ by about a level of 255 on average (std ~58 on that scale).
+        assert np.abs(x - xc).mean() < 2.0 / 58.0
+
+
+@needs_gpu
+def test_resume_twice_in_one_epoch_replays_the_same_batches(tmp_path):
+    items = make_jpegs(tmp_path, 50, seed=5)
+    kw = dict(size=48, seed=11, dtype="float32", rank=0, world_size=1)
+    with pinstream.ImageFeed(items, 6, **kw) as ref:
+        ref.set_epoch(2)
+        want = batches(ref)
+    assert len(want) == 9
+    got = []
+    a = pinstream.ImageFeed(items, 6, **kw)
+    a.set_epoch(2)
+    it = iter(a)
+    for _ in range(3):
+        x, y = next(it)
+        got.append((pinstream.download(y).tolist(), _host(x)))
+    state = a.state_dict()
+    a.close()
+    assert (state["epoch"], state["batch"]) == (2, 3)
+    b = pinstream.ImageFeed(items, 6, **dict(kw, seed=0))  # the state brings its seed
+    b.load_state_dict(state)
+    b.set_epoch(2)  # at the top of the epoch's loop: keeps the resumed position
+    it = iter(b)
+    for _ in range(4):
+        x, y = next(it)
+        got.append((pinstream.download(y).tolist(), _host(x)))
+    state = b.state_dict()
+    b.close()
+    c = pinstream.ImageFeed(items, 6, **kw)
+    c.load_state_dict(state)
+    got += batches(c)
+    assert c.position == (3, 0)
+    c.close()
+    assert [y for y, _ in got] == [y for y, _ in want]
+    for (_, x), (_, w) in zip(got, want):
+        np.testing.assert_array_equal(x, w)
+
+
+@needs_gpu
+def test_epochs_differ_and_set_epoch(tmp_path):
+    items = make_jpegs(tmp_path, 30, seed=6)
+    with pinstream.ImageFeed(items, 10, size=32, rank=0, world_size=1) as feed:
+        e0 = [y for y, _ in batches(feed)]
+        e1 = [y for y, _ in batches(feed)]
+        assert e0 != e1
+        feed.set_epoch(0)
+        assert [y for y, _ in batches(feed)] == e0
+
+
+@needs_gpu
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_ranks_are_disjoint_equal_and_cover_the_list(tmp_path, drop_last):
+    items = make_jpegs(tmp_path, 41, seed=7)
+    shares = []
+    for r in range(4):
+        with pinstream.ImageFeed(items, 4, size=32, rank=r, world_size=4, drop_last=drop_last) as f:
+            assert (f.rank, f.world_size) == (r, 4)
+            shares.append(sum((y for y, _ in batches(f)), []))
+    lengths = {len(s) for s in shares}
+    assert len(lengths) == 1, lengths
+    every = sum(shares, [])
+    if drop_last:
+        assert len(every) == 40 and len(set(every)) == 40
+    else:
+        # DistributedSampler: padded to 44 by wrapping around; every file at least once.
+        assert len(every) == 44 and set(every) == set(range(41))
+
+
+@needs_gpu
+def test_state_of_another_world_is_refused(tmp_path):
+    items = make_jpegs(tmp_path, 12, seed=8)
+    with pinstream.ImageFeed(items, 4, size=32, rank=0, world_size=2) as a:
+        state = a.state_dict()
+    with pinstream.ImageFeed(items, 4, size=32, rank=0, world_size=1) as b:
+        with pytest.raises(pinstream.InvalidArgumentError, match="world_size"):
+            b.load_state_dict(state)
+        with pytest.raises(pinstream.InvalidArgumentError):
+            b.load_state_dict(dict(b.state_dict(), batch=99))
+        with pytest.raises(pinstream.InvalidArgumentError):
+            b.load_state_dict({"epoch": 1})
+        assert len(batches(b)) == 3  # still usable
+
+
+@needs_gpu
+@pytest.mark.parametrize("decode", ["auto", "cpu"])
+def test_bad_file_is_named_or_skipped(tmp_path, decode):
+    items = make_jpegs(tmp_path, 10, seed=9)
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg")
+    items.append((str(bad), 10))
+    with pinstream.ImageFeed(items, 11, size=32, decode=decode, rank=0, world_size=1) as feed:
+        with pytest.raises(pinstream.PinstreamError, match="broken.jpg"):
+            batches(feed)
+    with pinstream.ImageFeed(items, 11, size=32, decode=decode, bad_files="skip", rank=0, world_size=1) as feed:
+        (labels, x), = batches(feed)
+        assert sorted(labels) == list(range(10)) and x.shape[0] == 10
+        assert feed.stats()["skipped"] == 1
+
+
+@needs_gpu
+def test_ctrl_c_while_waiting_then_the_error_names_the_file(tmp_path):
+    items = make_jpegs(tmp_path, 3, seed=10)
+    fifo = tmp_path / "pipe.jpg"
+    os.mkfifo(fifo)  # a reader blocks on it until a writer comes
+    items.append((str(fifo), 3))
+    feed = pinstream.ImageFeed(items, 4, size=32, threads=1, rank=0, world_size=1, shuffle=False)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(feed))
+    timer.join()
+    with open(fifo, "wb") as w:  # unblocks the loader: a file that is not a JPEG
+        w.write(b"not a jpeg at all")
+    with pytest.raises(pinstream.PinstreamError, match="pipe.jpg"):
+        next(iter(feed))
+    feed.close()
+
+
+@needs_gpu
+def test_closed_feed_raises_and_batches_outlive_it(tmp_path):
+    items = make_jpegs(tmp_path, 8, seed=12)
+    feed = pinstream.ImageFeed(items, 4, size=32, dtype="float32", rank=0, world_size=1)
+    x, y = next(iter(feed))
+    feed.close()
+    feed.close()
+    with pytest.raises(pinstream.InvalidArgumentError, match="closed"):
+        next(iter(feed))
+    a = _host(x)
+    assert a.shape == (4, 3, 32, 32) and np.isfinite(a).all()
+    assert set(pinstream.download(y).tolist()) <= set(range(8))
+
+
+@needs_gpu
+def test_torch_feed_on_another_stream(tmp_path):
+    torch = pytest.importorskip("torch")
+    import pinstream.torch as pt
+
+    items = make_jpegs(tmp_path, 20, seed=13)
+    side = torch.cuda.Stream()
+    sums = []
+    with torch.cuda.stream(side):
+        with pt.image_feed(items, 8, size=40, rank=0, world_size=1, train=False) as feed:
+            for x, y in feed:
+                assert x.is_cuda and x.dtype == torch.bfloat16 and x.shape[1:] == (3, 40, 40)
+                assert y.dtype == torch.int64 and y.is_cuda
+                sums.append(float(x.float().sum()))
+    with pinstream.ImageFeed(items, 8, size=40, rank=0, world_size=1, train=False, dtype="bfloat16") as ref:
+        want = [float(x.sum()) for _, x in batches(ref)]
+    np.testing.assert_allclose(sums, want, rtol=1e-3)
