@@ -42,6 +42,7 @@ from .errors import (
 __all__ = [
     "Tensor",
     "ImageFeed",
+    "distributed_defaults",
     "Prefetcher",
     "prefetch",
     "load_safetensors",

@@ -1,0 +1,246 @@
+"""End to end: a ResNet-50 training loop (AMP float16 autocast + GradScaler, channels_last, SGD,
+batch 256) fed from a folder of JPEGs, against the same step on a batch already on the GPU.
+
+    python3 train_feed.py --root DIR [--steps 60] [--warmup 10] [--threads 4] [--workers 8]
+                          [--only ideal,pinstream,torch,dali] [--model resnet50]
+
+Pipelines (each `--steps` timed steps after `--warmup` untimed ones, a fresh model each):
+  ideal      one batch of random pixels, normalized, already on the GPU (the step alone)
+  pinstream  pinstream.torch.image_feed(DIR, 256, threads=N, layout="NHWC", dtype=float16):
+             JPEGs decoded by the GPU's engines (nvJPEG), RandomResizedCrop + flip + normalize
+             in one kernel; NHWC viewed as channels_last NCHW without a copy
+  torch      torchvision ImageFolder + RandomResizedCrop + flip + PILToTensor (uint8) in
+             DataLoader(num_workers=W, pin_memory=True), APEX's data_prefetcher (side-stream
+             copy, float, normalize on the GPU), channels_last
+  dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
+             hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
+             channels_last NCHW), copied into torch tensors on torch's stream
+
+Reports per pipeline: images/s, ratio of the step time to the ideal's, CPU seconds per image
+(this process and its worker processes over the timed steps). One JSON line per pipeline on
+stdout (TRAIN_JSON), progress on stderr.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+def cpu_total():
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def make_model(name, torch, torchvision):
+    model = getattr(torchvision.models, name)(num_classes=1000).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+    crit = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = crit(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    return step
+
+
+def endless(make_epoch):
+    while True:
+        yield from make_epoch()
+
+
+def run(name, batches, step, a, torch):
+    """`warmup` then `steps` timed steps over `batches` (an iterator of (x, y) on the GPU)."""
+    for _ in range(a.warmup):
+        x, y = next(batches)
+        step(x, y)
+    torch.cuda.synchronize()
+    c0, t0 = cpu_total(), time.perf_counter()
+    n = 0
+    for _ in range(a.steps):
+        x, y = next(batches)
+        step(x, y)
+        n += y.shape[0]
+    torch.cuda.synchronize()
+    secs, cpu = time.perf_counter() - t0, cpu_total() - c0
+    r = {"pipeline": name, "images": n, "secs": round(secs, 4), "images_per_s": round(n / secs, 1),
+         "step_ms": round(secs / a.steps * 1e3, 3), "cpu_s_per_image": round(cpu / n, 6)}
+    print(f"{name}: {n / secs:.0f} images/s, {secs / a.steps * 1e3:.2f} ms per step, "
+          f"{cpu / n * 1e3:.3f} CPU ms per image", file=sys.stderr, flush=True)
+    return r
+
+
+class ApexPrefetcher:
+    """APEX's data_prefetcher (apex/examples/imagenet/main_amp.py): the next batch's copy and
+    normalize on a side stream while the current one trains."""
+
+    def __init__(self, loader, torch):
+        self.torch = torch
+        self.it = iter(loader)
+        self.stream = torch.cuda.Stream()
+        self.mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1)
+        self.std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1)
+        self.preload()
+
+    def preload(self):
+        torch = self.torch
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.x = self.y = None
+            return
+        with torch.cuda.stream(self.stream):
+            x = x.cuda(non_blocking=True)
+            self.y = y.cuda(non_blocking=True)
+            x = x.float().sub_(self.mean).div_(self.std)
+            self.x = x.contiguous(memory_format=torch.channels_last)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        torch = self.torch
+        torch.cuda.current_stream().wait_stream(self.stream)
+        x, y = self.x, self.y
+        if x is None:
+            raise StopIteration
+        x.record_stream(torch.cuda.current_stream())
+        y.record_stream(torch.cuda.current_stream())
+        self.preload()
+        return x, y
+
+
+def dali_batches(a, torch):
+    """DALI's training pipeline (decode_peers.py's, float16 output): each batch copied into a
+    torch tensor on torch's current stream, after DALI's ready event, without a host wait."""
+    from nvidia.dali import Pipeline, fn, types
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    pipe = Pipeline(batch_size=a.batch, num_threads=a.threads, device_id=torch.cuda.current_device(),
+                    prefetch_queue_depth=2)
+    with pipe:
+        jpegs, labels = fn.readers.file(file_root=a.root, random_shuffle=True, name="Reader")
+        images = fn.decoders.image_random_crop(
+            jpegs, device="mixed", output_type=types.RGB, hw_decoder_load=0.65,
+            random_area=[0.08, 1.0], random_aspect_ratio=[3 / 4, 4 / 3])
+        images = fn.resize(images, resize_x=224, resize_y=224)
+        images = fn.crop_mirror_normalize(
+            images, dtype=types.FLOAT16, output_layout="HWC", crop=(224, 224), mean=MEAN, std=STD,
+            mirror=fn.random.coin_flip())
+        pipe.set_outputs(images, labels.gpu())
+    pipe.build()
+
+    def next_batch():
+        out = []
+        for tl, dtype in zip(pipe.run(), (torch.float16, torch.int32)):
+            t = tl.as_tensor()
+            buf = torch.empty(t.shape(), dtype=dtype, device="cuda")
+            feed_ndarray(t, buf, cuda_stream=torch.cuda.current_stream())
+            out.append(buf)
+        # NHWC viewed as channels_last NCHW, as for pinstream.
+        return out[0].permute(0, 3, 1, 2), out[1].view(-1).long()
+
+    return next_batch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=4, help="pinstream's and DALI's threads")
+    ap.add_argument("--workers", type=int, default=8, help="the DataLoader's workers")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--only", default="ideal,pinstream,torch,dali")
+    a = ap.parse_args()
+    import torch
+    import torchvision
+
+    import pinstream.torch as pt
+
+    torch.backends.cudnn.benchmark = True
+    only = set(a.only.split(","))
+    out = []
+    device = torch.cuda.get_device_name()
+    versions = {"torch": torch.__version__, "torchvision": torchvision.__version__}
+
+    if "ideal" in only:
+        step = make_model(a.model, torch, torchvision)
+        x = torch.randn(a.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 100, (a.batch,), device="cuda")
+
+        def resident():
+            while True:
+                yield x, y
+
+        out.append(run("ideal", resident(), step, a, torch))
+
+    if "pinstream" in only:
+        step = make_model(a.model, torch, torchvision)
+        feed = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
+                             rank=0, world_size=1)
+
+        def batches():
+            for epoch_x in endless(lambda: iter(feed)):
+                x, y = epoch_x
+                yield x.permute(0, 3, 1, 2), y
+
+        r = run("pinstream", batches(), step, a, torch)
+        r["decoding"] = feed.decoding
+        r["threads"] = a.threads
+        feed.close()
+        out.append(r)
+
+    if "torch" in only:
+        from torchvision import transforms as T
+        step = make_model(a.model, torch, torchvision)
+        tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
+        ds = torchvision.datasets.ImageFolder(a.root, tf)
+        loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=a.workers,
+                                             pin_memory=True, drop_last=True, persistent_workers=True,
+                                             prefetch_factor=4)
+        r = run("torch_dataloader_apex", endless(lambda: ApexPrefetcher(loader, torch)), step, a, torch)
+        r["workers"] = a.workers
+        out.append(r)
+        del loader
+
+    if "dali" in only:
+        try:
+            import nvidia.dali
+        except ImportError as e:
+            print(f"dali: skipped ({e})", file=sys.stderr)
+        else:
+            step = make_model(a.model, torch, torchvision)
+            next_batch = dali_batches(a, torch)
+
+            def batches():
+                while True:
+                    yield next_batch()
+
+            r = run("dali", batches(), step, a, torch)
+            r["threads"] = a.threads
+            versions["dali"] = nvidia.dali.__version__
+            out.append(r)
+
+    ideal = next((r for r in out if r["pipeline"] == "ideal"), None)
+    for r in out:
+        if ideal:
+            r["ratio_to_ideal"] = round(r["step_ms"] / ideal["step_ms"], 4)
+        r.update(model=a.model, batch=a.batch, device=device, versions=versions)
+        print("TRAIN_JSON " + json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
