@@ -163,6 +163,7 @@ def main():
     ap.add_argument("--workers", type=int, default=8, help="the DataLoader's workers")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--model", default="resnet50")
+    ap.add_argument("--decode", default="auto", help="pinstream's decode=: auto, gpu, cpu")
     ap.add_argument("--only", default="ideal,pinstream,torch,dali")
     a = ap.parse_args()
     import torch
@@ -189,15 +190,17 @@ def main():
 
     if "pinstream" in only:
         step = make_model(a.model, torch, torchvision)
+        # drop_last as the DataLoader's below: a short last batch is a new shape, which
+        # cudnn.benchmark would tune for in the timed steps.
         feed = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
-                             rank=0, world_size=1)
+                             rank=0, world_size=1, drop_last=True, decode=a.decode)
 
         def batches():
             for epoch_x in endless(lambda: iter(feed)):
                 x, y = epoch_x
                 yield x.permute(0, 3, 1, 2), y
 
-        r = run("pinstream", batches(), step, a, torch)
+        r = run(f"pinstream_{a.decode}", batches(), step, a, torch)
         r["decoding"] = feed.decoding
         r["threads"] = a.threads
         feed.close()
