@@ -348,11 +348,20 @@ pub(crate) fn load_shards(
     // Through the descriptors opened once, never the paths again: a FIFO put at a path since
     // cannot block here.
     let mut directs: Vec<Option<FileSource>> = Vec::with_capacity(shards.len());
+    // How many pages `Auto` looks at in each shard: as many as for one file, or a share of a
+    // smaller budget for several (mincore's cost grows with the pages looked at).
+    let budget = match shards.len() {
+        1 => residency::FULL_PAGES,
+        n => (residency::CHECKPOINT_PAGES / n).max(residency::SHARD_PAGES),
+    };
     for (file, header) in &shards {
         let resident = match options.direct {
-            Direct::Auto => {
-                residency::resident_fraction_of(file.file(), header.data_start(), header.data_len())
-            }
+            Direct::Auto => residency::resident_fraction_within(
+                file.file(),
+                header.data_start(),
+                header.data_len(),
+                budget,
+            ),
             _ => None,
         };
         // Auto reads directly only where that keeps the tensors aligned (a region at a
