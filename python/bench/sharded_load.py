@@ -13,6 +13,8 @@ median of --repeat runs after one warm-up, host wall time from before the call t
 ``torch.cuda.synchronize()`` after it:
 
   pinstream            pinstream.torch.load_safetensors(folder): every shard into one arena
+                       (direct="auto", the default; pinstream_never: direct="never", which
+                       skips the page-cache residency check)
   pinstream per shard  pinstream.torch.load_safetensors(shard) for each shard, one after another
   pinned H2D           the same bytes as one pinned uint8 tensor, .to("cuda", non_blocking=True),
                        timed with CUDA events: the link's rate, the ceiling
@@ -339,6 +341,7 @@ def main():
     result["resident_warm"] = statistics.mean(resident_fraction(p) or 0.0 for p in paths)
     ways = {
         "pinstream": way_pinstream(a.dir, "auto"),
+        "pinstream_never": way_pinstream(a.dir, "never"),
         "pinstream_per_shard": way_pinstream_per_shard(paths),
         "load_file": way_load_file(paths),
         "safe_open": way_safe_open(paths),
