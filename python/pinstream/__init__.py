@@ -253,10 +253,15 @@ def _close_live_prefetchers():
 
 
 def load_safetensors(path, device=0, direct="auto"):
-    """Every tensor of a safetensors file on the GPU: ``{name: pinstream.Tensor}``. The header
-    is parsed and checked (a bad file is a ``FormatError`` naming the file and tensor), the data
-    region goes from the page cache (or with O_DIRECT when cold, ``direct="auto"``) through the
-    staging engine into one device arena; the GIL is released throughout."""
+    """Every tensor of a safetensors file, or of a sharded checkpoint, on the GPU:
+    ``{name: pinstream.Tensor}``. ``path`` is a ``.safetensors`` file, a checkpoint's index
+    (``model.safetensors.index.json``, as ``save_pretrained`` writes it), or a folder (its one
+    ``*.safetensors.index.json``, else every ``*.safetensors`` in it). The index and every
+    header are parsed and checked before the GPU is touched (a bad checkpoint is a
+    ``FormatError`` naming the file and tensor; a missing shard an ``IoError``); the names are
+    the index's. Every shard's data region goes from the page cache (or with O_DIRECT when cold,
+    ``direct="auto"``) through the staging engine into one device arena; the GIL is released
+    throughout."""
     return _native.load_safetensors(os.fspath(path), _device(device), direct)
 
 

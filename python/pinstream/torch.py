@@ -115,7 +115,9 @@ def prefetch(iterable, device=None, **kwargs):
 
 def load_safetensors(path, device=None, direct="auto"):
     """``safetensors.torch.load_file(path, device="cuda:N")`` through pinstream:
-    ``{name: torch tensor}`` on the GPU, the bytes staged at link speed into one arena."""
+    ``{name: torch tensor}`` on the GPU, the bytes staged at link speed into one arena. ``path``
+    may also be a sharded checkpoint: its ``*.index.json`` or its folder (see
+    ``pinstream.load_safetensors``)."""
     return {k: torch.from_dlpack(v) for k, v in pinstream.load_safetensors(path, _device(device), direct).items()}
 
 

@@ -1,9 +1,10 @@
-//! `load_safetensors`: a safetensors file to one device arena through the staging engine (the
-//! GIL released), as one DLPack tensor per entry.
+//! `load_safetensors`: a safetensors file, or a sharded checkpoint (its index or its folder), to
+//! one device arena through the staging engine (the GIL released), as one DLPack tensor per
+//! entry.
 
 use std::path::PathBuf;
 
-use pinstream::safetensors::{self, Direct, Header, LoadOptions};
+use pinstream::safetensors::{Checkpoint, Direct, LoadOptions};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -11,9 +12,11 @@ use crate::context::ctx;
 use crate::errors::{invalid, OrPy};
 use crate::tensor::Tensor;
 
-/// Loads every tensor of a safetensors file onto `device`: `{name: pinstream.Tensor}`, each
-/// writable, all in one device arena freed when the last is released. `direct`: `"auto"`
-/// (O_DIRECT when most of the file is not in the page cache), `"never"`, `"always"`.
+/// Loads every tensor of a safetensors file, or of every shard of a checkpoint (an
+/// `*.index.json`, or a folder: its index, else every `*.safetensors` in it), onto `device`:
+/// `{name: pinstream.Tensor}`, each writable, all in one device arena freed when the last is
+/// released. `direct`: `"auto"` (O_DIRECT where most of a shard is not in the page cache),
+/// `"never"`, `"always"`.
 #[pyfunction]
 #[pyo3(signature = (path, device = 0, direct = "auto"))]
 pub(crate) fn load_safetensors<'py>(
@@ -33,17 +36,13 @@ pub(crate) fn load_safetensors<'py>(
             ))
         }
     };
-    // The header first: a bad file is a FormatError on any machine.
-    let header = py.detach(|| Header::read(&path)).py_err()?;
+    // The index and every header first, each file opened once and kept open for the load: a
+    // bad checkpoint is a FormatError on any machine.
+    let checkpoint = py.detach(|| Checkpoint::open(&path)).py_err()?;
     let c = ctx(py, device)?;
     let tensors = py
         .detach(|| {
-            let w = safetensors::load_header(
-                &c.stager,
-                &c.stream,
-                header,
-                LoadOptions::new().direct(direct),
-            )?;
+            let w = checkpoint.load(&c.stager, &c.stream, LoadOptions::new().direct(direct))?;
             w.into_dlpack()
         })
         .py_err()?;

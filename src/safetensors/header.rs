@@ -321,8 +321,18 @@ impl Header {
 }
 
 pub(crate) fn format_error(path: &str, tensor: Option<&str>, detail: impl Into<String>) -> Error {
+    format_error_of(FORMAT, path, tensor, detail)
+}
+
+/// `Error::Format` of `format` (`safetensors`, `safetensors index` ...).
+pub(crate) fn format_error_of(
+    format: &'static str,
+    path: &str,
+    tensor: Option<&str>,
+    detail: impl Into<String>,
+) -> Error {
     Error::Format {
-        format: FORMAT,
+        format,
         path: path.to_string(),
         tensor: tensor.map(str::to_string),
         detail: detail.into(),
@@ -353,10 +363,17 @@ fn prefix_of(path: &str, file_len: u64, bytes: &[u8]) -> Result<[u8; 8]> {
 fn header_len(path: &str, prefix: [u8; 8], file_len: u64) -> Result<u64> {
     let n = u64::from_le_bytes(prefix);
     if n > MAX_HEADER_BYTES {
+        // A JSON file (a sharded checkpoint's index) read as safetensors: say so.
+        let json = if prefix[0] == b'{' {
+            " (the file starts with '{': it looks like JSON, such as a sharded checkpoint's \
+             index, which `load_checkpoint` reads)"
+        } else {
+            ""
+        };
         return Err(format_error(
             path,
             None,
-            format!("the header length {n} is above the limit of {MAX_HEADER_BYTES} bytes"),
+            format!("the header length {n} is above the limit of {MAX_HEADER_BYTES} bytes{json}"),
         ));
     }
     if n.checked_add(8).is_none_or(|end| end > file_len) {

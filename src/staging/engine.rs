@@ -108,13 +108,19 @@ impl Trace {
 pub(crate) enum Host {
     /// Host addresses in the caller's memory.
     Memory,
-    /// Offsets in a file, read with `pread`.
-    File {
-        fd: i32,
-        path: String,
-        /// Opened with `O_DIRECT`: reads are rounded up to whole blocks.
-        direct: bool,
-    },
+    /// Offsets in files, read with `pread`: each piece reads the file of its transfer
+    /// ([`Piece::source`](super::plan::Piece::source); one file, or one per transfer with
+    /// [`plan_per_transfer`](super::plan::plan_per_transfer)).
+    Files(Vec<HostFile>),
+}
+
+/// One file of a [`Host::Files`] job.
+#[derive(Clone, Debug)]
+pub(crate) struct HostFile {
+    pub fd: i32,
+    pub path: String,
+    /// Opened with `O_DIRECT`: reads are rounded up to whole blocks.
+    pub direct: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -563,7 +569,7 @@ fn run_piece(shared: &Shared, job: &Job, stream: &Stream, piece: &Piece) -> Resu
     match job.direction {
         Direction::Upload => {
             for s in segments {
-                fill(job, slot, s.host, s.slot_off, s.len)?;
+                fill(job, slot, piece.source, s.host, s.slot_off, s.len)?;
             }
             job.mark("filled", index);
             let queued = queue_runs(
@@ -701,8 +707,16 @@ unsafe fn host_copy(streaming: bool, dst: *mut u8, src: *const u8, len: usize) {
     }
 }
 
-/// Copies `len` bytes of the job's host side at `host` into the slot at `slot_off`.
-fn fill(job: &Job, slot: &Slot, host: u64, slot_off: usize, len: usize) -> Result<()> {
+/// Copies `len` bytes of the job's host side at `host` into the slot at `slot_off`: from the
+/// caller's memory, or from the file of transfer `source` (the piece's).
+fn fill(
+    job: &Job,
+    slot: &Slot,
+    source: usize,
+    host: u64,
+    slot_off: usize,
+    len: usize,
+) -> Result<()> {
     let dst = slot.ptr.wrapping_add(slot_off);
     match &job.host {
         Host::Memory => {
@@ -712,7 +726,22 @@ fn fill(job: &Job, slot: &Slot, host: u64, slot_off: usize, len: usize) -> Resul
             unsafe { host_copy(job.streaming, dst, host as usize as *const u8, len) };
             Ok(())
         }
-        Host::File { fd, path, direct } => {
+        Host::Files(files) => {
+            // A single file serves every transfer of the job; several, one transfer each.
+            let file = if files.len() == 1 {
+                files.first()
+            } else {
+                files.get(source)
+            };
+            let Some(HostFile { fd, path, direct }) = file else {
+                return Err(Error::invalid(
+                    job.op,
+                    format!(
+                        "a piece of transfer {source} in a job of {} files",
+                        files.len()
+                    ),
+                ));
+            };
             // With O_DIRECT the read length must be whole blocks; the slot has room (its size
             // and every piece are multiples of 4096).
             let want = if *direct {

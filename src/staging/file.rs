@@ -5,7 +5,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
-use super::engine::Host;
+use super::engine::{Host, HostFile};
 use crate::error::{Error, Result};
 
 /// Why [`open_without_blocking`] failed: the message, and the OS error code where there is one.
@@ -233,7 +233,12 @@ impl FileSource {
     }
 
     pub(crate) fn host(&self) -> Host {
-        Host::File {
+        Host::Files(vec![self.host_file()])
+    }
+
+    /// This file as one of a job's files.
+    pub(crate) fn host_file(&self) -> HostFile {
+        HostFile {
             fd: self.file.as_raw_fd(),
             path: self.path.clone(),
             direct: self.direct,

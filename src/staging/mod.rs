@@ -382,6 +382,61 @@ impl Stager {
         )
     }
 
+    /// Reads several files into byte ranges of one destination in one call (the shards of a
+    /// checkpoint into one arena): part `i` moves `parts[i].len` bytes of `parts[i].file` from
+    /// `parts[i].offset` to bytes `parts[i].at..` of `dst`. Every thread of the stager takes
+    /// pieces of every file (a piece holds one file's bytes, so `O_DIRECT` files keep their
+    /// block-aligned reads), and the destination's tracker is taken once for the whole call.
+    /// As [`upload_file`](Self::upload_file) otherwise: returns once every byte has been read
+    /// and its DMA queued; the device side is ordered on `stream` and tracked.
+    ///
+    /// Errors: a range outside its file ([`Error::Io`]), misaligned for an `O_DIRECT` file, or
+    /// outside `dst`, or parts whose destination ranges are not in increasing order without
+    /// overlap (`Error::InvalidArgument`); a failed read names its file.
+    #[cfg(feature = "safetensors")]
+    pub(crate) fn upload_files<D>(
+        &self,
+        stream: &Stream,
+        parts: &[FilePart<'_>],
+        dst: &mut D,
+    ) -> Result<()>
+    where
+        D: DeviceSliceMut<u8> + ?Sized,
+    {
+        const OP: &str = "Stager::upload_files";
+        let d = dst.device_region();
+        self.check(OP, stream, &d, d.len)?;
+        let mut end = 0usize;
+        let mut transfers = Vec::with_capacity(parts.len());
+        let mut files = Vec::with_capacity(parts.len());
+        for p in parts {
+            p.file.check_range(OP, p.offset, p.len)?;
+            let last = p.at.checked_add(p.len).filter(|&e| e <= d.len);
+            let Some(last) = last.filter(|_| p.at >= end) else {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{}: bytes {}..+{} of a destination of {} bytes, after bytes up to {end} \
+                         of the parts before (the ranges must be in order, inside, apart)",
+                        p.file.path(),
+                        p.at,
+                        p.len,
+                        d.len
+                    ),
+                ));
+            };
+            end = last;
+            // Within the destination, whose address range the runtime gave: no overflow.
+            transfers.push(Transfer {
+                host: p.offset,
+                dev: d.ptr as usize as u64 + p.at as u64,
+                len: p.len,
+            });
+            files.push(p.file.host_file());
+        }
+        self.run_per_transfer(OP, stream, Host::Files(files), &transfers, d.tracker)
+    }
+
     /// Uploads every pair of an [`Uploads`] list in one call, many small tensors sharing each
     /// slot (the TensorDict case), without a thread per tensor.
     pub fn upload_all(&self, stream: &Stream, list: Uploads<'_>) -> Result<()> {
@@ -474,10 +529,7 @@ impl Stager {
         trackers: &[&Tracker],
         merge_gap: Option<u64>,
     ) -> Result<()> {
-        let total = transfers
-            .iter()
-            .try_fold(0usize, |a, t| a.checked_add(t.len))
-            .ok_or_else(|| Error::invalid(op, "the transfers' total size overflows usize"))?;
+        let total = total_len(op, transfers)?;
         if total == 0 {
             return Ok(());
         }
@@ -487,6 +539,43 @@ impl Stager {
             self.config.first_piece_bytes,
             merge_gap,
         );
+        self.run_plan(op, stream, direction, host, plan, total, trackers)
+    }
+
+    /// An upload whose pieces each hold one transfer's bytes ([`plan::plan_per_transfer`]):
+    /// transfer `i` reads the `i`-th file of `host`.
+    #[cfg(feature = "safetensors")]
+    fn run_per_transfer(
+        &self,
+        op: &'static str,
+        stream: &Stream,
+        host: Host,
+        transfers: &[Transfer],
+        tracker: &Tracker,
+    ) -> Result<()> {
+        let total = total_len(op, transfers)?;
+        if total == 0 {
+            return Ok(());
+        }
+        let plan = plan::plan_per_transfer(
+            transfers,
+            self.piece_bytes(total),
+            self.config.first_piece_bytes,
+        );
+        self.run_plan(op, stream, Direction::Upload, host, plan, total, &[tracker])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_plan(
+        &self,
+        op: &'static str,
+        stream: &Stream,
+        direction: Direction,
+        host: Host,
+        plan: plan::Plan,
+        total: usize,
+        trackers: &[&Tracker],
+    ) -> Result<()> {
         stream.enter()?;
         let mut job = Job::new(op, direction, host, stream.clone(), plan);
         job.batch = self.config.batch_copies && crate::copy::BATCH_COPIES;
@@ -534,6 +623,25 @@ pub struct Downloads<'a> {
     trackers: Vec<&'a Tracker>,
     device: Option<Device>,
     _borrows: PhantomData<&'a mut ()>,
+}
+
+/// The sum of the transfers' lengths, or an error where it overflows.
+fn total_len(op: &'static str, transfers: &[Transfer]) -> Result<usize> {
+    transfers
+        .iter()
+        .try_fold(0usize, |a, t| a.checked_add(t.len))
+        .ok_or_else(|| Error::invalid(op, "the transfers' total size overflows usize"))
+}
+
+/// One file's part of a [`Stager::upload_files`] call: `len` bytes of `file` from `offset` to
+/// bytes `at..at + len` of the destination.
+#[cfg(feature = "safetensors")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FilePart<'a> {
+    pub file: &'a FileSource,
+    pub offset: u64,
+    pub len: usize,
+    pub at: usize,
 }
 
 fn same_list_device(op: &'static str, list: &mut Option<Device>, d: Device) -> Result<()> {

@@ -42,6 +42,10 @@ pub(crate) struct Run {
 pub(crate) struct Piece {
     pub segments: Range<usize>,
     pub runs: Range<usize>,
+    /// The index of the transfer its first segment comes from: of every segment where the plan
+    /// was made with [`plan_per_transfer`] (a job reading several files finds each piece's file
+    /// by it).
+    pub source: usize,
 }
 
 /// Every piece of one call.
@@ -74,6 +78,26 @@ pub(crate) fn plan_ramped(
     first: usize,
     merge_gap: Option<u64>,
 ) -> Plan {
+    plan_inner(transfers, piece, first, merge_gap, false)
+}
+
+/// As [`plan_ramped`] without merging, and a piece never holds bytes of two transfers: each
+/// transfer starts a new piece, at offset 0 of its slot, and [`Piece::source`] names the
+/// transfer of every segment. For a job whose transfers read several files (one transfer
+/// each), where a piece reads one file, and an `O_DIRECT` file's reads start at a block-aligned
+/// offset of the slot.
+#[cfg(any(test, feature = "safetensors"))]
+pub(crate) fn plan_per_transfer(transfers: &[Transfer], piece: usize, first: usize) -> Plan {
+    plan_inner(transfers, piece, first, None, true)
+}
+
+fn plan_inner(
+    transfers: &[Transfer],
+    piece: usize,
+    first: usize,
+    merge_gap: Option<u64>,
+    split: bool,
+) -> Plan {
     let full = piece.max(RUN_ALIGN);
     let first = first.clamp(RUN_ALIGN, full);
     let limit = |index: usize| -> usize {
@@ -87,21 +111,34 @@ pub(crate) fn plan_ramped(
     let mut used = 0usize;
     let mut seg_start = 0usize;
     let mut run_start = 0usize;
-    let close = |p: &mut Plan, used: &mut usize, seg_start: &mut usize, run_start: &mut usize| {
+    // The transfer of the open piece's first segment.
+    let mut source = 0usize;
+    let close = |p: &mut Plan,
+                 used: &mut usize,
+                 seg_start: &mut usize,
+                 run_start: &mut usize,
+                 source: usize| {
         if p.runs.len() > *run_start {
             p.pieces.push(Piece {
                 segments: *seg_start..p.segments.len(),
                 runs: *run_start..p.runs.len(),
+                source,
             });
         }
         *used = 0;
         *seg_start = p.segments.len();
         *run_start = p.runs.len();
     };
-    for t in transfers {
+    for (index, t) in transfers.iter().enumerate() {
         p.bytes += t.len;
+        if split && t.len > 0 {
+            close(&mut p, &mut used, &mut seg_start, &mut run_start, source);
+        }
         let mut off = 0usize;
         while off < t.len {
+            if p.segments.len() == seg_start {
+                source = index;
+            }
             let piece = limit(p.pieces.len());
             let dev = t.dev + off as u64;
             // Extend the open run, or start a new one.
@@ -117,7 +154,7 @@ pub(crate) fn plan_ramped(
                 None => used.next_multiple_of(RUN_ALIGN),
             };
             if slot_off >= piece {
-                close(&mut p, &mut used, &mut seg_start, &mut run_start);
+                close(&mut p, &mut used, &mut seg_start, &mut run_start, source);
                 continue;
             }
             let n = (t.len - off).min(piece - slot_off);
@@ -141,11 +178,11 @@ pub(crate) fn plan_ramped(
             used = slot_off + n;
             off += n;
             if used >= limit(p.pieces.len()) {
-                close(&mut p, &mut used, &mut seg_start, &mut run_start);
+                close(&mut p, &mut used, &mut seg_start, &mut run_start, source);
             }
         }
     }
-    close(&mut p, &mut used, &mut seg_start, &mut run_start);
+    close(&mut p, &mut used, &mut seg_start, &mut run_start, source);
     p
 }
 
@@ -349,6 +386,78 @@ mod tests {
         assert_eq!(plan(&ts, 65536, None).runs.len(), 2);
         assert_eq!(plan(&ts, 65536, Some(255)).runs.len(), 1);
         replay(&ts, 65536, 0);
+    }
+
+    /// A job over several files: each transfer reads its own file (host offsets of different
+    /// transfers may be the same numbers), so a piece must hold one transfer's bytes, named by
+    /// its `source`, starting at offset 0 of the slot (O_DIRECT reads are block-aligned there).
+    #[test]
+    fn per_transfer_pieces_read_one_file_each() {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..300 {
+            let n = (next() % 6) as usize;
+            let piece = 4096 * (1 + (next() % 8) as usize);
+            let first = 4096 * (1 + (next() % 2) as usize);
+            // Files of random lengths; transfer i reads file i from a random offset into a
+            // destination range 256-aligned after the previous one.
+            let mut files = Vec::new();
+            let mut ts = Vec::new();
+            let mut d = 0u64;
+            for i in 0..n {
+                let len = (next() % 30_000) as usize;
+                let start = next() % 5000;
+                let file: Vec<u8> = (0..start as usize + len)
+                    .map(|j| (j as u64 * 13 + i as u64 * 101 + round) as u8)
+                    .collect();
+                files.push(file);
+                ts.push(Transfer {
+                    host: start,
+                    dev: d,
+                    len,
+                });
+                d = (d + len as u64).next_multiple_of(256);
+            }
+            let plan = plan_per_transfer(&ts, piece, first);
+            let mut dev = vec![0u8; d as usize];
+            for (i, pc) in plan.pieces.iter().enumerate() {
+                let t = ts[pc.source];
+                assert!(t.len > 0, "round {round}: a piece of an empty transfer");
+                let segs = &plan.segments[pc.segments.clone()];
+                let runs = &plan.runs[pc.runs.clone()];
+                assert_eq!((segs.len(), runs.len()), (1, 1), "round {round} piece {i}");
+                let (s, r) = (segs[0], runs[0]);
+                assert_eq!(
+                    (s.slot_off, r.slot_off, s.len),
+                    (0, 0, r.len),
+                    "round {round}"
+                );
+                assert!(
+                    s.host >= t.host && s.host + s.len as u64 <= t.host + t.len as u64,
+                    "round {round} piece {i}: {s:?} outside {t:?}"
+                );
+                // Each piece after the first of a transfer starts where the previous ended, at
+                // a multiple of the (4096-multiple) piece sizes from the transfer's start.
+                assert_eq!((s.host - t.host) % 4096, 0, "round {round} piece {i}");
+                let h = s.host as usize;
+                let to = r.dev as usize;
+                dev[to..to + r.len].copy_from_slice(&files[pc.source][h..h + s.len]);
+            }
+            for (i, t) in ts.iter().enumerate() {
+                let (h, to) = (t.host as usize, t.dev as usize);
+                assert_eq!(
+                    &dev[to..to + t.len],
+                    &files[i][h..h + t.len],
+                    "round {round}: transfer {i}"
+                );
+            }
+            assert_eq!(plan.bytes, ts.iter().map(|t| t.len).sum::<usize>());
+        }
     }
 
     #[test]

@@ -24,5 +24,6 @@ fn main() {
     trials.extend(file::trials());
     trials.extend(file::hostile::trials());
     trials.extend(file::hostile2::trials());
+    trials.extend(file::sharded::trials());
     libtest_mimic::run(&args, trials).exit();
 }
