@@ -97,15 +97,41 @@ impl<E: Pod + Send + 'static> Source<E> {
     where
         I: Iterator<Item = std::result::Result<HostBatch<E>, LoadError>> + Send + 'static,
     {
+        Source::iter_then(iter, |_, b, batch: &mut HostBatch<E>| {
+            let pool = batch.pool.take();
+            *batch = b;
+            batch.pool = pool;
+            Ok(())
+        })
+    }
+
+    /// A source from an iterator of items of any kind, each made into its batch by `finish`
+    /// **after** its turn: the loader threads take the items in turn, as with
+    /// [`iter`](Self::iter), and then each runs `finish(i, item, batch)` on its own, while the
+    /// next thread already takes the next turn. Only the iterator's `next` is serial; what
+    /// `finish` does (copying the item's pixels into [`HostBatch::pinned`] memory, decoding)
+    /// runs on every loader thread at once.
+    ///
+    /// Use it where an item stays valid after the iterator has moved on (each item owns its
+    /// memory): an iterator that refills one buffer must copy it inside `next` instead, with
+    /// [`iter`](Self::iter). `finish` is given the recycled batch with the prefetcher's pool
+    /// (so [`HostBatch::pinned`] works): overwrite every field, as a function source does. Its
+    /// error, or its panic, is the error of batch `i` alone; the iterator goes on (the
+    /// prefetcher stops at that batch, which abandons the turns as any stop does). Everything
+    /// [`iter`](Self::iter) says of one pass, shards and errors of the iterator holds here.
+    pub fn iter_then<I, T, F>(iter: I, finish: F) -> Source<E>
+    where
+        I: Iterator<Item = std::result::Result<T, LoadError>> + Send + 'static,
+        T: Send + 'static,
+        F: Fn(u64, T, &mut HostBatch<E>) -> std::result::Result<(), LoadError>
+            + Send
+            + Sync
+            + 'static,
+    {
         let turns = Arc::new(Turns::new(iter));
         let take = turns.clone();
         let f = move |i: u64, batch: &mut HostBatch<E>| match take.take(i) {
-            Turn::Item(b) => {
-                let pool = batch.pool.take();
-                *batch = b;
-                batch.pool = pool;
-                Ok(true)
-            }
+            Turn::Item(item) => finish(i, item, batch).map(|()| true),
             Turn::End => Ok(false),
             Turn::Failed(FailedItem::Error(e)) => Err(e),
             Turn::Failed(FailedItem::Panic(m)) => Err(format!("the iterator panicked: {m}").into()),

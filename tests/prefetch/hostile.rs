@@ -129,6 +129,9 @@ pub fn trials() -> Vec<Trial> {
             drop_while_iterator_blocks,
         ),
         dry("held/foreign_pixel_owners", dry_foreign_owners),
+        dry("iter_then/finish_after_the_turn", iter_then_overlaps),
+        dry("iter_then/finish_error_at_k", iter_then_finish_error),
+        dry("iter_then/finish_panic_at_k", iter_then_finish_panic),
         dry(
             "finding/foreign_owners_outlive_their_upload_after_the_end",
             foreign_owners_outlive_the_run,
@@ -2195,4 +2198,75 @@ fn gpu_foreign_owners_outlive_the_run() -> R {
         }
         Ok(())
     })
+}
+
+/// `Source::iter_then`: `finish` runs after the turn, so item `i + 1` is pulled while item `i`
+/// is being finished: finishing item 0 waits for the iterator to have given item 1 (inside the
+/// turn, that would never happen: a hang, caught by `within`). The batches still come in order.
+fn iter_then_overlaps() -> R {
+    within("iter_then: finish after the turn", BOUND, || {
+        let pulled = Arc::new(AtomicU64::new(0));
+        let p2 = pulled.clone();
+        let iter = (0..12u64).map(move |i| {
+            p2.store(i + 1, Ordering::SeqCst);
+            Ok(i)
+        });
+        let source = Source::iter_then(iter, move |i, item: u64, b: &mut HostBatch<i64>| {
+            if item != i {
+                return Err(format!("turn {i} got item {item}").into());
+            }
+            if i == 0 {
+                while pulled.load(Ordering::SeqCst) < 2 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            // Later items finish in reverse order of their turns.
+            std::thread::sleep(Duration::from_millis(12u64.saturating_sub(i)));
+            fill_small(b, i);
+            Ok(())
+        });
+        let mut run = Dry::new(source, config(3, 2, 0))?;
+        let got = drain(&mut run)?;
+        ensure(got.error.is_none(), || format!("{:?}", got.error))?;
+        ensure(got.indices == (0..12).collect::<Vec<_>>(), || {
+            format!("{:?}", got.indices)
+        })
+    })
+}
+
+/// An error of `finish` is the error of its batch: the batches before it come, then an
+/// `Error::Loader` naming it.
+fn iter_then_finish_error() -> R {
+    let source = Source::iter_then((0..10u64).map(Ok), |i, _, b: &mut HostBatch<i64>| {
+        if i == 3 {
+            return Err("hostile finish error".into());
+        }
+        fill_small(b, i);
+        Ok(())
+    });
+    let mut run = Dry::new(source, config(2, 2, 0))?;
+    let got = drain(&mut run)?;
+    ensure(got.indices == [0, 1, 2], || format!("{:?}", got.indices))?;
+    ensure(
+        matches!(&got.error, Some(Error::Loader { batch: 3, message }) if message.contains("hostile finish error")),
+        || format!("{:?}", got.error),
+    )
+}
+
+/// A panic in `finish` likewise, caught on the loader thread.
+fn iter_then_finish_panic() -> R {
+    let source = Source::iter_then((0..10u64).map(Ok), |i, _, b: &mut HostBatch<i64>| {
+        if i == 4 {
+            panic!("hostile finish panic");
+        }
+        fill_small(b, i);
+        Ok(())
+    });
+    let mut run = Dry::new(source, config(3, 2, 0))?;
+    let got = drain(&mut run)?;
+    ensure(got.indices == [0, 1, 2, 3], || format!("{:?}", got.indices))?;
+    ensure(
+        matches!(&got.error, Some(Error::Loader { batch: 4, .. })),
+        || format!("{:?}", got.error),
+    )
 }
