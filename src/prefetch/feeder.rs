@@ -41,6 +41,13 @@ impl Feeder {
             Pixels::Foreign(f) => {
                 f.get()
                     .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
+                let direct = f
+                    .dma_source()
+                    .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
+                if direct.is_some() {
+                    // As for pinned blocks below: at most one batch per slot ahead of the GPU.
+                    slot.ready.synchronize()?;
+                }
             }
             Pixels::Pinned(block) => {
                 if block.device() != self.device {
@@ -89,11 +96,15 @@ impl Feeder {
             Pixels::Pageable(v) => self.stager.upload(stream, v, input)?,
             // Its length was checked against the spec above; one that changed since is a
             // length mismatch of the upload, not a wrong copy.
+            // Page-locked ones (`ForeignBytes::page_locked`, confirmed by the runtime): one DMA
+            // on the upload stream, as for pinned blocks, recorded in the owner's tracker (its
+            // drop waits for it); others through the staging engine.
             Pixels::Foreign(f) => {
-                let v = f
-                    .get()
-                    .map_err(|m| bad(format!("the pixels' owner panicked: {m}")))?;
-                self.stager.upload(stream, v, input)?
+                let owner = |m| bad(format!("the pixels' owner panicked: {m}"));
+                match f.dma_source().map_err(owner)? {
+                    Some(locked) => drop(self.upload.copy_h2d(&locked, input)?),
+                    None => self.stager.upload(stream, f.get().map_err(owner)?, input)?,
+                }
             }
             // One DMA on the upload stream, recorded in the block's event (the pool and
             // `pinned()` wait for it). The slot's input is never shown to the consumer, so the

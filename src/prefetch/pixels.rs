@@ -6,7 +6,11 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::memory::{HostAlloc, PinnedBuffer, PoolBlock};
+use crate::memory::sealed::{HostMem, HostRegion};
+use crate::memory::tracker::Tracker;
+use crate::memory::{
+    pointer_kind, HostAlloc, HostKind, HostSlice, PinnedBuffer, PointerKind, PoolBlock,
+};
 use crate::staging::FileSource;
 use crate::Device;
 
@@ -27,7 +31,9 @@ use crate::Device;
 ///   `O_DIRECT`, supplies the bytes).
 /// - [`Foreign`](Pixels::Foreign): ordinary memory that something else owns (a numpy array or
 ///   a torch CPU tensor taken through DLPack, a memory map), held by the batch until it is
-///   uploaded and read by the staging engine as `Pageable` is, with no copy into a vector first.
+///   uploaded and read by the staging engine as `Pageable` is, with no copy into a vector first;
+///   or page-locked memory that something else owns ([`ForeignBytes::page_locked`]: a torch
+///   `pin_memory()` tensor), copied with one DMA as `Pinned` is.
 #[derive(Debug)]
 pub enum Pixels {
     /// Ordinary memory, uploaded through the staging engine (a host copy into its pinned slots,
@@ -65,7 +71,8 @@ pub enum Pixels {
         /// How many bytes (`spec.input_len()`).
         len: usize,
     },
-    /// Memory another owner keeps, uploaded through the staging engine. Its `bytes` and its
+    /// Memory another owner keeps, uploaded through the staging engine (or, where it was
+    /// given as page-locked and the runtime agrees, with one DMA). Its `bytes` and its
     /// `Drop` are user code: they run under `catch_unwind` (a panic is an
     /// [`Error::Loader`](crate::Error::Loader) naming the batch, or is swallowed at the drop),
     /// and `bytes` must give the same slice every time (a length that changes is an error,
@@ -99,32 +106,123 @@ impl HostBytes for Arc<[u8]> {
 
 /// The owner behind [`Pixels::Foreign`]: its user code (`bytes`, `Drop`) runs under
 /// `catch_unwind`.
-pub struct ForeignBytes(Option<Box<dyn HostBytes>>);
+pub struct ForeignBytes {
+    owner: Option<Box<dyn HostBytes>>,
+    /// `Some` for bytes given as page-locked ([`ForeignBytes::page_locked`]): the feeder's DMA
+    /// from them is recorded here, and the drop waits for it before the owner goes.
+    locked: Option<Tracker>,
+}
 
 impl ForeignBytes {
-    /// Wraps an owner of host bytes.
+    /// Wraps an owner of host bytes: the staging engine copies them into its pinned slots.
     pub fn new(owner: impl HostBytes) -> Self {
-        ForeignBytes(Some(Box::new(owner)))
+        ForeignBytes {
+            owner: Some(Box::new(owner)),
+            locked: None,
+        }
+    }
+
+    /// Wraps an owner of **page-locked** host bytes (a PyTorch `pin_memory()` tensor, another
+    /// library's `cudaHostAlloc` memory): the feeder copies them to the device with one DMA,
+    /// without the staging copy, and the drop waits for that DMA before it drops the owner.
+    /// Where the runtime does not confirm that the first and the last byte are page-locked,
+    /// they are staged as [`new`](Self::new)'s are.
+    ///
+    /// # Safety
+    ///
+    /// Where `owner.bytes()` is page-locked memory, it must lie within one page-locked
+    /// allocation (`cudaHostAlloc`, `cudaMallocHost`, `cudaHostRegister`) that stays allocated,
+    /// and that nothing writes, while the owner lives: the GPU reads it after `bytes` has
+    /// returned, until the drop has waited for the copy. (Ordinary memory is staged, as
+    /// [`new`](Self::new)'s is.)
+    pub unsafe fn page_locked(owner: impl HostBytes) -> Self {
+        ForeignBytes {
+            owner: Some(Box::new(owner)),
+            locked: Some(Tracker::new()),
+        }
     }
 
     /// The owner's bytes; its panic comes back as the message.
     pub(crate) fn get(&self) -> std::result::Result<&[u8], String> {
-        match &self.0 {
+        match &self.owner {
             Some(b) => crate::sync::quietly(|| b.bytes()),
             None => Ok(&[]),
         }
     }
+
+    /// The bytes as the source of one DMA: `Some` where they were given as page-locked and
+    /// the runtime says that both ends are; the owner's panic comes back as the message.
+    pub(crate) fn dma_source(&self) -> std::result::Result<Option<LockedBytes<'_>>, String> {
+        let Some(tracker) = &self.locked else {
+            return Ok(None);
+        };
+        let bytes = self.get()?;
+        let Some(last) = bytes.len().checked_sub(1) else {
+            return Ok(None);
+        };
+        let locked = |p: *const u8| matches!(pointer_kind(p.cast()), Ok(PointerKind::Pinned));
+        if !locked(bytes.as_ptr()) || !locked(bytes.as_ptr().wrapping_add(last)) {
+            return Ok(None);
+        }
+        Ok(Some(LockedBytes { bytes, tracker }))
+    }
 }
+
+/// Page-locked bytes of a [`ForeignBytes`] as a copy source, tracked by it.
+pub(crate) struct LockedBytes<'a> {
+    bytes: &'a [u8],
+    tracker: &'a Tracker,
+}
+
+impl HostMem<u8> for LockedBytes<'_> {
+    fn host_region(&self) -> HostRegion<'_> {
+        HostRegion {
+            ptr: self.bytes.as_ptr().cast_mut().cast(),
+            len: self.bytes.len(),
+            kind: HostKind::Pinned,
+            tracker: Some(self.tracker),
+            read_only: true,
+        }
+    }
+    fn host_region_mut(&mut self) -> HostRegion<'_> {
+        self.host_region()
+    }
+    fn host_read(&self) -> Result<&[u8]> {
+        self.tracker.synchronize_writes()?;
+        Ok(self.bytes)
+    }
+    fn host_write(&mut self) -> Result<&mut [u8]> {
+        Err(Error::invalid(
+            "ForeignBytes",
+            "page-locked foreign bytes are only read",
+        ))
+    }
+}
+
+impl HostSlice<u8> for LockedBytes<'_> {}
 
 impl std::fmt::Debug for ForeignBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ForeignBytes")
+        f.write_str(if self.locked.is_some() {
+            "ForeignBytes(page-locked)"
+        } else {
+            "ForeignBytes"
+        })
     }
 }
 
 impl Drop for ForeignBytes {
     fn drop(&mut self) {
-        if let Some(b) = self.0.take() {
+        if let Some(t) = &self.locked {
+            if let Err(e) = t.synchronize() {
+                // The GPU may still read the bytes: the owner is never dropped.
+                let len = self.get().map_or(0, <[u8]>::len);
+                std::mem::forget(self.owner.take());
+                crate::memory::tracker::leak("page-locked foreign pixels", len, &e);
+                return;
+            }
+        }
+        if let Some(b) = self.owner.take() {
             crate::sync::drop_quietly(b);
         }
     }

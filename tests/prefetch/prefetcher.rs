@@ -49,6 +49,8 @@ pub fn trials() -> Vec<Trial> {
     gpu("guard/leaked_batch", leaked_guard);
     gpu("drop/mid_epoch", drop_mid_epoch);
     gpu("source/iterator", iterator_source);
+    gpu("source/iter_then_pinned", iter_then_pinned);
+    gpu("foreign/page_locked_one_dma", foreign_page_locked);
     gpu("loaders/window_adapts", window_adapts);
     gpu("shards/two_on_one_device", shards_one_device);
     gpu("soak/memory_flat_10000", soak);
@@ -567,6 +569,112 @@ fn iterator_source() -> R {
         i += 1;
     }
     ensure(i == 9, || format!("{i} batches of 9"))
+}
+
+/// `Source::iter_then`: items taken in turn, their pixels written into page-locked memory
+/// after the turn (`HostBatch::pinned`), on three loaders: every batch right, in order.
+fn iter_then_pinned() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let source = Source::iter_then(
+        (0..11u64).map(Ok),
+        |i, item: u64, b: &mut HostBatch<i64>| {
+            if item != i {
+                return Err(format!("turn {i} got item {item}").into());
+            }
+            fill_uniform_pinned(i, b, 2, 16)
+        },
+    );
+    let mut p = Prefetcher::<f32, i64>::new(&stream, source, config(3, 2))?;
+    let mut i = 0;
+    while let Some(b) = p.next() {
+        let b = b?;
+        ensure(b.index() == i, || format!("batch {} at {i}", b.index()))?;
+        check(
+            &stream,
+            &b.pixels()?,
+            &b.extras()?,
+            &uniform_want(i, 2, 16),
+            &format!("batch {i}"),
+        )?;
+        i += 1;
+    }
+    ensure(i == 11, || format!("{i} batches of 11"))
+}
+
+/// Pixels another owner keeps, given as page-locked (`ForeignBytes::page_locked`).
+struct LockedOwner {
+    bytes: Result<PinnedBuffer<u8>, Vec<u8>>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl pinstream::prefetch::HostBytes for LockedOwner {
+    fn bytes(&self) -> &[u8] {
+        match &self.bytes {
+            Ok(p) => p.as_slice().unwrap_or(&[]),
+            Err(v) => v,
+        }
+    }
+}
+
+impl Drop for LockedOwner {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// `ForeignBytes::page_locked`: page-locked memory of another owner goes to the device with one
+/// DMA, ordinary memory given so is staged instead; every batch arrives intact and in order
+/// with a slow consumer (a slot refilled early, or an owner dropped before its DMA, would show
+/// as wrong pixels), and every owner is dropped by the end.
+fn foreign_page_locked() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let dropped = Arc::new(AtomicU64::new(0));
+    let d2 = dropped.clone();
+    let dev2 = dev;
+    let source = Source::iter_then((0..10u64).map(Ok), move |i, _, b: &mut HostBatch<i64>| {
+        let want = uniform_want(i, 2, 16);
+        let Pixels::Pageable(v) = &want.pixels else {
+            return Err("not pageable".into());
+        };
+        let bytes = if i % 2 == 0 {
+            Ok(PinnedBuffer::from_slice(&dev2, v, HostAlloc::DEFAULT)?)
+        } else {
+            Err(v.clone())
+        };
+        let owner = LockedOwner {
+            bytes,
+            dropped: d2.clone(),
+        };
+        // SAFETY: the even owners' bytes are one `PinnedBuffer` that lives, unwritten, as long
+        // as the owner; the odd ones' are pageable (staged, as the contract allows).
+        b.pixels =
+            Pixels::Foreign(unsafe { pinstream::prefetch::ForeignBytes::page_locked(owner) });
+        b.spec = want.spec.clone();
+        b.resize = None;
+        b.extras = want.extras.clone();
+        Ok(())
+    });
+    let mut p = Prefetcher::<f32, i64>::new(&stream, source, config(2, 2))?;
+    let mut i = 0;
+    while let Some(b) = p.next() {
+        let b = b?;
+        std::thread::sleep(Duration::from_millis(3));
+        check(
+            &stream,
+            &b.pixels()?,
+            &b.extras()?,
+            &uniform_want(i, 2, 16),
+            &format!("batch {i}"),
+        )?;
+        i += 1;
+    }
+    drop(p);
+    ensure(i == 10, || format!("{i} batches of 10"))?;
+    ensure(dropped.load(Ordering::SeqCst) == 10, || {
+        format!("{} owners dropped of 10", dropped.load(Ordering::SeqCst))
+    })
 }
 
 fn run_shards(streams: Vec<Stream>) -> R {
