@@ -181,6 +181,30 @@ def _dtype_name(dtype):
         raise InvalidArgumentError(f"pinstream: dtype {dtype!r}") from e
 
 
+def _is_worker_dataloader(iterable):
+    """Whether ``iterable`` is a torch ``DataLoader`` with worker processes (or the iterator of
+    one): its batches come from the workers through shared memory, a new tensor every batch.
+    torch is not imported for this (an iterable of torch's means torch is loaded)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    data = getattr(getattr(torch, "utils", None), "data", None)
+    if data is None:
+        return False
+    if isinstance(iterable, data.DataLoader):
+        return iterable.num_workers > 0
+    multi = getattr(data.dataloader, "_MultiProcessingDataLoaderIter", None)
+    return multi is not None and isinstance(iterable, multi)
+
+
+#: Loader threads when each item's pixels are copied after its turn (``fresh``): the pull is
+#: serial, the copies (and the DataLoader's shared memory mapped in and out) run on every
+#: loader at once.
+FRESH_LOADER_THREADS = 6
+
+
 def prefetch(
     iterable,
     device=0,
@@ -189,28 +213,44 @@ def prefetch(
     dtype="float32",
     layout="nchw",
     input_layout="nchw",
-    loader_threads=2,
+    loader_threads=None,
     zero_copy=False,
     dry_run=False,
+    fresh=None,
+    keys=None,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
     Each item is a uint8 image batch (``[N, C, H, W]``, or ``[N, H, W, C]`` with
-    ``input_layout="nhwc"``; numpy, a torch CPU tensor, anything with ``__dlpack__``) or a
-    tuple ``(images, labels, *rest)``: a ``DataLoader`` with ``pin_memory=False``, a generator.
-    A background thread pulls the items (holding the GIL only to pull them) and copies each
-    item's pixels into page-locked memory before it asks the iterable for the next one, so an
-    iterable may refill and yield the same array again. pinstream's engine uploads them, and
-    one fused kernel normalizes (``normalize=(mean, std)`` on the 0..255 scale, e.g.
-    ``pinstream.IMAGENET``), casts to ``dtype`` (float32, float16, bfloat16, uint8) and lays out
-    (``layout``) each batch, ``depth`` batches ahead. Labels go to the GPU as int64; ``rest`` is
-    passed through as it is. Results are ``pinstream.Tensor``s (``pinstream.torch.prefetch``
-    gives torch tensors).
+    ``input_layout="nhwc"``; numpy, a torch CPU tensor, anything with ``__dlpack__``), a tuple
+    or list ``(images, labels, *rest)``, or a mapping (a dict batch) whose images and labels are
+    named by ``keys=(images_key, labels_key)`` (default: the first of ``image``, ``images``,
+    ``pixel_values``, ``pixels``, ``img``, ``input``, ``x``, and of ``label``, ``labels``,
+    ``target``, ``targets``, ``y``, that it has): a ``DataLoader``, a generator. pinstream's
+    engine uploads the pixels, and one fused kernel normalizes (``normalize=(mean, std)`` on the
+    0..255 scale, e.g. ``pinstream.IMAGENET``), casts to ``dtype`` (float32, float16, bfloat16,
+    uint8) and lays out (``layout``) each batch, ``depth`` batches ahead. Labels go to the GPU as
+    int64; ``rest`` (a mapping's other entries) is passed through as it is. Results are
+    ``pinstream.Tensor``s (``pinstream.torch.prefetch`` gives torch tensors), a mapping item's
+    as a dict with the same keys.
 
-    ``zero_copy=True`` skips the copy: the array is held and read later, by the upload. Use it
-    only for iterables that yield a new array for every item and never write to an array after
-    yielding it (a ``DataLoader``, whose batches are fresh tensors); one that refills its array
-    would then deliver another item's pixels.
+    Loader threads take the items in turn, holding the GIL only to pull them. By default each
+    item's pixels are copied into page-locked memory in its turn, before the iterable is asked
+    for the next one, so an iterable may refill and yield the same array again.
+
+    ``fresh=True`` promises that every item is a new array that nobody writes after yielding
+    it: the copy then runs after the turn, on each loader thread, while the next item is already
+    being pulled, so only the iterable's own ``__next__`` is serial; arrays already page-locked
+    (a ``DataLoader`` with ``pin_memory=True``) are not copied at all but go to the GPU with one
+    DMA each. ``fresh=None`` (the default) chooses it for a torch ``DataLoader`` with
+    ``num_workers > 0`` (or its iterator), whose batches come from the workers through shared
+    memory, a new tensor each, and ``fresh=False`` for anything else. ``loader_threads=None``
+    means 2, or ``FRESH_LOADER_THREADS`` (6) when ``fresh``.
+
+    ``zero_copy=True`` skips pinstream's copy: the array is held and read later, by the upload
+    (the staging engine copies it into its pinned slots; page-locked arrays go with one DMA).
+    It makes the same promise as ``fresh=True``; an iterable that refills its array would then
+    deliver another item's pixels.
 
     ``dry_run=True`` runs the same loader threads and checks without a GPU: each batch comes as
     numpy arrays (pixels normalized by pinstream's float64 CPU reference, bfloat16 as its
@@ -221,6 +261,22 @@ def prefetch(
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
     raise ``ForkedError`` (see docs/python.md for DataLoader workers and multiprocessing)."""
     mean, std = normalize if normalize is not None else (None, None)
+    if fresh is None:
+        fresh = _is_worker_dataloader(iterable)
+    fresh = bool(fresh)
+    if loader_threads is None:
+        loader_threads = FRESH_LOADER_THREADS if fresh and not zero_copy else 2
+    if keys is not None:
+        if isinstance(keys, str):
+            keys = (keys, None)
+        keys = tuple(keys)
+        if len(keys) == 1:
+            keys = (keys[0], None)
+        if len(keys) != 2 or not all(k is None or isinstance(k, str) for k in keys) or keys[0] is None:
+            raise InvalidArgumentError(
+                f"pinstream.prefetch: keys={keys!r}: give (images_key, labels_key), strings "
+                "(labels_key may be None)"
+            )
     p = _native.prefetch(
         iterable,
         _device(device),
@@ -233,6 +289,8 @@ def prefetch(
         loader_threads,
         bool(zero_copy),
         bool(dry_run),
+        fresh,
+        keys,
     )
     _LIVE.add(p)
     return p

@@ -92,11 +92,17 @@ class Prefetcher:
         item = next(self._inner)
         if isinstance(item, pinstream.Tensor):
             return torch.from_dlpack(item)
+        if isinstance(item, dict):
+            return {k: torch.from_dlpack(v) if isinstance(v, pinstream.Tensor) else v for k, v in item.items()}
         return tuple(torch.from_dlpack(x) if isinstance(x, pinstream.Tensor) else x for x in item)
 
     def close(self):
         """Stops the threads early; the tensors handed out stay valid."""
         self._inner.close()
+
+    def stats(self):
+        """The loader threads' counters (``pinstream.Prefetcher.stats``)."""
+        return self._inner.stats()
 
     def __enter__(self):
         return self
@@ -109,7 +115,10 @@ class Prefetcher:
 def prefetch(iterable, device=None, **kwargs):
     """``pinstream.prefetch`` giving torch tensors: APEX's ``data_prefetcher`` in one line,
     ``for images, labels in pinstream.torch.prefetch(loader, normalize=pinstream.IMAGENET,
-    dtype=torch.float16): ...``."""
+    dtype=torch.float16): ...``. A ``DataLoader`` with worker processes is taken without the
+    serial copy (``fresh``: its batches are copied into page-locked memory on several loader
+    threads while the next one is pulled; with ``pin_memory=True`` they go to the GPU as they
+    are, one DMA each). A dict batch comes back as a dict."""
     return Prefetcher(pinstream.prefetch(iterable, _device(device), **kwargs))
 
 

@@ -12,9 +12,9 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pinstream::dlpack::{self, Element};
 use pinstream::kernels::{Layout, Normalize, OutputElement, Spec};
@@ -22,7 +22,7 @@ use pinstream::prefetch::{
     DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher,
     Source,
 };
-use pinstream::{bf16, f16, Error, PinnedPool};
+use pinstream::{bf16, f16, Error, HostKind, PinnedPool};
 use pyo3::exceptions::{PyStopIteration, PyTypeError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
@@ -40,8 +40,8 @@ const OP: &str = "pinstream.prefetch";
 /// `__cause__` of the `LoaderError`), and the items passed through as they are.
 #[derive(Default)]
 struct Side {
-    causes: HashMap<u64, PyErr>,
-    rest: HashMap<u64, Vec<Py<PyAny>>>,
+    causes: HashMap<u64, Cause>,
+    rest: HashMap<u64, Rest>,
 }
 
 /// How long `__next__` waits for a batch between two checks for signals (Ctrl-C).
@@ -108,19 +108,105 @@ fn pulling(id: usize) -> bool {
 /// reference, through `PyPrefetcher::__traverse__`); `None` once cleared.
 type Iterable = Arc<Mutex<Option<Py<PyAny>>>>;
 
-/// Where an item's pixels go when it is pulled.
+/// Where an item's pixels go during its turn.
 enum Take {
     /// Copied into a block of the device's page-locked pool, on the pulling thread, before the
     /// iterable is asked for its next item (the default).
     Pinned(PinnedPool),
     /// Copied into ordinary memory (the dry run, which has no device).
     Host,
-    /// Not copied: the array is held and read by the upload later (`zero_copy=True`).
-    Zero,
+    /// Held, and taken after the turn ([`finish`]): copied on the loader thread while the
+    /// next item is pulled (`fresh`), or read by the upload (`zero_copy`).
+    Held,
+}
+
+/// How the images and labels of a mapping item (a dict, or a dict-like batch) are found.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Keys {
+    /// `(images, labels)` as given by `keys=`; `None`: the first of [`IMAGE_KEYS`] and of
+    /// [`LABEL_KEYS`] that the item has.
+    given: Option<(String, Option<String>)>,
+}
+
+/// The keys tried, in order, for a mapping's images when `keys=` is not given.
+const IMAGE_KEYS: [&str; 7] = [
+    "image",
+    "images",
+    "pixel_values",
+    "pixels",
+    "img",
+    "input",
+    "x",
+];
+/// Likewise for its labels (none found: the batch has no labels).
+const LABEL_KEYS: [&str; 5] = ["label", "labels", "target", "targets", "y"];
+
+/// What a mapping entry becomes in the batch handed out.
+enum Entry {
+    Images,
+    Labels,
+    Value(Py<PyAny>),
+}
+
+/// The parts of an item that are passed through, to be put around the device tensors in
+/// `__next__`.
+enum Rest {
+    /// A tuple or list item's parts after the images and labels.
+    Tuple(Vec<Py<PyAny>>),
+    /// A mapping item's entries in order, the images' and labels' places marked.
+    Dict(Vec<(Py<PyAny>, Entry)>),
+}
+
+/// Why a batch failed, for the `LoaderError`'s `__cause__`.
+enum Cause {
+    /// The exception the pull raised (the iterable's, or a check's).
+    Py(PyErr),
+    /// The library's error while taking the pixels after the turn (converted in `__next__`).
+    Lib(Error),
+}
+
+/// Counters of the loader side, for `Prefetcher.stats()`.
+#[derive(Default)]
+struct Stats {
+    /// Items pulled.
+    items: AtomicU64,
+    /// Time in the turns, holding the GIL (the iterable's `__next__`, the checks, taking
+    /// the arrays; with the default pull, the copy too, without the GIL), and waiting for it.
+    pull_ns: AtomicU64,
+    gil_wait_ns: AtomicU64,
+    /// Time taking the pixels after the turns (`fresh`: the copies, on every loader at once).
+    after_ns: AtomicU64,
+    /// Host copies of pixels pinstream made: during the turn, after it.
+    copied_in_turn: AtomicU64,
+    copied_after: AtomicU64,
+    /// Page-locked arrays (a `pin_memory` DataLoader's) handed to the upload for one DMA each.
+    direct: AtomicU64,
+    /// Arrays held for the staging engine to copy at upload (`zero_copy=True`).
+    staged: AtomicU64,
+}
+
+fn add_ns(a: &AtomicU64, since: Instant) {
+    let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    a.fetch_add(ns, Ordering::Relaxed);
+}
+
+/// An item taken in its turn: its spec and labels, and its pixels, copied already or held for
+/// after the turn.
+struct Pulled {
+    pixels: Taken,
+    spec: Spec,
+    extras: Vec<i64>,
+}
+
+enum Taken {
+    /// Copied during the turn.
+    Copied(Pixels),
+    /// The array itself, held (copied, or handed to the upload, after the turn).
+    Held(Host),
 }
 
 /// The iterator the loader threads take turns on: each `next` attaches to Python, pulls one
-/// item and takes its arrays.
+/// item and takes its arrays; `finish` makes the item a batch after the turn.
 struct Items {
     it: Iterable,
     /// The prefetcher's `Side` address, for `PULLING`.
@@ -131,12 +217,14 @@ struct Items {
     norm: Option<(Vec<f32>, Vec<f32>)>,
     in_layout: Layout,
     out_layout: Layout,
+    keys: Keys,
     side: Arc<Mutex<Side>>,
+    stats: Arc<Stats>,
     take: Take,
 }
 
 impl Items {
-    fn pull(&self, py: Python<'_>, i: u64) -> PyResult<Option<HostBatch<i64>>> {
+    fn pull(&self, py: Python<'_>, i: u64) -> PyResult<Option<Pulled>> {
         let _pulling = Pulling::enter(self.id);
         // A reference of our own for the call (the GC sees it as one from outside, which keeps
         // the iterable alive meanwhile); the iterable is gone once the prefetcher was cleared.
@@ -148,16 +236,7 @@ impl Items {
             Err(e) if e.is_instance_of::<PyStopIteration>(py) => return Ok(None),
             Err(e) => return Err(e),
         };
-        let parts: Vec<Bound<'_, PyAny>> =
-            if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
-                item.try_iter()?.collect::<PyResult<_>>()?
-            } else {
-                vec![item]
-            };
-        let mut parts = parts.into_iter();
-        let px = parts
-            .next()
-            .ok_or_else(|| invalid(OP, format!("batch {i} is an empty tuple")))?;
+        let (px, labels, rest) = self.split(py, i, &item)?;
         let host = source::host(OP, &px)?;
         if host.dtype != source::BYTE {
             return Err(invalid(
@@ -195,25 +274,106 @@ impl Items {
         let spec = Spec::uniform(n, ch, h, w, norm)
             .map_err(to_py)?
             .layouts(self.in_layout, self.out_layout);
-        let mut extras = Vec::new();
-        if let Some(labels) = parts.next() {
-            extras = labels_of(i, n, &labels)?;
-        }
+        let extras = match labels {
+            Some(l) => labels_of(i, n, &l)?,
+            None => Vec::new(),
+        };
         let pixels = self.take_pixels(py, i, host)?;
-        let rest: Vec<Py<PyAny>> = parts.map(Bound::unbind).collect();
-        if !rest.is_empty() {
+        let keep = match &rest {
+            Rest::Tuple(v) => !v.is_empty(),
+            Rest::Dict(_) => true,
+        };
+        if keep {
             lock(&self.side).rest.insert(i, rest);
         }
-        Ok(Some(HostBatch::new(pixels, spec, extras)))
+        Ok(Some(Pulled {
+            pixels,
+            spec,
+            extras,
+        }))
     }
 
-    /// The item's pixels as the batch keeps them: copied now (the iterable may refill its
-    /// array once it is asked for the next item, which happens only after this returns), or
-    /// held for the upload to read (`zero_copy`). The copy runs without the GIL.
-    fn take_pixels(&self, py: Python<'_>, i: u64, host: Host) -> PyResult<Pixels> {
+    /// An item's images, labels (if any) and the rest: `images`, `(images, labels, *rest)`
+    /// (a tuple or a list), or a mapping (a dict, or a dict-like batch) whose images and labels
+    /// are named by `keys=` or found under the usual names.
+    #[allow(clippy::type_complexity)]
+    fn split<'py>(
+        &self,
+        py: Python<'py>,
+        i: u64,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, Option<Bound<'py, PyAny>>, Rest)> {
+        if item.is_instance_of::<PyTuple>() || item.is_instance_of::<PyList>() {
+            let mut parts = item.try_iter()?;
+            let px = parts
+                .next()
+                .transpose()?
+                .ok_or_else(|| invalid(OP, format!("batch {i} is an empty tuple")))?;
+            let labels = parts.next().transpose()?;
+            let rest = parts
+                .map(|p| p.map(Bound::unbind))
+                .collect::<PyResult<_>>()?;
+            return Ok((px, labels, Rest::Tuple(rest)));
+        }
+        if !is_mapping(py, item)? {
+            return Ok((item.clone(), None, Rest::Tuple(Vec::new())));
+        }
+        let has = |k: &str| item.contains(k).unwrap_or(false);
+        let (image_key, label_key) = match &self.keys.given {
+            Some((im, lab)) => {
+                let missing = |k: &str| {
+                    invalid(
+                        OP,
+                        format!("batch {i}: the mapping has no key {k:?} (keys=)"),
+                    )
+                };
+                if !has(im) {
+                    return Err(missing(im));
+                }
+                if let Some(l) = lab.as_deref().filter(|l| !has(l)) {
+                    return Err(missing(l));
+                }
+                (im.clone(), lab.clone())
+            }
+            None => {
+                let Some(im) = IMAGE_KEYS.iter().find(|k| has(k)) else {
+                    return Err(invalid(
+                        OP,
+                        format!(
+                            "batch {i} is a mapping without any of the keys {IMAGE_KEYS:?} for \
+                             its images: name them with keys=(images, labels)"
+                        ),
+                    ));
+                };
+                let lab = LABEL_KEYS.iter().find(|k| has(k)).map(|k| k.to_string());
+                (im.to_string(), lab)
+            }
+        };
+        let px = item.get_item(&image_key)?;
+        let labels = label_key.as_deref().map(|k| item.get_item(k)).transpose()?;
+        let mut entries = Vec::new();
+        for k in item.try_iter()? {
+            let k = k?;
+            let entry = match k.extract::<String>() {
+                Ok(s) if s == image_key => Entry::Images,
+                Ok(s) if Some(s.as_str()) == label_key.as_deref() => Entry::Labels,
+                _ => Entry::Value(item.get_item(&k)?.unbind()),
+            };
+            entries.push((k.unbind(), entry));
+        }
+        Ok((px, labels, Rest::Dict(entries)))
+    }
+
+    /// The item's pixels copied now, during the turn (the iterable may refill its array once
+    /// it is asked for the next item, which happens only after this returns), or held for
+    /// after it (`fresh`, `zero_copy`). The copy runs without the GIL.
+    fn take_pixels(&self, py: Python<'_>, i: u64, host: Host) -> PyResult<Taken> {
         let failed = |e: String| invalid(OP, format!("batch {i}: {e}"));
-        match &self.take {
-            Take::Zero => Ok(Pixels::Foreign(ForeignBytes::new(Held::new(host)))),
+        if !matches!(self.take, Take::Held) {
+            self.stats.copied_in_turn.fetch_add(1, Ordering::Relaxed);
+        }
+        let px = match &self.take {
+            Take::Held => return Ok(Taken::Held(host)),
             Take::Pinned(pool) => {
                 let block = py.detach(|| -> pinstream::Result<_> {
                     let src = host.bytes()?.0;
@@ -223,7 +383,7 @@ impl Items {
                 });
                 // The export ends here, with the GIL held.
                 drop(host);
-                Ok(Pixels::Pinned(block.map_err(to_py)?))
+                Pixels::Pinned(block.map_err(to_py)?)
             }
             Take::Host => {
                 let v = py.detach(|| -> Result<Vec<u8>, String> {
@@ -235,10 +395,104 @@ impl Items {
                     Ok(v)
                 });
                 drop(host);
-                Ok(Pixels::Pageable(v.map_err(failed)?))
+                Pixels::Pageable(v.map_err(failed)?)
             }
-        }
+        };
+        Ok(Taken::Copied(px))
     }
+}
+
+/// Whether `x` is a mapping: a dict, or an instance of `collections.abc.Mapping`.
+fn is_mapping(py: Python<'_>, x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if x.is_instance_of::<PyDict>() {
+        return Ok(true);
+    }
+    // Arrays and tensors are the usual items: not asked about (no import on that path).
+    if x.hasattr("__dlpack__")? || x.hasattr("__array_interface__")? {
+        return Ok(false);
+    }
+    let abc = py.import("collections.abc")?;
+    x.is_instance(&abc.getattr("Mapping")?)
+}
+
+/// Makes the item taken in turn `i` a batch, on the loader thread after the turn (the next
+/// turn runs meanwhile). Held pixels are copied into the batch's page-locked block (into
+/// ordinary memory in the dry run), without the GIL; held page-locked ones (a `pin_memory`
+/// DataLoader's) go to the upload as they are, for one DMA.
+fn finish(
+    i: u64,
+    item: Pulled,
+    batch: &mut HostBatch<i64>,
+    take: &AfterTake,
+) -> Result<(), LoadError> {
+    let Pulled {
+        pixels,
+        spec,
+        extras,
+    } = item;
+    batch.spec = spec;
+    batch.resize = None;
+    batch.extras = extras;
+    let host = match pixels {
+        Taken::Copied(px) => {
+            batch.pixels = px;
+            return Ok(());
+        }
+        Taken::Held(host) => host,
+    };
+    let t0 = Instant::now();
+    let result = take_after(i, host, batch, take);
+    add_ns(&take.stats.after_ns, t0);
+    result.map_err(|e| {
+        let message = e.to_string();
+        lock(&take.side).causes.insert(i, Cause::Lib(e));
+        message.into()
+    })
+}
+
+/// What `finish` needs of the prefetcher.
+struct AfterTake {
+    /// Hold pageable arrays for the staging engine (`zero_copy=True`) instead of copying them.
+    zero_copy: bool,
+    /// A device to DMA page-locked arrays to (not in the dry run).
+    device: bool,
+    side: Arc<Mutex<Side>>,
+    stats: Arc<Stats>,
+}
+
+fn take_after(
+    i: u64,
+    host: Host,
+    batch: &mut HostBatch<i64>,
+    take: &AfterTake,
+) -> pinstream::Result<()> {
+    let (len, kind) = host.bytes().map(|(b, k)| (b.len(), k))?;
+    if take.device && kind != HostKind::Pageable {
+        take.stats.direct.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the bytes are one DLPack tensor's, which lies in one allocation of its
+        // producer, page-locked as the runtime says (checked again at both ends before the
+        // DMA); the import keeps it allocated while `Held` lives, and nobody writes it then:
+        // the iterable yields a new array for every item (`fresh` or `zero_copy`, the caller's
+        // promise; a DataLoader's batches).
+        batch.pixels = Pixels::Foreign(unsafe { ForeignBytes::page_locked(Held::new(host)) });
+        return Ok(());
+    }
+    if take.zero_copy {
+        take.stats.staged.fetch_add(1, Ordering::Relaxed);
+        batch.pixels = Pixels::Foreign(ForeignBytes::new(Held::new(host)));
+        return Ok(());
+    }
+    let dst = batch.pinned(len).map_err(|e| Error::Loader {
+        batch: i,
+        message: e.to_string(),
+    })?;
+    dst.copy_from_slice(host.bytes()?.0);
+    take.stats.copied_after.fetch_add(1, Ordering::Relaxed);
+    // The export ends here, on this thread, without the GIL: a DLPack producer's deleter takes
+    // it where it needs it, and the memory (a worker's shared memory) is unmapped here, not on
+    // the thread that pulls.
+    drop(host);
+    Ok(())
 }
 
 /// The checks on a batch's shape that need no allocation: 1 to 4 channels (as many as the
@@ -325,7 +579,7 @@ fn labels_of(i: u64, n: usize, labels: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> 
 }
 
 impl Iterator for Items {
-    type Item = Result<HostBatch<i64>, LoadError>;
+    type Item = Result<Pulled, LoadError>;
 
     fn next(&mut self) -> Option<Self::Item> {
         if self.done {
@@ -333,17 +587,27 @@ impl Iterator for Items {
         }
         let i = self.index;
         self.index += 1;
-        Python::attach(|py| match self.pull(py, i) {
-            Ok(Some(b)) => Some(Ok(b)),
-            Ok(None) => {
-                self.done = true;
-                None
-            }
-            Err(e) => {
-                let message = describe(py, &e);
-                lock(&self.side).causes.insert(i, e);
-                self.done = true;
-                Some(Err(message.into()))
+        let asked = Instant::now();
+        Python::attach(|py| {
+            add_ns(&self.stats.gil_wait_ns, asked);
+            let t0 = Instant::now();
+            let pulled = self.pull(py, i);
+            add_ns(&self.stats.pull_ns, t0);
+            match pulled {
+                Ok(Some(b)) => {
+                    self.stats.items.fetch_add(1, Ordering::Relaxed);
+                    Some(Ok(b))
+                }
+                Ok(None) => {
+                    self.done = true;
+                    None
+                }
+                Err(e) => {
+                    let message = describe(py, &e);
+                    lock(&self.side).causes.insert(i, Cause::Py(e));
+                    self.done = true;
+                    Some(Err(message.into()))
+                }
             }
         })
     }
@@ -479,6 +743,9 @@ pub(crate) struct PyPrefetcher {
     side: Arc<Mutex<Side>>,
     labels: Mutex<Option<bool>>,
     iterable: Iterable,
+    stats: Arc<Stats>,
+    /// `fresh`, as chosen (`Prefetcher.stats()` says it).
+    fresh: bool,
     /// The process that made it (`fork`): in a forked child, whose copy of it has no threads,
     /// `__next__` raises `ForkedError` and closing or dropping it leaks it.
     pid: u32,
@@ -621,6 +888,10 @@ impl PyPrefetcher {
                     _ => None,
                 };
                 let err = to_py(e);
+                let cause = cause.map(|c| match c {
+                    Cause::Py(e) => e,
+                    Cause::Lib(e) => to_py(e),
+                });
                 if let Some(c) = cause {
                     err.set_cause(py, Some(c));
                 }
@@ -628,7 +899,7 @@ impl PyPrefetcher {
             }
             Some(Ok(b)) => b,
         };
-        let rest = lock(&self.side).rest.remove(&i).unwrap_or_default();
+        let rest = lock(&self.side).rest.remove(&i);
         let (pixels, labels, labelled) = match out {
             Out::Device(px, ex) => {
                 let labelled = !ex.shape().contains(&0);
@@ -650,6 +921,22 @@ impl PyPrefetcher {
                 (px, ex, !extras.is_empty())
             }
         };
+        let rest = match rest {
+            Some(Rest::Dict(entries)) => {
+                // The mapping as it came, the images and labels on the device in their places.
+                let d = PyDict::new(py);
+                for (k, e) in entries {
+                    match e {
+                        Entry::Images => d.set_item(k, &pixels)?,
+                        Entry::Labels => d.set_item(k, &labels)?,
+                        Entry::Value(v) => d.set_item(k, v)?,
+                    }
+                }
+                return Ok(d.into_any());
+            }
+            Some(Rest::Tuple(v)) => v,
+            None => Vec::new(),
+        };
         let has_labels = *lock(&self.labels).get_or_insert(labelled);
         if !has_labels && rest.is_empty() {
             return Ok(pixels);
@@ -665,6 +952,31 @@ impl PyPrefetcher {
     /// Stops the threads and frees the slots (batches already handed out stay valid).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.close_inner(py, "close")
+    }
+
+    /// What the loader threads did so far, for finding where a source's time goes: `items`
+    /// pulled; `pull_seconds` in the turns (the iterable's `__next__` and the checks, with
+    /// the GIL; with `fresh=False` the copies too) and `gil_wait_seconds` waiting for the GIL
+    /// to start them; `after_seconds` taking the pixels after the turns (`fresh`: the copies,
+    /// on every loader thread at once); host copies of the pixels into page-locked memory
+    /// `copied_in_turn` and `copied_after`; page-locked arrays handed to the upload as they
+    /// are, one DMA each, `direct`; arrays the staging engine copied at upload (`zero_copy`)
+    /// `staged`; and `fresh`.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let st = &self.stats;
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        d.set_item("items", n(&st.items))?;
+        d.set_item("pull_seconds", secs(&st.pull_ns))?;
+        d.set_item("gil_wait_seconds", secs(&st.gil_wait_ns))?;
+        d.set_item("after_seconds", secs(&st.after_ns))?;
+        d.set_item("copied_in_turn", n(&st.copied_in_turn))?;
+        d.set_item("copied_after", n(&st.copied_after))?;
+        d.set_item("direct", n(&st.direct))?;
+        d.set_item("staged", n(&st.staged))?;
+        d.set_item("fresh", self.fresh)?;
+        Ok(d)
     }
 
     /// The garbage collector's view: the iterable (which may refer back to the prefetcher).
@@ -738,7 +1050,7 @@ fn per_channel(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
                     layout_out = "nchw", layout_in = "nchw", loader_threads = 2,
-                    zero_copy = false, dry_run = false))]
+                    zero_copy = false, dry_run = false, fresh = false, keys = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefetch(
     py: Python<'_>,
@@ -753,6 +1065,8 @@ pub(crate) fn prefetch(
     loader_threads: usize,
     zero_copy: bool,
     dry_run: bool,
+    fresh: bool,
+    keys: Option<(String, Option<String>)>,
 ) -> PyResult<PyPrefetcher> {
     let (in_layout, out_layout) = (
         layout(layout_in, "layout_in")?,
@@ -791,12 +1105,13 @@ pub(crate) fn prefetch(
     } else {
         Some(ctx(py, device)?)
     };
-    let take = match (&c, zero_copy) {
-        (_, true) => Take::Zero,
+    let take = match (&c, zero_copy || fresh) {
+        (_, true) => Take::Held,
         (Some(c), false) => Take::Pinned(c.pinned.clone()),
         (None, false) => Take::Host,
     };
     let side = Arc::new(Mutex::new(Side::default()));
+    let stats = Arc::new(Stats::default());
     let iterable: Iterable = Arc::new(Mutex::new(Some(it.into_any().unbind())));
     let items = Items {
         it: iterable.clone(),
@@ -806,15 +1121,25 @@ pub(crate) fn prefetch(
         norm,
         in_layout,
         out_layout,
+        keys: Keys { given: keys },
         side: side.clone(),
+        stats: stats.clone(),
         take,
+    };
+    let after = AfterTake {
+        zero_copy,
+        device: c.is_some(),
+        side: side.clone(),
+        stats: stats.clone(),
     };
     let config = PrefetchConfig {
         depth,
         loader_threads,
         ..PrefetchConfig::default()
     };
-    let source = Source::iter(items);
+    let source = Source::iter_then(items, move |i, item, batch: &mut HostBatch<i64>| {
+        finish(i, item, batch, &after)
+    });
     let stream = c.map(|c| c.stream.clone());
     let dtype = dtype.to_string();
     let inner = py
@@ -842,6 +1167,8 @@ pub(crate) fn prefetch(
         side,
         labels: Mutex::new(None),
         iterable,
+        stats,
+        fresh: fresh || zero_copy,
         pid: crate::fork::pid(),
     })
 }
