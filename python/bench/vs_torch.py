@@ -1,6 +1,6 @@
 """pinstream's Python package against PyTorch, side by side in one run on one GPU.
 
-    python3 python/bench/vs_torch.py [--quick] [--only upload,many,download,prefetch,cifar,models]
+    python3 python/bench/vs_torch.py [--quick] [--only upload,many,download,prefetch,dataloader,cifar,models]
 
 Uploads of 4 MiB - 1 GiB from pageable memory (``.to('cuda')``, ``.to(non_blocking=True)``,
 ``pin_memory().to(non_blocking=True)``, TensorDict's ``to(non_blocking_pin=True,
@@ -9,9 +9,18 @@ prefetch loop of 256 x 3x224x224 uint8 batches at 0.5 / 2 / 8 ms steps (DataLoad
 pin_memory=True and 4 workers + an APEX-style data_prefetcher, against pinstream.torch.prefetch
 over the same DataLoader without pin_memory, and over a plain generator). Events and host clocks,
 warm-up, medians; every result checked.
+
+``--only dataloader`` (issue 32): a DataLoader as pinstream's source at the 0.5 ms step, 4 and 8
+workers, with batches that are views of one dataset tensor (``views``, as above) and with a new
+shared-memory tensor per batch as ``default_collate`` makes (``fresh``), pin_memory off and on,
+the loader threads swept; against a generator source and DataLoader(pin_memory) + APEX; each a
+median of rounds after warm-up; one JSON line (``{"bench": "dataloader_source", ...}``).
+``--only models`` ends with one JSON line too (``{"bench": "models", ...}``): the step time of
+ResNet-18/50 over the ideal for each source.
 """
 
 import argparse
+import json
 import os
 import statistics
 import threading
@@ -154,12 +163,16 @@ class ApexPrefetcher:
         return x, y
 
 
+#: One image's shape (C, H, W) in the prefetch and DataLoader sections.
+IMAGE = (3, 224, 224)
+
+
 class Synthetic(torch.utils.data.Dataset):
     """256-image batches of fixed random uint8 pixels (the decode is not what is measured)."""
 
     def __init__(self, n_batches, n=256):
         self.data = torch.from_numpy(
-            np.random.default_rng(1).integers(0, 256, (4, n, 3, 224, 224), dtype=np.uint8)
+            np.random.default_rng(1).integers(0, 256, (4, n, *IMAGE), dtype=np.uint8)
         )
         self.n_batches = n_batches
 
@@ -168,6 +181,18 @@ class Synthetic(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.data[i % 4], torch.arange(256) + 256 * i
+
+
+class FreshBatches(Synthetic):
+    """The same batches, each a new tensor in shared memory, written by the worker: what
+    ``default_collate`` hands over (it stacks the samples into shared memory), so the main
+    process maps new pages for every batch."""
+
+    def __getitem__(self, i):
+        out = torch.empty(self.data.shape[1:], dtype=torch.uint8)
+        out.share_memory_()
+        out.copy_(self.data[i % 4])
+        return out, torch.arange(256) + 256 * i
 
 
 def spin_cycles_per_ms():
@@ -236,6 +261,137 @@ def bench_prefetch(quick):
         print(f"    DataLoader(pin_memory, 4 workers) + APEX prefetcher: {apex[0]:7.2f} ms, CPU {apex[1]:7.2f} ms")
         print(f"    pinstream.torch.prefetch(DataLoader, 4 workers):   {ours_dl[0]:7.2f} ms, CPU {ours_dl[1]:7.2f} ms  x{apex[0] / ours_dl[0]:.2f}  /ideal {ours_dl[0] / ideal:.2f}")
         print(f"    pinstream.torch.prefetch(generator):               {ours_gen[0]:7.2f} ms, CPU {ours_gen[1]:7.2f} ms  x{apex[0] / ours_gen[0]:.2f}  /ideal {ours_gen[0] / ideal:.2f}")
+
+
+def timed_rounds(make, cycles, check, rounds, n, warm):
+    """Median over ``rounds`` of the ms per batch (and CPU ms per batch, worker processes
+    included) of ``n`` batches after ``warm`` warm-up batches of ``make()``'s iterator, behind
+    a GPU step of ``cycles``; each batch's mean checked. The stats of a pinstream prefetcher
+    (the last round's) come back too."""
+    walls, cpus, stats = [], [], None
+    for _ in range(rounds):
+        it = make()
+        sums = []
+        for _ in range(warm):
+            x, y = next(it)
+            sums.append(x[:, :, :2, :2].float().sum())
+        torch.cuda.synchronize()
+        ch0, cpu0, t0 = os.times(), time.process_time(), time.perf_counter()
+        for _ in range(n):
+            x, y = next(it)
+            sums.append(x[:, :, :2, :2].float().sum())
+            if cycles:
+                torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        ch1 = os.times()
+        cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (
+            ch0.children_user + ch0.children_system
+        )
+        check(sums)
+        if hasattr(it, "stats"):
+            stats = it.stats()
+        if hasattr(it, "close"):
+            it.close()
+        del it
+        walls.append(wall / n * 1e3)
+        cpus.append(cpu / n * 1e3)
+    return statistics.median(walls), statistics.median(cpus), stats
+
+
+def bench_dataloader(quick):
+    """Issue 32: a DataLoader as pinstream's source at the speed of a generator."""
+    print("\n## DataLoader as the source: 256 x 3x224x224 uint8 -> float32, 0.5 ms step (ms per batch, CPU ms per batch)")
+    per_ms = spin_cycles_per_ms()
+    step = 0.5
+    cycles = int(step * per_ms)
+    mean, std = pinstream.IMAGENET
+    rounds, n, warm = (2, 30, 8) if quick else (3, 60, 10)
+    total = warm + n + 4
+    views, fresh = Synthetic(total), FreshBatches(total)
+    want = [((views[i][0][:, :, :2, :2].double() - torch.tensor(mean).view(1, 3, 1, 1).double())
+             / torch.tensor(std).view(1, 3, 1, 1).double()).sum().item() for i in range(4)]
+
+    def check(sums):
+        for i, s in enumerate(sums):
+            got = s.item()
+            assert abs(got - want[i % 4]) <= 1e-3 * abs(want[i % 4]) + 1e-2, (i, got, want[i % 4])
+
+    def dl(ds, workers, pin=False):
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, pin_memory=pin)
+
+    gen_data = [views[i] for i in range(4)]
+
+    def generator():
+        for i in range(total):
+            yield gen_data[i % 4][0], gen_data[i % 4][1]
+
+    def ours(src, **kw):
+        return lambda: iter(pt.prefetch(src(), normalize=pinstream.IMAGENET, **kw))
+
+    def apex(workers):
+        return lambda: ApexPrefetcher(dl(views, workers, pin=True), mean, std)
+
+    def alone(ds, workers):
+        # The DataLoader's own rate in this process (no copy, no upload): the source's limit.
+        def make():
+            it = iter(dl(ds, workers))
+            return ((x, y) for x, y in it)
+        return make
+
+    def alone_check(sums):
+        pass
+
+    configs = {
+        "generator": (ours(generator), check),
+        "apex_dl4_pin": (apex(4), check),
+        "apex_dl8_pin": (apex(8), check),
+    }
+    for w in (4, 8):
+        configs[f"dl{w}_views"] = (ours(lambda w=w: dl(views, w)), check)
+        configs[f"dl{w}_fresh"] = (ours(lambda w=w: dl(fresh, w)), check)
+        configs[f"dl{w}_fresh_pin"] = (ours(lambda w=w: dl(fresh, w, pin=True)), check)
+        configs[f"dl{w}_fresh_zero_copy"] = (ours(lambda w=w: dl(fresh, w), zero_copy=True), check)
+        configs[f"dl{w}_fresh_serial"] = (ours(lambda w=w: dl(fresh, w), fresh=False), check)
+    for lt in (2, 4, 8, 12):
+        configs[f"dl8_fresh_threads{lt}"] = (ours(lambda: dl(fresh, 8), loader_threads=lt), check)
+    results = {}
+    for name, (make, chk) in configs.items():
+        wall, cpu, st = timed_rounds(make, cycles, chk, rounds, n, warm)
+        results[name] = {"ms": round(wall, 3), "cpu_ms": round(cpu, 2)}
+        if st:
+            k = max(st["items"], 1)
+            results[name].update({
+                "fresh": st["fresh"],
+                "turn_ms_per_item": round(st["pull_seconds"] / k * 1e3, 3),
+                "gil_wait_ms_per_item": round(st["gil_wait_seconds"] / k * 1e3, 3),
+                "after_ms_per_item": round(st["after_seconds"] / k * 1e3, 3),
+                "copies_per_item": round((st["copied_in_turn"] + st["copied_after"]) / k, 2),
+                "direct_per_item": round(st["direct"] / k, 2),
+                "staged_per_item": round(st["staged"] / k, 2),
+            })
+        print(f"  {name:<28} {wall:7.3f} ms  CPU {cpu:7.2f} ms  {results[name]}", flush=True)
+    for w in (4, 8):
+        for ds_name, ds in (("views", views), ("fresh", fresh)):
+            ms, _, _ = timed_rounds(alone(ds, w), 0, alone_check, rounds, n, warm)
+            results[f"dl{w}_{ds_name}_alone"] = {"ms": round(ms, 3)}
+            print(f"  DataLoader({w} workers, {ds_name}) alone, no copy: {ms:7.3f} ms", flush=True)
+    apex4 = results["apex_dl4_pin"]["ms"]
+    line = {
+        "bench": "dataloader_source",
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "pinstream": pinstream.__version__,
+        "step_ms": step,
+        "batch": [256, *IMAGE],
+        "rounds": rounds,
+        "batches_per_round": n,
+        "warmup": warm,
+        "results": results,
+        "x_apex_dl4": {k: round(apex4 / v["ms"], 2) for k, v in results.items() if "alone" not in k},
+        "of_generator": {k: round(v["ms"] / results["generator"]["ms"], 3) for k, v in results.items() if k.startswith("dl") and "alone" not in k},
+    }
+    print(json.dumps(line), flush=True)
 
 
 def bench_download():
@@ -332,7 +488,10 @@ def bench_models(quick):
     mean, std = pinstream.IMAGENET
     n_batches = 12 if quick else 30
     ds = Synthetic(n_batches)
+    fresh_ds = FreshBatches(n_batches)
     gen_data = [ds[i] for i in range(4)]
+    summary = {"bench": "models", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "pinstream": pinstream.__version__, "batch": 256, "batches": n_batches}
 
     def generator():
         for i in range(n_batches):
@@ -389,9 +548,14 @@ def bench_models(quick):
                      lambda x, y: keep_first(x.contiguous(memory_format=torch.channels_last), y))
         ours = timed(pt.prefetch(generator(), normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
                      lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
-        ours_dl = timed(pt.prefetch(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4),
-                                    normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
-                        lambda x, y: (x.permute(0, 3, 1, 2), y))
+        def from_dl(dataset, workers):
+            return timed(pt.prefetch(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers),
+                                     normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
+                         lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
+
+        ours_dl = from_dl(ds, 4)
+        ours_dl8 = from_dl(ds, 8)
+        ours_dl8_fresh = from_dl(fresh_ds, 8)
         want = resident[0][0][:, :, :2, :2].double().sum().item()
         assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
         print(f"- {name}")
@@ -399,13 +563,29 @@ def bench_models(quick):
         print(f"    DataLoader(pin_memory, 4 workers) + APEX prefetcher: {apex[0]:7.2f} ms, CPU {apex[1]:7.2f} ms  /ideal {apex[0] / ideal[0]:.3f}")
         print(f"    pinstream.torch.prefetch(generator), f16 NHWC:       {ours[0]:7.2f} ms, CPU {ours[1]:7.2f} ms  /ideal {ours[0] / ideal[0]:.3f}")
         print(f"    pinstream.torch.prefetch(DataLoader, 4 workers):     {ours_dl[0]:7.2f} ms, CPU {ours_dl[1]:7.2f} ms  /ideal {ours_dl[0] / ideal[0]:.3f}")
+        print(f"    pinstream.torch.prefetch(DataLoader, 8 workers):     {ours_dl8[0]:7.2f} ms, CPU {ours_dl8[1]:7.2f} ms  /ideal {ours_dl8[0] / ideal[0]:.3f}")
+        print(f"    ... 8 workers, a new shared tensor per batch:        {ours_dl8_fresh[0]:7.2f} ms, CPU {ours_dl8_fresh[1]:7.2f} ms  /ideal {ours_dl8_fresh[0] / ideal[0]:.3f}")
+        summary[name] = {
+            "ideal_ms": round(ideal[0], 2),
+            "of_ideal": {
+                "apex_dl4_pin": round(apex[0] / ideal[0], 3),
+                "generator": round(ours[0] / ideal[0], 3),
+                "dl4_views": round(ours_dl[0] / ideal[0], 3),
+                "dl8_views": round(ours_dl8[0] / ideal[0], 3),
+                "dl8_fresh": round(ours_dl8_fresh[0] / ideal[0], 3),
+            },
+            "cpu_ms": {"ideal": round(ideal[1], 1), "apex_dl4_pin": round(apex[1], 1), "generator": round(ours[1], 1),
+                       "dl4_views": round(ours_dl[1], 1), "dl8_views": round(ours_dl8[1], 1),
+                       "dl8_fresh": round(ours_dl8_fresh[1], 1)},
+        }
         del model, opt, resident
+    print(json.dumps(summary), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="upload,many,download,prefetch,cifar,models")
+    ap.add_argument("--only", default="upload,many,download,prefetch,dataloader,cifar,models")
     a = ap.parse_args()
     print(f"# pinstream {pinstream.__version__} vs torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
     only = a.only.split(",")
@@ -415,6 +595,8 @@ def main():
         bench_many()
     if "prefetch" in only:
         bench_prefetch(a.quick)
+    if "dataloader" in only:
+        bench_dataloader(a.quick)
     if "download" in only:
         bench_download()
     if "cifar" in only:
