@@ -348,13 +348,17 @@ def bench_dataloader(quick):
         "apex_dl8_pin": (apex(8), check),
     }
     for w in (4, 8):
+        # The DataLoader (views): the default, and the serial pull it replaced.
         configs[f"dl{w}_views"] = (ours(lambda w=w: dl(views, w)), check)
+        configs[f"dl{w}_views_serial"] = (ours(lambda w=w: dl(views, w), fresh=False), check)
+        # A new shared-memory tensor per batch: the default, pin_memory (one DMA from the
+        # DataLoader's pinned batch), zero_copy (the staging engine copies), the serial pull.
         configs[f"dl{w}_fresh"] = (ours(lambda w=w: dl(fresh, w)), check)
         configs[f"dl{w}_fresh_pin"] = (ours(lambda w=w: dl(fresh, w, pin=True)), check)
         configs[f"dl{w}_fresh_zero_copy"] = (ours(lambda w=w: dl(fresh, w), zero_copy=True), check)
         configs[f"dl{w}_fresh_serial"] = (ours(lambda w=w: dl(fresh, w), fresh=False), check)
     for lt in (2, 4, 8, 12):
-        configs[f"dl8_fresh_threads{lt}"] = (ours(lambda: dl(fresh, 8), loader_threads=lt), check)
+        configs[f"dl4_views_threads{lt}"] = (ours(lambda: dl(views, 4), loader_threads=lt), check)
     results = {}
     for name, (make, chk) in configs.items():
         wall, cpu, st = timed_rounds(make, cycles, chk, rounds, n, warm)
@@ -486,12 +490,15 @@ def bench_models(quick):
 
     print("\n## training step: ResNet, AMP, channels_last, batch 256 (ms per batch, CPU ms per batch)")
     mean, std = pinstream.IMAGENET
-    n_batches = 12 if quick else 30
+    # Each source's first `warm` batches are steps too, untimed: a DataLoader's workers start
+    # there (a second or more, which would weigh on 30 batches).
+    warm = 3 if quick else 6
+    n_batches = (12 if quick else 30) + warm
     ds = Synthetic(n_batches)
     fresh_ds = FreshBatches(n_batches)
     gen_data = [ds[i] for i in range(4)]
     summary = {"bench": "models", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-               "pinstream": pinstream.__version__, "batch": 256, "batches": n_batches}
+               "pinstream": pinstream.__version__, "batch": 256, "batches": n_batches - warm, "warmup": warm}
 
     def generator():
         for i in range(n_batches):
@@ -515,6 +522,9 @@ def bench_models(quick):
             scaler.update()
 
         def timed(batches, prep):
+            batches = iter(batches)
+            for _ in range(warm):
+                step(*prep(*next(batches)))
             torch.cuda.synchronize()
             cpu0, t0 = time.process_time(), time.perf_counter()
             ch0 = os.times()
@@ -548,6 +558,7 @@ def bench_models(quick):
                      lambda x, y: keep_first(x.contiguous(memory_format=torch.channels_last), y))
         ours = timed(pt.prefetch(generator(), normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
                      lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
+
         def from_dl(dataset, workers):
             return timed(pt.prefetch(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers),
                                      normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
