@@ -1,9 +1,14 @@
-//! `pinstream.Prefetcher`: a prefetcher over any Python iterable of CPU batches. A loader
-//! thread pulls the next items (holding the GIL for `next()` and for taking the arrays) and
-//! copies each item's pixels into page-locked memory before it asks the iterable for the next
-//! one (the GIL released for the copy: an iterable may refill the array it yielded once it is
-//! asked again, as the iterator convention allows); `zero_copy=True` reads the array itself
-//! instead, later, for iterables that yield a fresh array each time. The engine uploads the
+//! `pinstream.Prefetcher`: a prefetcher over any Python iterable of CPU batches. The loader
+//! threads take the items in turn (holding the GIL for `next()` and for taking the arrays); by
+//! default each copies its item's pixels into page-locked memory in its turn, before the
+//! iterable is asked for the next one (the GIL released for the copy: an iterable may refill
+//! the array it yielded once it is asked again, as the iterator convention allows). With
+//! `fresh` (a DataLoader with workers, whose every batch is a new shared-memory tensor) the
+//! turn only takes hold of the array, and the copy runs after it ([`Source::iter_then`]), on
+//! every loader thread at once, while the next item is pulled; page-locked arrays (a
+//! `pin_memory` DataLoader's) are not copied but go to the device with one DMA
+//! (`ForeignBytes::page_locked`). `zero_copy=True` hands the held array to the staging engine
+//! instead. The engine uploads the
 //! pixels, the fused kernel normalizes and casts them, and `__next__` hands out DLPack tensors
 //! whose consumer stream waits for them on the GPU. `__next__` waits in slices, checking for
 //! signals between them (Ctrl-C raises `KeyboardInterrupt` and leaves the prefetcher usable).
@@ -469,11 +474,12 @@ fn take_after(
     let (len, kind) = host.bytes().map(|(b, k)| (b.len(), k))?;
     if take.device && kind != HostKind::Pageable {
         take.stats.direct.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the bytes are one DLPack tensor's, which lies in one allocation of its
-        // producer, page-locked as the runtime says (checked again at both ends before the
-        // DMA); the import keeps it allocated while `Held` lives, and nobody writes it then:
-        // the iterable yields a new array for every item (`fresh` or `zero_copy`, the caller's
-        // promise; a DataLoader's batches).
+        // SAFETY: only a DLPack import is ever page-locked here (a buffer is always taken as
+        // pageable): one tensor, which lies in one allocation of its producer, page-locked as
+        // the runtime said (checked again at both ends before the DMA); the import keeps it
+        // allocated while `Held` lives, and nobody writes it then: the iterable yields a new
+        // array for every item (`fresh` or `zero_copy`, the caller's promise; a DataLoader's
+        // batches).
         batch.pixels = Pixels::Foreign(unsafe { ForeignBytes::page_locked(Held::new(host)) });
         return Ok(());
     }
