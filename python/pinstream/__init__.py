@@ -320,7 +320,7 @@ def load_safetensors(path, device=0, direct="auto"):
     the index's. Every shard's data region goes from the page cache (or with O_DIRECT when cold,
     ``direct="auto"``) through the staging engine into one device arena; the GIL is released
     throughout."""
-    return _native.load_safetensors(os.fspath(path), _device(device), direct)
+    return _native.load_safetensors(os.fsdecode(path), _device(device), direct)
 
 
 from .feed import ImageFeed, distributed_defaults  # noqa: E402  (uses _device and _dtype_name above)

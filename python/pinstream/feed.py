@@ -6,6 +6,7 @@ The Rust feed (``pinstream-vision``) thinly bound: JPEGs decoded by the GPU's JP
 defaults, the distributed rank, ``set_epoch`` and the state dict.
 """
 
+import operator
 import os
 import sys
 
@@ -136,11 +137,17 @@ class ImageFeed:
         else:
             root = None
             try:
-                items = [(os.fsdecode(p), int(label)) for p, label in data]
+                # An integer (numpy's too), never a float or string cut or parsed into one.
+                items = [(os.fsdecode(p), operator.index(label)) for p, label in data]
             except (TypeError, ValueError):
                 raise InvalidArgumentError(
-                    "pinstream.ImageFeed: data must be a folder or (path, label) pairs"
+                    "pinstream.ImageFeed: data must be a folder or (path, label) pairs with "
+                    "integer labels"
                 ) from None
+            for p, label in items:
+                if not 0 <= label < 2**63:
+                    why = "is negative" if label < 0 else "does not fit in int64"
+                    raise InvalidArgumentError(f"pinstream.ImageFeed: {p}: label {label} {why}")
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size, size)
         size = _pair("size", size, int)

@@ -254,6 +254,8 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
                         wait_for_releases(std::time::Duration::from_secs(120));
                         continue;
                     }
+                    // The one error of this op: `ImageFeed` (pinstream-vision) tells it from
+                    // a failure by the op, and goes on after a release.
                     return Some(Err(Error::invalid(
                         "Prefetcher::next",
                         format!(

@@ -333,6 +333,14 @@ impl Checkpoint {
             for t in header.tensors() {
                 let detail = match place.get(t.name()) {
                     Some(s) if s == shard => continue,
+                    // The shards are grouped by the index's words: one file spelled two ways
+                    // is refused, saying so (not that the tensor is elsewhere).
+                    Some(s) if index::plain_shard_name(s) == index::plain_shard_name(shard) => {
+                        format!(
+                            "the index {shown} names this tensor's shard {s:?}, and others of \
+                             the same file {shard:?}: spell each shard one way"
+                        )
+                    }
                     Some(s) => format!(
                         "the index {shown} puts this tensor in {s:?}: a tensor must be in the one \
                          shard the index names for it"

@@ -96,6 +96,19 @@ pub(crate) fn check_shard_name(name: &str) -> std::result::Result<(), &'static s
     Ok(())
 }
 
+/// A checked shard name with its `.` components and repeated or trailing `/` left out: two
+/// spellings of one name give the same.
+pub(crate) fn plain_shard_name(name: &str) -> String {
+    Path::new(name)
+        .components()
+        .filter_map(|c| match c {
+            Component::Normal(s) => s.to_str(),
+            _ => None,
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 struct RawIndex {
     weight_map: Option<Vec<(String, String)>>,
     metadata: Option<BTreeMap<String, String>>,

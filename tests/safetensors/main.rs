@@ -25,5 +25,6 @@ fn main() {
     trials.extend(file::hostile::trials());
     trials.extend(file::hostile2::trials());
     trials.extend(file::sharded::trials());
+    trials.extend(file::hostile32::trials());
     libtest_mimic::run(&args, trials).exit();
 }

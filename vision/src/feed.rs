@@ -116,7 +116,9 @@ impl<O: OutputElement> ImageFeed<O> {
 
     /// The next batch of this epoch, `None` after its last (then the next call goes on with
     /// the next epoch). An error ends the feed, and every later call returns an error saying
-    /// so (never a `None` that would look like the end of an epoch).
+    /// so (never a `None` that would look like the end of an epoch); except the CPU path's
+    /// refusal while every batch slot is lent out through DLPack, after which the feed goes on
+    /// once one is released.
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> Option<Result<FeedBatch<'_, O>>> {
         if let Some(m) = &self.failed {
@@ -148,7 +150,18 @@ impl<O: OutputElement> ImageFeed<O> {
                 Some(Ok(b))
             }
             Err(e) => {
-                self.failed = Some(e.to_string());
+                // Every slot lent out through DLPack is no end: the prefetcher goes on once a
+                // batch is released (`PrefetchConfig::export_spares`), and so does the feed.
+                let lent_out = matches!(
+                    &e,
+                    Error::InvalidArgument {
+                        op: "Prefetcher::next",
+                        ..
+                    }
+                );
+                if !lent_out {
+                    self.failed = Some(e.to_string());
+                }
                 Some(Err(e))
             }
         }

@@ -705,7 +705,11 @@ impl Work {
         }
         let mut out = match out {
             Some(o) => o,
-            None => output::<O>(self.decoder.stream(), cfg.batch, spec.sample_len()?)?,
+            None => output::<O>(
+                self.decoder.stream(),
+                src.largest_batch(),
+                spec.sample_len()?,
+            )?,
         };
         let n = labels.len();
         let (c, (h, w)) = (spec.out_channels(), cfg.out);

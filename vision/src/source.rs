@@ -405,7 +405,14 @@ impl ImageSource {
         }
         // Checks the statistics for three channels (every image is decoded to RGB).
         c.norm.check(OP, 3)?;
-        let mut sampler = Sampler::new(list.len()).shard(c.rank, c.world)?;
+        // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
+        // the CPU path): before a thread, decoder or buffer is made.
+        c.prefetch.validate()?;
+        // `drop_last` as `DistributedSampler`'s too: the list cut to a multiple of the world
+        // size instead of padded, so no file is in two ranks' shares.
+        let mut sampler = Sampler::new(list.len())
+            .shard(c.rank, c.world)?
+            .drop_uneven(c.drop_last);
         if c.shuffle {
             sampler = sampler.shuffle(c.seed);
         }
@@ -454,6 +461,12 @@ impl ImageSource {
     /// Batches in one epoch (of this rank).
     pub fn batches_per_epoch(&self) -> usize {
         self.inner.per_epoch
+    }
+
+    /// The most samples a batch can hold: the batch size, or this rank's share of an epoch
+    /// where that is smaller (what a batch's buffers are sized for).
+    pub(crate) fn largest_batch(&self) -> usize {
+        self.inner.cfg.batch.min(self.inner.sampler.per_rank())
     }
 
     /// `(epoch, batch)` of the prefetcher's batch index `index` (counted from `config.start`).

@@ -29,6 +29,7 @@ const PREFIX: &str = "file/";
 
 pub mod hostile;
 pub mod hostile2;
+pub mod hostile32;
 pub mod sharded;
 
 /// The trials of this module, named `file/...`.

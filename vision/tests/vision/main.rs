@@ -6,6 +6,7 @@
 #[path = "../../../tests/common/mod.rs"]
 mod common;
 mod feed;
+mod feed_hostile32;
 #[cfg(feature = "nvjpeg")]
 mod nvjpeg;
 #[cfg(feature = "nvjpeg")]
@@ -23,6 +24,7 @@ fn main() {
     trials.extend(feed::trials());
     trials.extend(feed::hostile::trials());
     trials.extend(feed::hostile2::trials());
+    trials.extend(feed_hostile32::trials());
     #[cfg(feature = "nvjpeg")]
     trials.extend(nvjpeg::trials());
     #[cfg(feature = "nvjpeg")]
