@@ -45,6 +45,10 @@ def distributed_defaults(rank=None, world_size=None):
     if w is None:
         w = _int_env("WORLD_SIZE")
         r = _int_env("RANK")
+        if w is not None and w > 1 and r is None and rank is None:
+            raise InvalidArgumentError(
+                f"pinstream.ImageFeed: WORLD_SIZE={w} but no RANK: give rank= or set RANK"
+            )
     if world_size is not None:
         w = world_size
     if rank is not None:

@@ -207,6 +207,9 @@ impl PyImageFeed {
         };
         config.prefetch.loader_threads = threads;
         config.prefetch.depth = depth;
+        // Batches held by Python (a list of them) each keep a slot of the CPU path's
+        // prefetcher: spares stand in for up to this many, as the GPU path makes new buffers.
+        config.prefetch.export_spares = 1024;
         let files = list.len();
         let c = ctx(py, device)?;
         let feed = py
@@ -254,24 +257,41 @@ impl PyImageFeed {
     ) -> PyResult<Option<(Bound<'py, Tensor>, Bound<'py, Tensor>)>> {
         self.check("ImageFeed.next")?;
         // The lock is held for one slice at a time, so `close` from another thread gets it
-        // within a slice; the GIL is released while waiting.
+        // within a slice; the GIL is released while waiting. Signals are checked once the
+        // batch is ready but before it is taken: a Ctrl-C raises KeyboardInterrupt and leaves
+        // the batch for the next call (only one arriving in the microseconds between taking
+        // it and returning can still cost it).
+        let mut wait = SLICE;
         let got: Got = loop {
-            let polled = py.detach(|| -> Result<Option<Got>, Error> {
+            let polled = py.detach(|| -> Result<Option<Option<Got>>, Error> {
                 let mut g = lock(&self.inner);
                 let Some(feed) = g.as_mut() else {
                     return Err(Error::invalid(OP, "the feed was closed"));
                 };
                 Ok(each!(feed, f => {
-                    if f.poll(SLICE) {
-                        Some(f.next().map(|r| r.and_then(|b| b.into_dlpack())))
+                    // `wait` is zero right after a ready poll and a signal check: take it.
+                    if f.poll(wait) {
+                        if wait.is_zero() {
+                            Some(Some(f.next().map(|r| r.and_then(|b| b.into_dlpack()))))
+                        } else {
+                            Some(None)
+                        }
                     } else {
                         None
                     }
                 }))
             });
             match polled.py_err()? {
-                Some(got) => break got,
-                None => py.check_signals()?,
+                Some(Some(got)) => break got,
+                // Ready: check for signals, then take it without waiting.
+                Some(None) => {
+                    py.check_signals()?;
+                    wait = Duration::ZERO;
+                }
+                None => {
+                    py.check_signals()?;
+                    wait = SLICE;
+                }
             }
         };
         match got {

@@ -66,6 +66,10 @@ def test_distributed_defaults_from_env(monkeypatch):
     monkeypatch.setenv("RANK", "4")
     with pytest.raises(pinstream.InvalidArgumentError, match="rank 4 of world size 4"):
         distributed_defaults()
+    monkeypatch.delenv("RANK")
+    with pytest.raises(pinstream.InvalidArgumentError, match="no RANK"):
+        distributed_defaults()  # torchrun sets both; one alone would duplicate rank 0's share
+    assert distributed_defaults(rank=3) == (3, 4)
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(pinstream.InvalidArgumentError, match="RANK"):
         distributed_defaults()
