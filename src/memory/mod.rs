@@ -7,7 +7,7 @@ pub use device::{DeviceBuffer, DeviceView, DeviceViewMut};
 #[cfg(any(feature = "dlpack", feature = "cudarc-any"))]
 pub(crate) use foreign::check_device_ptr;
 pub use foreign::ForeignBuffer;
-#[cfg(feature = "dlpack")]
+#[cfg(any(feature = "dlpack", feature = "prefetch"))]
 pub(crate) use foreign::{pointer_kind, PointerKind};
 pub use live::{live, Live};
 #[cfg(feature = "timing")]
