@@ -73,9 +73,11 @@ def _pair(name, v, cast):
         raise InvalidArgumentError(f"pinstream.ImageFeed: {name}={v!r} is not a pair of numbers") from None
 
 
-def _count(name, v, least=0):
-    if isinstance(v, bool) or not isinstance(v, int) or v < least:
-        raise InvalidArgumentError(f"pinstream.ImageFeed: {name}={v!r} must be an integer >= {least}")
+def _count(name, v, least=0, most=2**63 - 1):
+    if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+        raise InvalidArgumentError(
+            f"pinstream.ImageFeed: {name}={v!r} must be an integer in {least}..={most}"
+        )
     return v
 
 
@@ -184,7 +186,7 @@ class ImageFeed:
             std=list(std),
             dtype=_dtype_name(dtype),
             layout=str(layout),
-            seed=_count("seed", seed),
+            seed=_count("seed", seed, 0, 2**64 - 1),
             shuffle=bool(train if shuffle is None else shuffle),
             drop_last=bool(drop_last),
             decode=str(decode),
@@ -296,7 +298,7 @@ class ImageFeed:
             epoch, batch, seed = state["epoch"], state["batch"], state["seed"]
         except (TypeError, KeyError) as e:
             raise InvalidArgumentError(f"pinstream.ImageFeed.load_state_dict: missing {e}") from None
-        if version != _STATE_VERSION:
+        if type(version) is not int or version != _STATE_VERSION:
             raise InvalidArgumentError(f"pinstream.ImageFeed.load_state_dict: version {version!r}")
         here = self.state_dict()
         for k in ("world_size", "batch_size", "drop_last", "shuffle", "files"):
@@ -305,7 +307,8 @@ class ImageFeed:
                     f"pinstream.ImageFeed.load_state_dict: {k} {state.get(k)!r} in the state, "
                     f"{here[k]!r} here: the order would differ"
                 )
-        epoch, batch, seed = _count("epoch", epoch), _count("batch", batch), _count("seed", seed)
+        epoch, batch = _count("epoch", epoch), _count("batch", batch)
+        seed = _count("seed", seed, 0, 2**64 - 1)
         if batch >= len(self):
             raise InvalidArgumentError(
                 f"pinstream.ImageFeed.load_state_dict: batch {batch} of an epoch of {len(self)}"

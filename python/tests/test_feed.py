@@ -93,6 +93,9 @@ def test_bad_arguments_are_typed_before_any_gpu(tmp_path, monkeypatch):
         (dict(normalize=(1, 2)), pinstream.InvalidArgumentError),
         (dict(rank=3, world_size=2), pinstream.InvalidArgumentError),
         (dict(seed=-1), pinstream.InvalidArgumentError),
+        (dict(seed=2**64), pinstream.InvalidArgumentError),
+        (dict(batch_size=2**64), pinstream.InvalidArgumentError),
+        (dict(threads=2**70), pinstream.InvalidArgumentError),
     ]:
         with pytest.raises(kind):
             pinstream.ImageFeed(items, **{"batch_size": 4, **kwargs})
@@ -222,6 +225,8 @@ def test_state_of_another_world_is_refused(tmp_path):
             b.load_state_dict(dict(b.state_dict(), batch=99))
         with pytest.raises(pinstream.InvalidArgumentError):
             b.load_state_dict({"epoch": 1})
+        with pytest.raises(pinstream.InvalidArgumentError, match="version"):
+            b.load_state_dict(dict(b.state_dict(), version=True))
         assert len(batches(b)) == 3  # still usable
 
 
