@@ -81,44 +81,19 @@ def run(name, batches, step, a, torch):
     return r
 
 
-class ApexPrefetcher:
-    """APEX's data_prefetcher (apex/examples/imagenet/main_amp.py): the next batch's copy and
-    normalize on a side stream while the current one trains."""
+def apex_channels_last(loader, torch):
+    """vs_torch.py's APEX data_prefetcher, the batch also made channels_last on its side
+    stream."""
+    from vs_torch import ApexPrefetcher
 
-    def __init__(self, loader, torch):
-        self.torch = torch
-        self.it = iter(loader)
-        self.stream = torch.cuda.Stream()
-        self.mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1)
-        self.std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1)
-        self.preload()
+    class ChannelsLast(ApexPrefetcher):
+        def preload(self):
+            super().preload()
+            if self.next_input is not None:
+                with torch.cuda.stream(self.stream):
+                    self.next_input = self.next_input.contiguous(memory_format=torch.channels_last)
 
-    def preload(self):
-        torch = self.torch
-        try:
-            x, y = next(self.it)
-        except StopIteration:
-            self.x = self.y = None
-            return
-        with torch.cuda.stream(self.stream):
-            x = x.cuda(non_blocking=True)
-            self.y = y.cuda(non_blocking=True)
-            x = x.float().sub_(self.mean).div_(self.std)
-            self.x = x.contiguous(memory_format=torch.channels_last)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        torch = self.torch
-        torch.cuda.current_stream().wait_stream(self.stream)
-        x, y = self.x, self.y
-        if x is None:
-            raise StopIteration
-        x.record_stream(torch.cuda.current_stream())
-        y.record_stream(torch.cuda.current_stream())
-        self.preload()
-        return x, y
+    return ChannelsLast(loader, MEAN, STD)
 
 
 def dali_batches(a, torch):
@@ -214,7 +189,7 @@ def main():
         loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=a.workers,
                                              pin_memory=True, drop_last=True, persistent_workers=True,
                                              prefetch_factor=4)
-        r = run("torch_dataloader_apex", endless(lambda: ApexPrefetcher(loader, torch)), step, a, torch)
+        r = run("torch_dataloader_apex", endless(lambda: apex_channels_last(loader, torch)), step, a, torch)
         r["workers"] = a.workers
         out.append(r)
         del loader

@@ -10,11 +10,8 @@ import operator
 import os
 import sys
 
-from . import _native
+from . import IMAGENET, _native
 from .errors import InvalidArgumentError
-
-#: ImageNet's mean and std on the 0..255 scale (RGB).
-_IMAGENET = ((123.675, 116.28, 103.53), (58.395, 57.12, 57.375))
 
 _STATE_VERSION = 1
 
@@ -121,7 +118,7 @@ class ImageFeed:
         scale=(0.08, 1.0),
         ratio=(3.0 / 4.0, 4.0 / 3.0),
         flip=0.5,
-        normalize=_IMAGENET,
+        normalize=IMAGENET,
         dtype="bfloat16",
         layout="NCHW",
         seed=0,

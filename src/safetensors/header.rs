@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserializer;
 
+use super::json::{MetadataSeed, Values};
 use super::open::{Identity, Opened};
 use crate::dlpack::abi::{DLDataType, KDL_BFLOAT, KDL_BOOL, KDL_FLOAT, KDL_INT, KDL_UINT};
 use crate::error::{Error, Result};
@@ -579,7 +580,10 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
                 return Err(de::Error::custom(format!("the key {key:?} appears twice")));
             }
             if key == "__metadata__" {
-                metadata = map.next_value_seed(MetadataSeed)?;
+                metadata = map.next_value_seed(MetadataSeed {
+                    field: "__metadata__",
+                    values: Values::Strings,
+                })?;
             } else {
                 let info = map.next_value_seed(InfoSeed)?;
                 tensors.push((key, info));
@@ -590,65 +594,6 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
             metadata: metadata.unwrap_or_default(),
             tensors,
         })
-    }
-}
-
-/// `__metadata__`: `null`, or an object of strings, no key twice.
-struct MetadataSeed;
-
-impl<'de> DeserializeSeed<'de> for MetadataSeed {
-    type Value = Option<BTreeMap<String, String>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
-        d.deserialize_option(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MetadataSeed {
-    type Value = Option<BTreeMap<String, String>>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"__metadata__\" as an object of strings")
-    }
-
-    fn visit_none<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
-        d.deserialize_map(MetadataMap).map(Some)
-    }
-}
-
-struct MetadataMap;
-
-impl<'de> Visitor<'de> for MetadataMap {
-    type Value = BTreeMap<String, String>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"__metadata__\" as an object of strings")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(
-        self,
-        mut map: A,
-    ) -> std::result::Result<Self::Value, A::Error> {
-        let mut out = BTreeMap::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if out.contains_key(&key) {
-                return Err(de::Error::custom(format!(
-                    "\"__metadata__\": the key {key:?} appears twice"
-                )));
-            }
-            let value: String = map
-                .next_value()
-                .map_err(|e| de::Error::custom(format!("\"__metadata__\": {key:?}: {e}")))?;
-            out.insert(key, value);
-        }
-        Ok(out)
     }
 }
 

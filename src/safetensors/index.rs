@@ -7,13 +7,13 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::fmt::Write as _;
 use std::path::{Component, Path};
 
-use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 use serde::Deserializer;
 
 use super::header::format_error_of;
+use super::json::{MetadataSeed, Values};
 use crate::error::Result;
 
 /// The largest index accepted, in bytes (as [`MAX_HEADER_BYTES`](super::MAX_HEADER_BYTES) for a
@@ -151,7 +151,12 @@ impl<'de> Visitor<'de> for IndexSeed<'_> {
                     })?);
                     *self.current.borrow_mut() = None;
                 }
-                "metadata" => out.metadata = map.next_value_seed(MetadataSeed)?,
+                "metadata" => {
+                    out.metadata = map.next_value_seed(MetadataSeed {
+                        field: "metadata",
+                        values: Values::AnyAsText,
+                    })?
+                }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -201,173 +206,6 @@ impl<'de> Visitor<'de> for WeightMapSeed<'_> {
             out.push((key, shard));
         }
         Ok(out)
-    }
-}
-
-/// `metadata`: `null`, or an object; strings kept, other values as compact JSON, no key twice
-/// at any depth.
-struct MetadataSeed;
-
-impl<'de> DeserializeSeed<'de> for MetadataSeed {
-    type Value = Option<BTreeMap<String, String>>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
-        d.deserialize_option(self)
-    }
-}
-
-impl<'de> Visitor<'de> for MetadataSeed {
-    type Value = Option<BTreeMap<String, String>>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"metadata\" as an object")
-    }
-
-    fn visit_none<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_unit<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
-        Ok(None)
-    }
-
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
-        d.deserialize_map(MetadataMap).map(Some)
-    }
-}
-
-struct MetadataMap;
-
-impl<'de> Visitor<'de> for MetadataMap {
-    type Value = BTreeMap<String, String>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("\"metadata\" as an object")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(
-        self,
-        mut map: A,
-    ) -> std::result::Result<Self::Value, A::Error> {
-        let mut out = BTreeMap::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if out.contains_key(&key) {
-                return Err(de::Error::custom(format!(
-                    "\"metadata\": the key {key:?} appears twice"
-                )));
-            }
-            let mut text = String::new();
-            let string = map
-                .next_value_seed(JsonText { out: &mut text })
-                .map_err(|e| de::Error::custom(format!("\"metadata\": {key:?}: {e}")))?;
-            out.insert(key, string.unwrap_or(text));
-        }
-        Ok(out)
-    }
-}
-
-/// Any JSON value written to `out` as compact JSON, refusing a key given twice in any object;
-/// a top-level string is returned as it is instead (`Some`). serde_json's recursion limit (128)
-/// ends deep nesting with an error, never a stack overflow.
-struct JsonText<'o> {
-    out: &'o mut String,
-}
-
-impl<'de> DeserializeSeed<'de> for JsonText<'_> {
-    type Value = Option<String>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-/// A string as a JSON string literal.
-fn quoted(s: &str) -> String {
-    serde_json::to_string(s).unwrap_or_else(|_| format!("{s:?}"))
-}
-
-impl<'de> Visitor<'de> for JsonText<'_> {
-    type Value = Option<String>;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_bool<E: de::Error>(self, v: bool) -> std::result::Result<Self::Value, E> {
-        let _ = write!(self.out, "{v}");
-        Ok(None)
-    }
-
-    fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Self::Value, E> {
-        let _ = write!(self.out, "{v}");
-        Ok(None)
-    }
-
-    fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Self::Value, E> {
-        let _ = write!(self.out, "{v}");
-        Ok(None)
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Self::Value, E> {
-        self.out
-            .push_str(&serde_json::to_string(&v).unwrap_or_else(|_| "null".into()));
-        Ok(None)
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Self::Value, E> {
-        Ok(Some(v.to_string()))
-    }
-
-    fn visit_unit<E: de::Error>(self) -> std::result::Result<Self::Value, E> {
-        self.out.push_str("null");
-        Ok(None)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(
-        self,
-        mut seq: A,
-    ) -> std::result::Result<Self::Value, A::Error> {
-        self.out.push('[');
-        let mut first = true;
-        loop {
-            let mut item = String::new();
-            let Some(s) = seq.next_element_seed(JsonText { out: &mut item })? else {
-                break;
-            };
-            if !first {
-                self.out.push(',');
-            }
-            first = false;
-            match s {
-                Some(s) => self.out.push_str(&quoted(&s)),
-                None => self.out.push_str(&item),
-            }
-        }
-        self.out.push(']');
-        Ok(None)
-    }
-
-    fn visit_map<A: MapAccess<'de>>(
-        self,
-        mut map: A,
-    ) -> std::result::Result<Self::Value, A::Error> {
-        let mut seen = HashSet::new();
-        self.out.push('{');
-        while let Some(key) = map.next_key::<String>()? {
-            if !seen.insert(key.clone()) {
-                return Err(de::Error::custom(format!("the key {key:?} appears twice")));
-            }
-            if seen.len() > 1 {
-                self.out.push(',');
-            }
-            self.out.push_str(&quoted(&key));
-            self.out.push(':');
-            let mut item = String::new();
-            match map.next_value_seed(JsonText { out: &mut item })? {
-                Some(s) => self.out.push_str(&quoted(&s)),
-                None => self.out.push_str(&item),
-            }
-        }
-        self.out.push('}');
-        Ok(None)
     }
 }
 

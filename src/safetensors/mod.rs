@@ -54,6 +54,7 @@
 mod checkpoint;
 mod header;
 mod index;
+mod json;
 mod open;
 mod residency;
 
