@@ -272,8 +272,8 @@ pub fn provisioned_warning(what: &str, dest: &Path, in_cache: bool) -> String {
 }
 
 /// The cargo target dir that holds `out_dir` (`<target>/[<triple>/]<profile>/build/<pkg>/out`):
-/// the outermost ancestor with cargo's `CACHEDIR.TAG`, so that nested target dirs (trybuild's
-/// `target/tests/trybuild`) share one provisioned toolkit; else four levels up.
+/// the outermost ancestor with cargo's `CACHEDIR.TAG`, so that nested target dirs (such as
+/// trybuild's `target/tests/trybuild`) share one provisioned toolkit; else four levels up.
 pub fn target_dir(out_dir: &Path) -> PathBuf {
     out_dir
         .ancestors()

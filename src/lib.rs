@@ -50,6 +50,16 @@ mod stream;
 mod sync;
 pub mod sys;
 
+// Compile-fail doctests: the guarantees the compiler checks (rustdoc only).
+#[cfg(all(
+    doctest,
+    feature = "staging",
+    feature = "prefetch",
+    feature = "timing",
+    feature = "dlpack"
+))]
+mod compile_fail;
+
 // The layers, one cargo feature each (see Cargo.toml).
 #[cfg(feature = "cudarc-any")]
 pub mod cudarc;
