@@ -296,15 +296,17 @@ impl Checkpoint {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        // Where the index puts each tensor, and the tensors of each shard (shards by name).
-        let place: HashMap<&str, &str> = index
+        // Where the index puts each tensor, and the tensors of each shard. Shards go by their
+        // plain name: `./a.safetensors` and `a.safetensors` are one file, read once (the Hugging
+        // Face loaders join each spelling to the folder, so they take both too).
+        let place: HashMap<&str, String> = index
             .weight_map
             .iter()
-            .map(|(t, s)| (t.as_str(), s.as_str()))
+            .map(|(t, s)| (t.as_str(), index::plain_shard_name(s)))
             .collect();
-        let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+        let mut by_shard: BTreeMap<String, Vec<&str>> = BTreeMap::new();
         for (t, s) in &index.weight_map {
-            by_shard.entry(s.as_str()).or_default().push(t.as_str());
+            by_shard.entry(index::plain_shard_name(s)).or_default().push(t.as_str());
         }
         let mut shards = Vec::with_capacity(by_shard.len());
         for (shard, tensors) in &by_shard {
@@ -333,14 +335,6 @@ impl Checkpoint {
             for t in header.tensors() {
                 let detail = match place.get(t.name()) {
                     Some(s) if s == shard => continue,
-                    // The shards are grouped by the index's words: one file spelled two ways
-                    // is refused, saying so (not that the tensor is elsewhere).
-                    Some(s) if index::plain_shard_name(s) == index::plain_shard_name(shard) => {
-                        format!(
-                            "the index {shown} names this tensor's shard {s:?}, and others of \
-                             the same file {shard:?}: spell each shard one way"
-                        )
-                    }
                     Some(s) => format!(
                         "the index {shown} puts this tensor in {s:?}: a tensor must be in the one \
                          shard the index names for it"
