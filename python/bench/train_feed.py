@@ -2,9 +2,10 @@
 batch 256) fed from a folder of JPEGs, against the same step on a batch already on the GPU.
 
     python3 train_feed.py --root DIR [--steps 60] [--warmup 10] [--threads 4] [--workers 8]
-                          [--only ideal,pinstream,torch,dali] [--model resnet50]
+                          [--only ideal,pinstream,torch,dali] [--model resnet50] [--timeline]
 
-Pipelines (each `--steps` timed steps after `--warmup` untimed ones, a fresh model each):
+Pipelines, in the order `--only` names them, repeats allowed (each `--steps` timed steps after
+`--warmup` untimed ones, a fresh model each):
   ideal      one batch of random pixels, normalized, already on the GPU (the step alone)
   pinstream  pinstream.torch.image_feed(DIR, 256, threads=N, layout="NHWC", dtype=float16):
              JPEGs decoded by the GPU's engines (nvJPEG), RandomResizedCrop + flip + normalize
@@ -12,11 +13,14 @@ Pipelines (each `--steps` timed steps after `--warmup` untimed ones, a fresh mod
   torch      torchvision ImageFolder + RandomResizedCrop + flip + PILToTensor (uint8) in
              DataLoader(num_workers=W, pin_memory=True), APEX's data_prefetcher (side-stream
              copy, float, normalize on the GPU), channels_last
+  discard    the feed runs and its batches are taken and dropped; the step trains on the ideal's
+             batch (what running the feed beside the step costs)
+  replay     one batch of the feed, copied, replayed (the feed's tensors alone)
   dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
 
-Reports per pipeline: images/s, ratio of the step time to the ideal's, CPU seconds per image
+Reports per pipeline: images/s, ratio of the step time to the fastest ideal of the run, CPU seconds per image
 (this process and its worker processes over the timed steps). One JSON line per pipeline on
 stdout (TRAIN_JSON), progress on stderr.
 """
@@ -55,6 +59,17 @@ def make_model(name, torch, torchvision):
     return step
 
 
+def gpu_state():
+    """The GPU's SM clock, power and temperature now (nvidia-smi), or None."""
+    import subprocess
+    try:
+        q = "clocks.sm,power.draw,temperature.gpu"
+        return subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return None
+
+
 def endless(make_epoch):
     while True:
         yield from make_epoch()
@@ -78,6 +93,84 @@ def run(name, batches, step, a, torch):
          "step_ms": round(secs / a.steps * 1e3, 3), "cpu_s_per_image": round(cpu / n, 6)}
     print(f"{name}: {n / secs:.0f} images/s, {secs / a.steps * 1e3:.2f} ms per step, "
           f"{cpu / n * 1e3:.3f} CPU ms per image", file=sys.stderr, flush=True)
+    return r
+
+
+def gpu_timeline(name, batches, step, a, torch, n=6):
+    """`n` steps under torch.profiler: where the step's time goes on the GPU. Reports the span
+    from the first to the last kernel, the busy time of the step's stream (the union of its
+    kernels), the busy time of every other stream (the feed's), their overlap, and the host time
+    spent in `next(batches)` per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        x, y = next(batches)
+        step(x, y)
+    torch.cuda.synchronize()
+    host_next = 0.0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            t = time.perf_counter()
+            x, y = next(batches)
+            host_next += time.perf_counter() - t
+            step(x, y)
+        torch.cuda.synchronize()
+    streams = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            continue
+        nm = e.name()
+        if nm.startswith("Memcpy") or nm.startswith("Memset"):
+            kind = "copy"
+        else:
+            kind = "kernel"
+        streams.setdefault((e.device_resource_id(), kind), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+
+    def union(iv):
+        iv = sorted(iv)
+        out, cur = [], None
+        for s0, s1 in iv:
+            if cur and s0 <= cur[1]:
+                cur[1] = max(cur[1], s1)
+            else:
+                cur = [s0, s1]
+                out.append(cur)
+        return out
+
+    def total(iv):
+        return sum(b - a for a, b in iv)
+
+    def overlap(u, v):
+        i = j = 0
+        got = 0
+        while i < len(u) and j < len(v):
+            lo, hi = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+            if hi > lo:
+                got += hi - lo
+            if u[i][1] < v[j][1]:
+                i += 1
+            else:
+                j += 1
+        return got
+
+    kernels = {k: v for k, v in streams.items() if k[1] == "kernel"}
+    main = max(kernels, key=lambda k: total(kernels[k]))
+    mu = union(kernels[main])
+    others = union([iv for k, v in streams.items() if k != main for iv in v])
+    other_kernels = union([iv for k, v in kernels.items() if k != main for iv in v])
+    span = mu[-1][1] - mu[0][0]
+    r = {
+        "pipeline": name, "steps": n,
+        "span_ms_per_step": round(span / n / 1e6, 3),
+        "step_stream_busy_ms_per_step": round(total(mu) / n / 1e6, 3),
+        "step_stream_idle_ms_per_step": round((span - total(mu)) / n / 1e6, 3),
+        "other_kernels_ms_per_step": round(total(other_kernels) / n / 1e6, 3),
+        "other_kernels_overlapping_step_ms_per_step": round(overlap(mu, other_kernels) / n / 1e6, 3),
+        "other_streams_all_ms_per_step": round(total(others) / n / 1e6, 3),
+        "host_next_ms_per_step": round(host_next / n * 1e3, 3),
+        "step_kernels_per_step": round(len(kernels[main]) / n, 1),
+    }
+    print("TIMELINE_JSON " + json.dumps(r), flush=True)
     return r
 
 
@@ -139,7 +232,9 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--model", default="resnet50")
     ap.add_argument("--decode", default="auto", help="pinstream's decode=: auto, gpu, cpu")
-    ap.add_argument("--only", default="ideal,pinstream,torch,dali")
+    ap.add_argument("--only", default="ideal,pinstream,torch,dali",
+                    help="pipelines in order, repeats allowed (ideal, pinstream, discard, replay, torch, dali)")
+    ap.add_argument("--timeline", action="store_true", help="after each, a few steps under torch.profiler")
     a = ap.parse_args()
     import torch
     import torchvision
@@ -147,74 +242,102 @@ def main():
     import pinstream.torch as pt
 
     torch.backends.cudnn.benchmark = True
-    only = set(a.only.split(","))
     out = []
     device = torch.cuda.get_device_name()
     versions = {"torch": torch.__version__, "torchvision": torchvision.__version__}
+    x_res = torch.randn(a.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    y_res = torch.randint(0, 100, (a.batch,), device="cuda")
 
-    if "ideal" in only:
-        step = make_model(a.model, torch, torchvision)
-        x = torch.randn(a.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, 100, (a.batch,), device="cuda")
+    def resident():
+        while True:
+            yield x_res, y_res
 
-        def resident():
-            while True:
-                yield x, y
-
-        out.append(run("ideal", resident(), step, a, torch))
-
-    if "pinstream" in only:
-        step = make_model(a.model, torch, torchvision)
+    def feed():
         # drop_last as the DataLoader's below: a short last batch is a new shape, which
         # cudnn.benchmark would tune for in the timed steps.
-        feed = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
-                             rank=0, world_size=1, drop_last=True, decode=a.decode)
+        f = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
+                          rank=0, world_size=1, drop_last=True, decode=a.decode)
 
         def batches():
-            for epoch_x in endless(lambda: iter(feed)):
-                x, y = epoch_x
+            for x, y in endless(lambda: iter(f)):
                 yield x.permute(0, 3, 1, 2), y
 
-        r = run(f"pinstream_{a.decode}", batches(), step, a, torch)
-        r["decoding"] = feed.decoding
-        r["threads"] = a.threads
-        feed.close()
-        out.append(r)
+        return f, batches()
 
-    if "torch" in only:
-        from torchvision import transforms as T
+    def measure(name, batches, extra=None):
         step = make_model(a.model, torch, torchvision)
-        tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
-        ds = torchvision.datasets.ImageFolder(a.root, tf)
-        loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=a.workers,
-                                             pin_memory=True, drop_last=True, persistent_workers=True,
-                                             prefetch_factor=4)
-        r = run("torch_dataloader_apex", endless(lambda: apex_channels_last(loader, torch)), step, a, torch)
-        r["workers"] = a.workers
+        r = run(name, batches, step, a, torch)
+        r["gpu"] = gpu_state()
+        if extra:
+            r.update(extra)
+        if a.timeline:
+            r["timeline"] = gpu_timeline(name, batches, step, a, torch)
         out.append(r)
-        del loader
 
-    if "dali" in only:
-        try:
-            import nvidia.dali
-        except ImportError as e:
-            print(f"dali: skipped ({e})", file=sys.stderr)
-        else:
-            step = make_model(a.model, torch, torchvision)
+    for name in a.only.split(","):
+        if name == "ideal":
+            measure("ideal", resident())
+        elif name == "pinstream":
+            f, b = feed()
+            measure(f"pinstream_{a.decode}", b, {"threads": a.threads})
+            out[-1]["decoding"] = f.decoding
+            f.close()
+        elif name == "discard":
+            # The feed runs, its batches are taken and dropped; the step trains on the resident
+            # batch: what running the feed beside the step costs, without its data.
+            f, b = feed()
+
+            def discard(b=b):
+                while True:
+                    next(b)
+                    yield x_res, y_res
+
+            measure(f"discard_{a.decode}", discard(), {"threads": a.threads})
+            f.close()
+        elif name == "replay":
+            # One batch from the feed (its own DLPack tensors, which outlive the feed), the feed
+            # closed, the batch replayed: the feed's tensors alone.
+            f, b = feed()
+            x, y = next(b)
+            f.close()
+
+            def replay():
+                while True:
+                    yield x, y
+
+            measure("replay", replay())
+        elif name == "torch":
+            from torchvision import transforms as T
+            tf = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.PILToTensor()])
+            ds = torchvision.datasets.ImageFolder(a.root, tf)
+            loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=a.workers,
+                                                 pin_memory=True, drop_last=True, persistent_workers=True,
+                                                 prefetch_factor=4)
+            measure("torch_dataloader_apex", endless(lambda: apex_channels_last(loader, torch)),
+                    {"workers": a.workers})
+            del loader
+        elif name == "dali":
+            try:
+                import nvidia.dali
+            except ImportError as e:
+                print(f"dali: skipped ({e})", file=sys.stderr)
+                continue
             next_batch = dali_batches(a, torch)
 
             def batches():
                 while True:
                     yield next_batch()
 
-            r = run("dali", batches(), step, a, torch)
-            r["threads"] = a.threads
             versions["dali"] = nvidia.dali.__version__
-            out.append(r)
+            measure("dali", batches(), {"threads": a.threads})
+        else:
+            raise SystemExit(f"unknown pipeline {name!r}")
 
-    ideal = next((r for r in out if r["pipeline"] == "ideal"), None)
+    ideals = [r["step_ms"] for r in out if r["pipeline"] == "ideal"]
+    ideal = {"step_ms": min(ideals)} if ideals else None
     for r in out:
         if ideal:
+            # To the fastest ideal of the run (the GPU's clocks drift as it warms).
             r["ratio_to_ideal"] = round(r["step_ms"] / ideal["step_ms"], 4)
         r.update(model=a.model, batch=a.batch, device=device, versions=versions)
         print("TRAIN_JSON " + json.dumps(r), flush=True)
