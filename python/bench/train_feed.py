@@ -271,7 +271,10 @@ def main():
         if extra:
             r.update(extra)
         if a.timeline:
-            r["timeline"] = gpu_timeline(name, batches, step, a, torch)
+            try:
+                r["timeline"] = gpu_timeline(name, batches, step, a, torch)
+            except Exception as e:  # a diagnosis: the measurement above stands without it
+                print(f"TIMELINE_JSON {json.dumps({'pipeline': name, 'error': repr(e)})}", flush=True)
         out.append(r)
 
     for name in a.only.split(","):
