@@ -306,7 +306,10 @@ impl Checkpoint {
             .collect();
         let mut by_shard: BTreeMap<String, Vec<&str>> = BTreeMap::new();
         for (t, s) in &index.weight_map {
-            by_shard.entry(index::plain_shard_name(s)).or_default().push(t.as_str());
+            by_shard
+                .entry(index::plain_shard_name(s))
+                .or_default()
+                .push(t.as_str());
         }
         let mut shards = Vec::with_capacity(by_shard.len());
         for (shard, tensors) in &by_shard {

@@ -128,7 +128,11 @@ fn one_shard_spelled_two_ways() -> R {
         index(&idx, &pairs(&map));
         let c = Checkpoint::open(&idx).map_err(|e| format!("{one:?} and {other:?}: {e}"))?;
         ensure(c.len() == 4 && c.shards().len() == 2, || {
-            format!("{one:?} and {other:?}: {} tensors in {} shards", c.len(), c.shards().len())
+            format!(
+                "{one:?} and {other:?}: {} tensors in {} shards",
+                c.len(),
+                c.shards().len()
+            )
         })?;
     }
     Ok(())

@@ -438,7 +438,11 @@ fn index_names_every_tensor_once() -> R {
     );
     let c = Checkpoint::open(&p)?;
     ensure(c.len() == 2 && c.shards().len() == 1, || {
-        format!("two spellings of one shard: {} tensors in {} shards", c.len(), c.shards().len())
+        format!(
+            "two spellings of one shard: {} tensors in {} shards",
+            c.len(),
+            c.shards().len()
+        )
     })?;
     // And the good index of these two shards.
     std::fs::remove_file(&p2)?;
