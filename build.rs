@@ -542,7 +542,8 @@ fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), Stri
     files.sort();
 
     // In CUDA mode cc takes nvcc from the NVCC variable; the C++ compiler it finds becomes
-    // -ccbin. The build script is single-threaded, so setting it here is sound.
+    // -ccbin. The build script is single-threaded here (the compile threads start below), so
+    // setting it is sound.
     env::set_var("NVCC", &tk.nvcc);
     let ccbin = pass_ccbin(tk, out_dir);
     let mut build = cc::Build::new();
@@ -567,38 +568,64 @@ fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), Stri
     for flag in toolkit::gencode_flags(&archs) {
         build.flag(&flag);
     }
-    // nvcc compiles a file's architectures one after another unless told to use threads
-    // (CUDA 11.2+): as many as cargo's jobs (NUM_JOBS), so that a dependent's first build does
-    // not wait for seven architectures in a row. The code generated is the same.
-    if archs.len() > 1 {
-        let jobs = env::var("NUM_JOBS")
-            .ok()
-            .and_then(|j| j.parse::<usize>().ok())
-            .unwrap_or(1)
-            .clamp(1, archs.len());
-        build.flag(format!("--threads={jobs}"));
-    }
     // One library per .cu file: cc compiles several CUDA files in one build as relocatable
     // device code (--device-c), and that costs registers (crop_rows<f16, 3>: 76 instead of 60)
     // and measured 11 % of its speed on the H100. No kernel calls across files.
+    //
+    // The files compile side by side, as many at once as cargo's jobs (NUM_JOBS), each nvcc
+    // single-threaded. (nvcc's own --threads, tried first, races in the device-link step cc
+    // runs: "nvlink fatal: Could not read file .../tmpxft_..._dlink.reg.c", now and then, which
+    // failed CI twice.)
+    let jobs = env::var("NUM_JOBS")
+        .ok()
+        .and_then(|j| j.parse::<usize>().ok())
+        .unwrap_or(1)
+        .clamp(1, files.len().max(1));
+    let mut named = Vec::with_capacity(files.len());
     for file in &files {
         let stem = file
             .file_stem()
             .and_then(|s| s.to_str())
             .ok_or_else(|| format!("odd file name in cuda/: {}", file.display()))?;
-        build
-            .clone()
-            .file(file)
-            .try_compile(&format!("pinstream_kernels_{stem}"))
-            .map_err(|e| {
-                format!(
-                    "pinstream: nvcc ({}) failed on {}: {e}\n  if nvcc refuses the host compiler \
-                     (\"unsupported GNU version\"), set NVCC_CCBIN to one it supports (CUDA 11.8: \
-                     g++-11)",
-                    tk.nvcc.display(),
-                    file.display()
-                )
-            })?;
+        named.push((file.clone(), format!("pinstream_kernels_{stem}")));
     }
-    Ok(())
+    let compile = |(file, lib): &(PathBuf, String)| -> Result<(), String> {
+        build.clone().file(file).try_compile(lib).map_err(|e| {
+            format!(
+                "pinstream: nvcc ({}) failed on {}: {e}\n  if nvcc refuses the host compiler \
+                 (\"unsupported GNU version\"), set NVCC_CCBIN to one it supports (CUDA 11.8: \
+                 g++-11)",
+                tk.nvcc.display(),
+                file.display()
+            )
+        })
+    };
+    // The largest files first, so that the last to start is a short one.
+    named.sort_by_key(|(f, _)| std::cmp::Reverse(std::fs::metadata(f).map_or(0, |m| m.len())));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..jobs)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(item) = named.get(i) else {
+                            return out;
+                        };
+                        out.push(compile(item));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    vec![Err("pinstream: a kernel build thread panicked".into())]
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
 }
