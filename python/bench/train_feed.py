@@ -96,6 +96,39 @@ def run(name, batches, step, a, torch):
     return r
 
 
+def union(iv):
+    """Sorted, merged `(start, end)` intervals."""
+    iv = sorted(iv)
+    out, cur = [], None
+    for s0, s1 in iv:
+        if cur and s0 <= cur[1]:
+            cur[1] = max(cur[1], s1)
+        else:
+            cur = [s0, s1]
+            out.append(cur)
+    return out
+
+
+def total(iv):
+    """Their summed length (of merged intervals)."""
+    return sum(b - a for a, b in iv)
+
+
+def overlap(u, v):
+    """How long two merged interval lists overlap."""
+    i = j = 0
+    got = 0
+    while i < len(u) and j < len(v):
+        lo, hi = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+        if hi > lo:
+            got += hi - lo
+        if u[i][1] < v[j][1]:
+            i += 1
+        else:
+            j += 1
+    return got
+
+
 def gpu_timeline(name, batches, step, a, torch, n=6):
     """`n` steps under torch.profiler: where the step's time goes on the GPU. Reports the span
     from the first to the last kernel, the busy time of the step's stream (the union of its
@@ -125,33 +158,6 @@ def gpu_timeline(name, batches, step, a, torch, n=6):
         else:
             kind = "kernel"
         streams.setdefault((e.device_resource_id(), kind), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
-
-    def union(iv):
-        iv = sorted(iv)
-        out, cur = [], None
-        for s0, s1 in iv:
-            if cur and s0 <= cur[1]:
-                cur[1] = max(cur[1], s1)
-            else:
-                cur = [s0, s1]
-                out.append(cur)
-        return out
-
-    def total(iv):
-        return sum(b - a for a, b in iv)
-
-    def overlap(u, v):
-        i = j = 0
-        got = 0
-        while i < len(u) and j < len(v):
-            lo, hi = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
-            if hi > lo:
-                got += hi - lo
-            if u[i][1] < v[j][1]:
-                i += 1
-            else:
-                j += 1
-        return got
 
     kernels = {k: v for k, v in streams.items() if k[1] == "kernel"}
     main = max(kernels, key=lambda k: total(kernels[k]))
