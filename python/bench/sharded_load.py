@@ -2,7 +2,7 @@
 run on one GPU, with the page cache warm and cold.
 
     python3 python/bench/sharded_load.py [--size-gb 6] [--shard-gb 1] [--dir DIR] [--keep]
-                                         [--repeat 5] [--cold-repeat 3]
+                                         [--repeat 5] [--cold-repeat 3] [--toy]
 
 It writes (once; reused with --keep) a transformer-like bf16 checkpoint of --size-gb decimal GB
 as ``save_pretrained`` does: shards of at most --shard-gb named ``model-0000k-of-0000n`` and
@@ -69,10 +69,15 @@ def random_bf16(shape):
     return raw.view(torch.bfloat16).reshape(shape).cpu()
 
 
-def model_state(target):
-    """About `target` bytes of a Llama-like model's weights, all bf16 (hidden 4096, MLP 11008,
-    vocab 32000; as many layers as fit)."""
-    h, m, vocab = 4096, 11008, 32000
+#: A Llama-like model's hidden, MLP and vocabulary sizes; TOY's for a smoke run (`--toy`).
+LLAMA = (4096, 11008, 32000)
+TOY = (256, 688, 2000)
+
+
+def model_state(target, dims=LLAMA):
+    """About `target` bytes of a Llama-like model's weights, all bf16 (`dims`: hidden, MLP,
+    vocab; as many layers as fit)."""
+    h, m, vocab = dims
     shapes = {"model.embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h),
               "model.norm.weight": (h,)}
     fixed = 2 * (2 * vocab * h + h)
@@ -89,11 +94,11 @@ def model_state(target):
     return {k: random_bf16(s) for k, s in shapes.items()}
 
 
-def write_checkpoint(folder, size, shard):
+def write_checkpoint(folder, size, shard, dims=LLAMA):
     os.makedirs(folder, exist_ok=True)
     log(f"writing a checkpoint of about {size / GB:.1f} GB in shards of at most {shard / GB:.1f} GB "
         f"to {folder}")
-    state = model_state(size)
+    state = model_state(size, dims)
     try:
         from huggingface_hub import save_torch_state_dict
     except ImportError:
@@ -314,11 +319,13 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cold-repeat", type=int, default=3)
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--toy", action="store_true",
+                    help="a small model's shapes (hidden 256): a smoke run of a few MB")
     a = ap.parse_args()
 
     index_path = os.path.join(a.dir, "model.safetensors.index.json")
     if not os.path.exists(index_path):
-        write_checkpoint(a.dir, a.size_gb * GB, a.shard_gb * GB)
+        write_checkpoint(a.dir, a.size_gb * GB, a.shard_gb * GB, TOY if a.toy else LLAMA)
     index, paths = shards_of(a.dir)
     nbytes = sum(data_bytes(p) for p in paths)
     log(f"{len(paths)} shards, {len(index['weight_map'])} tensors, {nbytes / GB:.2f} GB of data")

@@ -1,0 +1,90 @@
+"""The issue-32 benchmarks run end to end, at toy sizes, on the device: a benchmark that no longer
+runs (an API it calls changed, a pipeline it builds broke) fails here rather than in the session
+that needs its figures. Nothing is timed or compared with a speed; the outputs are checked for
+shape and sense (every pipeline reported, byte identity, positive rates). Skipped without a GPU,
+torch or torchvision.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import needs_gpu
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+
+
+def run_bench(script, *args, timeout=600):
+    """Runs python/bench/<script> with this interpreter and environment; its stdout, or the
+    failure with both streams."""
+    p = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{script} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return p.stdout
+
+
+def lines(stdout, tag):
+    return [json.loads(line[len(tag) + 1:]) for line in stdout.splitlines() if line.startswith(tag + " ")]
+
+
+def image_folder(root, classes=2, per_class=24, seed=3):
+    """An ImageFolder tree of varied-size JPEGs with random colour blocks (not flat)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        d = os.path.join(root, f"class{c}")
+        os.makedirs(d)
+        for i in range(per_class):
+            h, w = int(rng.integers(120, 360)), int(rng.integers(120, 360))
+            small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+            img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
+            Image.fromarray(img).save(os.path.join(d, f"{i:03d}.jpg"), quality=90)
+
+
+@needs_gpu
+def test_train_feed_runs_every_pipeline(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    root = tmp_path / "set"
+    image_folder(str(root))
+    out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
+                    "--steps", "3", "--warmup", "1", "--threads", "2", "--workers", "2",
+                    "--only", "ideal,pinstream,discard,replay,torch,ideal", "--timeline")
+    got = lines(out, "TRAIN_JSON")
+    names = [r["pipeline"] for r in got]
+    assert names == ["ideal", "pinstream_auto", "discard_auto", "replay", "torch_dataloader_apex", "ideal"], names
+    for r in got:
+        assert r["images"] == 3 * 8 and r["images_per_s"] > 0 and r["ratio_to_ideal"] > 0, r
+        t = r.get("timeline")
+        assert t and t["steps"] == 6 and t["span_ms_per_step"] > 0, r
+        assert t["step_stream_busy_ms_per_step"] <= t["span_ms_per_step"] + 1e-6, t
+    assert got[1]["decoding"] in ("gpu", "cpu")
+    assert min(r["ratio_to_ideal"] for r in got if r["pipeline"] == "ideal") == 1.0
+
+
+@needs_gpu
+def test_sharded_load_runs_and_is_byte_identical(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    out = run_bench("sharded_load.py", "--toy", "--size-gb", "0.02", "--shard-gb", "0.004", "--dir",
+                    str(tmp_path / "ckpt"), "--repeat", "1", "--cold-repeat", "1")
+    r = json.loads(out.strip().splitlines()[-1])
+    assert r["bench"] == "sharded_load" and r["shards"] >= 3, r
+    assert r["byte_identical"] is True, r
+    for way in ("pinstream", "pinstream_never", "pinstream_per_shard", "load_file", "safe_open", "mmap_to"):
+        assert r["warm_gbps"][way] > 0, (way, r)
+    assert r["cold_gbps"]["pinstream_auto"] > 0, r
+    assert not os.path.exists(tmp_path / "ckpt" / "model.safetensors.index.json")
