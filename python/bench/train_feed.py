@@ -20,14 +20,16 @@ Pipelines, in the order `--only` names them, repeats allowed (each `--steps` tim
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
 
-Reports per pipeline: images/s, ratio of the step time to the fastest ideal of the run, CPU seconds per image
-(this process and its worker processes over the timed steps). One JSON line per pipeline on
+Reports per pipeline: images/s, ratio of the step time to the fastest ideal of the run, CPU
+seconds per image (this process and its worker processes over the timed steps), and the GPU's
+SM clock, power and temperature sampled while the timed steps ran. One JSON line per pipeline on
 stdout (TRAIN_JSON), progress on stderr.
 """
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -59,15 +61,41 @@ def make_model(name, torch, torchvision):
     return step
 
 
-def gpu_state():
-    """The GPU's SM clock, power and temperature now (nvidia-smi), or None."""
-    import subprocess
-    try:
-        q = "clocks.sm,power.draw,temperature.gpu"
-        return subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        return None
+class GpuSampler:
+    """nvidia-smi sampling the SM clock, power and temperature every 250 ms while the timed
+    steps run (the clocks drift as the GPU warms, and fall when it idles): `stop()` gives the
+    medians and the hottest reading, or None where nvidia-smi is missing."""
+
+    def __init__(self):
+        import subprocess
+        try:
+            self.p = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu",
+                 "--format=csv,noheader,nounits", "-lms", "250"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.p = None
+
+    def stop(self):
+        if self.p is None:
+            return None
+        self.p.terminate()
+        try:
+            out, _ = self.p.communicate(timeout=10)
+        except Exception:  # noqa: BLE001 - a diagnosis only
+            self.p.kill()
+            return None
+        rows = []
+        for line in out.splitlines():
+            try:
+                rows.append([float(v) for v in line.split(",")])
+            except ValueError:
+                pass
+        if not rows:
+            return None
+        med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
+        return {"samples": len(rows), "sm_mhz_median": med(0), "power_w_median": med(1),
+                "temp_c_max": max(r[2] for r in rows)}
 
 
 def endless(make_epoch):
@@ -81,6 +109,7 @@ def run(name, batches, step, a, torch):
         x, y = next(batches)
         step(x, y)
     torch.cuda.synchronize()
+    sampler = GpuSampler()
     c0, t0 = cpu_total(), time.perf_counter()
     n = 0
     for _ in range(a.steps):
@@ -88,9 +117,11 @@ def run(name, batches, step, a, torch):
         step(x, y)
         n += y.shape[0]
     torch.cuda.synchronize()
+    # The CPU before the sampler is reaped: its time is not this process's.
     secs, cpu = time.perf_counter() - t0, cpu_total() - c0
     r = {"pipeline": name, "images": n, "secs": round(secs, 4), "images_per_s": round(n / secs, 1),
-         "step_ms": round(secs / a.steps * 1e3, 3), "cpu_s_per_image": round(cpu / n, 6)}
+         "step_ms": round(secs / a.steps * 1e3, 3), "cpu_s_per_image": round(cpu / n, 6),
+         "gpu": sampler.stop()}
     print(f"{name}: {n / secs:.0f} images/s, {secs / a.steps * 1e3:.2f} ms per step, "
           f"{cpu / n * 1e3:.3f} CPU ms per image", file=sys.stderr, flush=True)
     return r
@@ -273,7 +304,6 @@ def main():
     def measure(name, batches, extra=None):
         step = make_model(a.model, torch, torchvision)
         r = run(name, batches, step, a, torch)
-        r["gpu"] = gpu_state()
         if extra:
             r.update(extra)
         if a.timeline:
