@@ -15,3 +15,22 @@ def _gpu_reason():
 GPU_REASON = _gpu_reason()
 
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sigint_raises_keyboard_interrupt():
+    """The Ctrl-C tests send a real SIGINT and expect ``KeyboardInterrupt``. A process started
+    with SIGINT ignored (a background job of a non-interactive shell, ``nohup``, some CI
+    runners) keeps it ignored, and Python installs no handler: the signal did nothing, a
+    schedule waited for it until its watchdog ended the whole run, and the report was lost. The
+    session installs Python's handler where none is, and puts the old disposition back."""
+    import signal
+
+    old = signal.getsignal(signal.SIGINT)
+    if old is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if old is not signal.default_int_handler and old is not None:
+            signal.signal(signal.SIGINT, old)
