@@ -573,9 +573,10 @@ fn compile_kernels(tk: &Toolkit, cudart: u32, out_dir: &Path) -> Result<(), Stri
     // and measured 11 % of its speed on the H100. No kernel calls across files.
     //
     // The files compile side by side, as many at once as cargo's jobs (NUM_JOBS), each nvcc
-    // single-threaded. (nvcc's own --threads, tried first, races in the device-link step cc
-    // runs: "nvlink fatal: Could not read file .../tmpxft_..._dlink.reg.c", now and then, which
-    // failed CI twice.)
+    // single-threaded: the same commands as before nvcc's own --threads was tried. That flag
+    // also threads the device-link step cc runs, where one clean build failed with "nvlink
+    // fatal: Could not read file .../tmpxft_..._dlink.reg.c" (on a nearly full disk, so the
+    // cause is not certain); this way is as fast on 2 cores.
     let jobs = env::var("NUM_JOBS")
         .ok()
         .and_then(|j| j.parse::<usize>().ok())
