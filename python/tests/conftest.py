@@ -17,6 +17,27 @@ GPU_REASON = _gpu_reason()
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 
 
+def make_jpegs(folder, n, seed=0, side=(96, 400)):
+    """``n`` JPEGs in ``folder`` of sizes drawn from ``side``, random blocks of colour with
+    noise (not flat, not zeros): ``[(path, index)]``."""
+    import os
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(n):
+        h, w = int(rng.integers(*side)), int(rng.integers(*side))
+        small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
+        img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
+        img = np.clip(img.astype(np.int16) + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
+        path = os.path.join(str(folder), f"img{i:04d}.jpg")
+        Image.fromarray(img).save(path, quality=90)
+        items.append((path, i))
+    return items
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _sigint_raises_keyboard_interrupt():
     """The Ctrl-C tests send a real SIGINT and expect ``KeyboardInterrupt``. A process started

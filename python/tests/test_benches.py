@@ -10,10 +10,9 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import needs_gpu
+from conftest import make_jpegs, needs_gpu
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
 
@@ -31,19 +30,12 @@ def lines(stdout, tag):
     return [json.loads(line[len(tag) + 1:]) for line in stdout.splitlines() if line.startswith(tag + " ")]
 
 
-def image_folder(root, classes=2, per_class=24, seed=3):
-    """An ImageFolder tree of varied-size JPEGs with random colour blocks (not flat)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
+def image_folder(root, classes=2, per_class=24):
+    """An ImageFolder tree of varied-size JPEGs."""
     for c in range(classes):
         d = os.path.join(root, f"class{c}")
         os.makedirs(d)
-        for i in range(per_class):
-            h, w = int(rng.integers(120, 360)), int(rng.integers(120, 360))
-            small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-            img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
-            Image.fromarray(img).save(os.path.join(d, f"{i:03d}.jpg"), quality=90)
+        make_jpegs(d, per_class, seed=3 + c, side=(120, 360))
 
 
 @needs_gpu

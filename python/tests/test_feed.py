@@ -16,24 +16,7 @@ import pytest
 import pinstream
 from pinstream.feed import distributed_defaults
 
-from conftest import needs_gpu
-
-
-def make_jpegs(folder, n, seed=0):
-    """``n`` JPEGs of varied sizes with random blocks of colour (not flat, not zeros)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    items = []
-    for i in range(n):
-        h, w = int(rng.integers(96, 400)), int(rng.integers(96, 400))
-        small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)
-        img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
-        img = np.clip(img.astype(np.int16) + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
-        path = os.path.join(folder, f"img{i:04d}.jpg")
-        Image.fromarray(img).save(path, quality=90)
-        items.append((path, i))
-    return items
+from conftest import make_jpegs, needs_gpu
 
 
 def batches(feed):

@@ -17,21 +17,7 @@ import pytest
 import pinstream
 from pinstream.errors import FormatError, InvalidArgumentError, PinstreamError
 
-from conftest import needs_gpu
-
-
-def make_jpegs(folder, n, seed=0, side=(48, 120)):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    items = []
-    for i in range(n):
-        h, w = int(rng.integers(*side)), int(rng.integers(*side))
-        img = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-        path = os.path.join(str(folder), f"img{i:04d}.jpg")
-        Image.fromarray(img).save(path, quality=90)
-        items.append((path, i))
-    return items
+from conftest import make_jpegs, needs_gpu
 
 
 def labels_of(batch):
@@ -117,7 +103,7 @@ def test_h32_held_batches_then_released_the_feed_goes_on(tmp_path, decode):
     """The CPU-decoding feed lends at most depth + 2 batches through DLPack; one more is an
     error saying to release one and call again. The feed latched it as fatal: after the
     release every later call raised 'the feed stopped at an earlier error'."""
-    items = make_jpegs(tmp_path, 24, seed=1)
+    items = make_jpegs(tmp_path, 24, seed=1, side=(48, 120))
     with feed(items, 2, decode=decode, shuffle=False) as f:
         held, err = [], None
         for _ in range(8):
@@ -141,7 +127,7 @@ def test_h32_held_batches_then_released_the_feed_goes_on(tmp_path, decode):
 def test_h32_loader_threads_and_depth_checked_on_every_path(tmp_path):
     """The GPU-decoding path started whatever number of loaders (each an nvJPEG state and a
     stream) and any depth: refused as the CPU path refuses them."""
-    items = make_jpegs(tmp_path, 4, seed=2)
+    items = make_jpegs(tmp_path, 4, seed=2, side=(48, 120))
     for kw in [dict(depth=17), dict(threads=257), dict(depth=10**6)]:
         for decode in ["auto", "cpu"]:
             with pytest.raises(InvalidArgumentError):
@@ -152,7 +138,7 @@ def test_h32_loader_threads_and_depth_checked_on_every_path(tmp_path):
 def test_h32_drop_last_shares_are_disjoint(tmp_path):
     """drop_last as DistributedSampler's (the docstring): 5 files, 4 ranks, batches of 1: one
     file per rank, none twice. Padded anyway, two ranks got a second, duplicated file."""
-    items = make_jpegs(tmp_path, 5, seed=3)
+    items = make_jpegs(tmp_path, 5, seed=3, side=(48, 120))
     seen = []
     for r in range(4):
         with feed(items, 1, rank=r, world_size=4, drop_last=True, shuffle=False) as f:
@@ -166,7 +152,7 @@ def test_h32_drop_last_shares_are_disjoint(tmp_path):
 def test_h32_batch_size_beyond_the_share(tmp_path, decode):
     """A batch size above the files of a rank is one short batch (as a DataLoader gives): the GPU
     path sized its buffers for batch_size samples (2**36 of them: OutOfMemoryError)."""
-    items = make_jpegs(tmp_path, 6, seed=4)
+    items = make_jpegs(tmp_path, 6, seed=4, side=(48, 120))
     for bs in [2**36, 2**62]:
         with feed(items, bs, decode=decode) as f:
             assert len(f) == 1
@@ -179,7 +165,7 @@ def test_h32_batch_size_beyond_the_share(tmp_path, decode):
 
 @needs_gpu
 def test_h32_junk_state_and_epochs_are_typed_and_harmless(tmp_path):
-    items = make_jpegs(tmp_path, 12, seed=5)
+    items = make_jpegs(tmp_path, 12, seed=5, side=(48, 120))
     with feed(items, 4, shuffle=True) as f:
         good = f.state_dict()
         first = labels_of(f._native.next())
@@ -204,7 +190,7 @@ def test_h32_junk_state_and_epochs_are_typed_and_harmless(tmp_path):
 @needs_gpu
 def test_h32_two_threads_share_one_feed(tmp_path):
     """Two threads pulling the native feed at once: every batch of two epochs exactly once."""
-    items = make_jpegs(tmp_path, 30, seed=6)
+    items = make_jpegs(tmp_path, 30, seed=6, side=(48, 120))
     with feed(items, 3, seed=7) as ref:
         want = sorted(tuple(labels_of(b)) for b in list(ref) + list(ref))
     with feed(items, 3, seed=7) as f:
@@ -271,7 +257,7 @@ def test_h32_batches_outlive_set_epoch_close_and_the_feed(tmp_path, decode):
     torch = pytest.importorskip("torch")
     import pinstream.torch as pt
 
-    items = make_jpegs(tmp_path, 16, seed=9)
+    items = make_jpegs(tmp_path, 16, seed=9, side=(48, 120))
     f = pt.image_feed(items, 4, size=32, rank=0, world_size=1, decode=decode, dtype=torch.float32)
     kept = [next(iter(f)) for _ in range(3)]
     copies = [(x.clone(), y.clone()) for x, y in kept]
@@ -293,7 +279,7 @@ def test_h32_batches_outlive_set_epoch_close_and_the_feed(tmp_path, decode):
 @needs_gpu
 def test_h32_dlpack_twice_is_refused_not_a_double_free(tmp_path):
     torch = pytest.importorskip("torch")
-    items = make_jpegs(tmp_path, 4, seed=10)
+    items = make_jpegs(tmp_path, 4, seed=10, side=(48, 120))
     with feed(items, 4, dtype="float32") as f:
         x, y = next(iter(f))
         a = torch.from_dlpack(x)
@@ -308,7 +294,7 @@ def test_h32_dlpack_twice_is_refused_not_a_double_free(tmp_path):
 
 @needs_gpu
 def test_h32_forked_child_is_refused_and_exits(tmp_path):
-    items = make_jpegs(tmp_path, 8, seed=11)
+    items = make_jpegs(tmp_path, 8, seed=11, side=(48, 120))
     f = feed(items, 2)
     x, y = next(iter(f))
     pid = os.fork()
@@ -384,7 +370,7 @@ def test_h32_ctrl_c_storm_keeps_the_feed_in_order(tmp_path):
 
 @needs_gpu
 def test_h32_feeds_leak_no_threads_or_descriptors(tmp_path):
-    items = make_jpegs(tmp_path, 8, seed=13)
+    items = make_jpegs(tmp_path, 8, seed=13, side=(48, 120))
     for decode in ["auto", "cpu"]:
         with feed(items, 4, decode=decode) as f:
             list(f)
@@ -403,7 +389,7 @@ def test_h32_feeds_leak_no_threads_or_descriptors(tmp_path):
 
 @needs_gpu
 def test_h32_normalize_dtype_size_junk(tmp_path):
-    items = make_jpegs(tmp_path, 2, seed=14)
+    items = make_jpegs(tmp_path, 2, seed=14, side=(48, 120))
     for kw in [dict(normalize=((1, 2), (1, 2, 3))), dict(normalize=((0, 0, 0), (1, 0, 1))),
                dict(normalize=((0, 0, 0), (1, float("inf"), 1))), dict(normalize=((1e39, 0, 0), (1, 1, 1))),
                dict(dtype="int7"), dict(dtype=None), dict(size=(0, 32)),
@@ -426,7 +412,7 @@ def test_h32_normalize_dtype_size_junk(tmp_path):
 
 @needs_gpu
 def test_h32_huge_labels_come_back_exact(tmp_path):
-    items = make_jpegs(tmp_path, 2, seed=15)
+    items = make_jpegs(tmp_path, 2, seed=15, side=(48, 120))
     items = [(items[0][0], 2**63 - 1), (items[1][0], 0)]
     with feed(items, 2, shuffle=False) as f:
         (x, y), = list(f)

@@ -299,17 +299,12 @@ impl Checkpoint {
         // Where the index puts each tensor, and the tensors of each shard. Shards go by their
         // plain name: `./a.safetensors` and `a.safetensors` are one file, read once (the Hugging
         // Face loaders join each spelling to the folder, so they take both too).
-        let place: HashMap<&str, String> = index
-            .weight_map
-            .iter()
-            .map(|(t, s)| (t.as_str(), index::plain_shard_name(s)))
-            .collect();
+        let mut place: HashMap<&str, String> = HashMap::with_capacity(index.weight_map.len());
         let mut by_shard: BTreeMap<String, Vec<&str>> = BTreeMap::new();
         for (t, s) in &index.weight_map {
-            by_shard
-                .entry(index::plain_shard_name(s))
-                .or_default()
-                .push(t.as_str());
+            let plain = index::plain_shard_name(s);
+            by_shard.entry(plain.clone()).or_default().push(t.as_str());
+            place.insert(t.as_str(), plain);
         }
         let mut shards = Vec::with_capacity(by_shard.len());
         for (shard, tensors) in &by_shard {
