@@ -210,6 +210,9 @@ impl PyImageFeed {
         // Batches held by Python (a list of them) each keep a slot of the CPU path's
         // prefetcher: spares stand in for up to this many, as the GPU path makes new buffers.
         config.prefetch.export_spares = 1024;
+        // Every setting is checked before the device's context is made (a bad one is an
+        // InvalidArgumentError on any machine, with or without a GPU).
+        config.validate().py_err()?;
         let files = list.len();
         let c = ctx(py, device)?;
         let feed = py

@@ -16,7 +16,7 @@ import pytest
 import pinstream
 from pinstream.feed import distributed_defaults
 
-from conftest import make_jpegs, needs_gpu
+from conftest import GPU_REASON, make_jpegs, needs_gpu
 
 
 def batches(feed):
@@ -88,6 +88,21 @@ def test_bad_arguments_are_typed_before_any_gpu(tmp_path, monkeypatch):
         pinstream.ImageFeed([("a.jpg",)], 4)
     with pytest.raises(pinstream.IoError):
         pinstream.ImageFeed(str(tmp_path / "no such folder"), 4)
+
+
+def test_default_settings_are_valid(tmp_path, monkeypatch):
+    """Every default the binding picks passes the Rust feed's checks, on any machine: without a
+    GPU the device is what fails (never an InvalidArgumentError); with one, the feed starts."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    items = make_jpegs(tmp_path, 4, seed=7)
+    for kwargs in [{}, dict(decode="cpu"), dict(train=False), dict(threads=16, depth=16)]:
+        if GPU_REASON is None:
+            pinstream.ImageFeed(items, 2, **kwargs).close()
+            continue
+        with pytest.raises(pinstream.PinstreamError) as got:
+            pinstream.ImageFeed(items, 2, **kwargs)
+        assert not isinstance(got.value, pinstream.InvalidArgumentError), got.value
 
 
 # --- on a GPU ---------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ use crate::error::{Error, Result};
 use crate::memory::PoolConfig;
 use crate::staging::StagerConfig;
 
+/// The most [`PrefetchConfig::export_spares`]: spare slots are made only when batches are held
+/// (each as large as a batch), so the bound only stops a runaway.
+pub const MAX_EXPORT_SPARES: usize = 4096;
+
 /// How a [`Prefetcher`](super::Prefetcher) is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PrefetchConfig {
@@ -36,7 +40,8 @@ pub struct PrefetchConfig {
     /// ([`DeviceBatch::into_dlpack`](super::DeviceBatch::into_dlpack)) until their consumers
     /// release them, so prefetching goes on at full depth meanwhile. When `depth +
     /// export_spares` batches are held, [`Prefetcher::next`](super::Prefetcher::next) returns
-    /// an error (and can be called again after a release) rather than wait. 0..=64; default 2.
+    /// an error (and can be called again after a release) rather than wait. Spares are made only
+    /// when needed. 0..=4096; default 2.
     pub export_spares: usize,
 }
 
@@ -67,9 +72,9 @@ impl PrefetchConfig {
                 self.loader_threads
             ));
         }
-        if self.export_spares > 64 {
+        if self.export_spares > MAX_EXPORT_SPARES {
             return bad(format!(
-                "export_spares = {} is more than 64",
+                "export_spares = {} is more than {MAX_EXPORT_SPARES}",
                 self.export_spares
             ));
         }

@@ -59,7 +59,7 @@ mod source;
 mod turns;
 
 pub use batch::HostBatch;
-pub use config::PrefetchConfig;
+pub use config::{PrefetchConfig, MAX_EXPORT_SPARES};
 pub use dry::{DryBatch, DryRun};
 pub use pixels::{ForeignBytes, HostBytes, Pixels};
 pub use source::{LoadError, Source};

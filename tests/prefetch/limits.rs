@@ -20,7 +20,7 @@ use std::sync::Arc;
 use crate::common::R;
 use libtest_mimic::Trial;
 use pinstream::kernels::{self, cpu, Crop, Layout, Normalize, Sample, Spec};
-use pinstream::prefetch::{Pixels, PrefetchConfig};
+use pinstream::prefetch::{Pixels, PrefetchConfig, MAX_EXPORT_SPARES};
 use pinstream::{
     Device, DeviceBuffer, Error, Event, FileSource, HostAlloc, HostRegister, PinnedBuffer,
     PinnedPool, PoolBacking, PoolConfig, Stager, StagerConfig, Stream, TimingEvent,
@@ -654,6 +654,24 @@ fn host_sweep(s: &mut Sweep) {
             s.case(
                 &format!("PrefetchConfig {{ {field}: {name} }}"),
                 Want::Invalid,
+                || c.validate(),
+            );
+        }
+        // Spares are made only when batches are held: up to MAX_EXPORT_SPARES is accepted
+        // (the Python feed asks for 1024), one more is refused.
+        for (spares, want) in [
+            (1024, Want::Ok),
+            (MAX_EXPORT_SPARES, Want::Ok),
+            (MAX_EXPORT_SPARES + 1, Want::Invalid),
+            (x.max(MAX_EXPORT_SPARES + 1), Want::Invalid),
+        ] {
+            let c = PrefetchConfig {
+                export_spares: spares,
+                ..base()
+            };
+            s.case(
+                &format!("PrefetchConfig {{ export_spares: {spares} }}"),
+                want,
                 || c.validate(),
             );
         }

@@ -134,6 +134,63 @@ impl Default for ImageFeedConfig {
     }
 }
 
+impl ImageFeedConfig {
+    /// Checks every field that does not depend on the list (sizes, transform, statistics, the
+    /// prefetcher's settings): an `Error::InvalidArgument` naming the field, before a thread,
+    /// decoder, buffer or device context is made. [`ImageSource::new`] and
+    /// [`ImageFeed::new`](crate::ImageFeed::new) call it; the rest (ranks, batches per epoch,
+    /// the start) is checked against the list there.
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "prefetch::ImageSource::new";
+        let c = self;
+        if c.batch == 0 || c.out.0 == 0 || c.out.1 == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("batch {} and output {:?} must be > 0", c.batch, c.out),
+            ));
+        }
+        if matches!(c.augment, Augment::Val { .. }) && c.out.0 != c.out.1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the validation transform makes square crops, not {:?}",
+                    c.out
+                ),
+            ));
+        }
+        if c.out.0 > MAX_OUT_SIDE || c.out.1 > MAX_OUT_SIDE {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "output {:?}: sides above {MAX_OUT_SIDE} are not supported",
+                    c.out
+                ),
+            ));
+        }
+        if let Augment::Val { resize } = c.augment {
+            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel (the
+            // kernel's least box). Exact: `resize / 1024 > out` let 1024 * out + 1 ..= + 1023
+            // through (issue 29, finding 12).
+            let most = c.out.0.saturating_mul(1024);
+            if resize < c.out.0 || resize > most {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "Resize({resize}) must be from the {}-pixel crop to 1024 times it",
+                        c.out.0
+                    ),
+                ));
+            }
+        }
+        // Checks the statistics for three channels (every image is decoded to RGB).
+        c.norm.check(OP, 3)?;
+        // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
+        // the CPU path): before a thread, decoder or buffer is made.
+        c.prefetch.validate()?;
+        Ok(())
+    }
+}
+
 /// The most pixels an image may have: PIL's limit for a decompression bomb
 /// (`2 * Image.MAX_IMAGE_PIXELS`); larger ones are bad files.
 pub const MAX_IMAGE_PIXELS: usize = 178_956_970;
@@ -364,50 +421,7 @@ impl ImageSource {
     pub fn new(list: ImageList, config: &ImageFeedConfig) -> Result<ImageSource> {
         const OP: &str = "prefetch::ImageSource::new";
         let c = config;
-        if c.batch == 0 || c.out.0 == 0 || c.out.1 == 0 {
-            return Err(Error::invalid(
-                OP,
-                format!("batch {} and output {:?} must be > 0", c.batch, c.out),
-            ));
-        }
-        if matches!(c.augment, Augment::Val { .. }) && c.out.0 != c.out.1 {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the validation transform makes square crops, not {:?}",
-                    c.out
-                ),
-            ));
-        }
-        if c.out.0 > MAX_OUT_SIDE || c.out.1 > MAX_OUT_SIDE {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "output {:?}: sides above {MAX_OUT_SIDE} are not supported",
-                    c.out
-                ),
-            ));
-        }
-        if let Augment::Val { resize } = c.augment {
-            // Above 1024 x the crop, a 1-pixel image's box would be under 1/1024 pixel (the
-            // kernel's least box). Exact: `resize / 1024 > out` let 1024 * out + 1 ..= + 1023
-            // through (issue 29, finding 12).
-            let most = c.out.0.saturating_mul(1024);
-            if resize < c.out.0 || resize > most {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "Resize({resize}) must be from the {}-pixel crop to 1024 times it",
-                        c.out.0
-                    ),
-                ));
-            }
-        }
-        // Checks the statistics for three channels (every image is decoded to RGB).
-        c.norm.check(OP, 3)?;
-        // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
-        // the CPU path): before a thread, decoder or buffer is made.
-        c.prefetch.validate()?;
+        c.validate()?;
         // `drop_last` as `DistributedSampler`'s too: the list cut to a multiple of the world
         // size instead of padded, so no file is in two ranks' shares.
         let mut sampler = Sampler::new(list.len())
@@ -715,6 +729,49 @@ fn crop_rng(seed: u64, epoch: u64, k: usize) -> Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `validate` checks the settings alone, without a list or a device: the default, the
+    /// Python binding's 1024 export spares, and the prefetcher's bounds; a bad field is refused
+    /// with the same error `ImageSource::new` gives.
+    #[test]
+    fn config_validates_without_a_list() {
+        let ok = ImageFeedConfig::default();
+        assert!(ok.validate().is_ok());
+        let mut py = ImageFeedConfig::default();
+        py.prefetch.export_spares = 1024;
+        assert!(py.validate().is_ok(), "{:?}", py.validate());
+        let list = || ImageList::from_pairs(vec![("a.jpg".into(), 0)]).unwrap();
+        for bad in [
+            ImageFeedConfig {
+                batch: 0,
+                ..Default::default()
+            },
+            ImageFeedConfig {
+                out: (224, 100),
+                augment: Augment::Val { resize: 256 },
+                ..Default::default()
+            },
+            ImageFeedConfig {
+                prefetch: PrefetchConfig {
+                    export_spares: pinstream::prefetch::MAX_EXPORT_SPARES + 1,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ImageFeedConfig {
+                prefetch: PrefetchConfig {
+                    depth: 0,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        ] {
+            let e = bad.validate().unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+            let e2 = ImageSource::new(list(), &bad).unwrap_err();
+            assert_eq!(e.to_string(), e2.to_string());
+        }
+    }
 
     fn png(w: u32, h: u32) -> Vec<u8> {
         let img = image::RgbImage::from_pixel(w, h, image::Rgb([10, 20, 30]));
