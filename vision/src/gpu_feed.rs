@@ -19,7 +19,7 @@ use pinstream::{Error, Event, Result, Stream};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::source::{
     checked_info, file_error, read_file_ended, BadFiles, ImageSource, RouteCounts,
-    AUTO_DECODES_AT_ONCE,
+    AUTO_DECODES_AT_ONCE, MAX_BATCH_FILE_BYTES,
 };
 use crate::util::lock;
 
@@ -33,7 +33,6 @@ const TICK: Duration = Duration::from_millis(50);
 struct Output<O: pinstream::Pod> {
     pixels: DeviceBuffer<O>,
     labels: DeviceBuffer<i64>,
-    labels_host: PinnedBuffer<i64>,
     done: Event,
     /// Samples in the batch (the buffers are sized for a full one).
     n: usize,
@@ -483,10 +482,15 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
     }
 }
 
-/// A loader's own decoder and arena.
+/// A loader's own decoder, arena and page-locked staging.
 struct Work {
     decoder: GpuDecoder,
     arena: Option<DeviceBuffer<u8>>,
+    /// The files' bytes, page-locked, as nvJPEG reads them (see [`Work::stage_into`]).
+    bitstreams: Option<PinnedBuffer<u8>>,
+    /// The labels on their way to the device (kept here, not in the batch: a batch handed out
+    /// through DLPack would take it along, and every batch would allocate page-locked memory).
+    labels_host: Option<PinnedBuffer<i64>>,
 }
 
 /// One file of a batch: read (its bytes, or `None` to read again), its crop and plan.
@@ -504,7 +508,43 @@ impl Work {
         Ok(Work {
             decoder: nv.decoder()?,
             arena: None,
+            bitstreams: None,
+            labels_host: None,
         })
+    }
+
+    /// `files` copied one after another into the page-locked staging (grown as needed), and
+    /// where each starts; `None` where page-locked memory cannot be had (the files are then
+    /// decoded from where they are).
+    ///
+    /// Why: the hardware backend copies each bitstream to the device itself. From pageable
+    /// memory each of those copies goes through the driver's own staging under its lock, and
+    /// every other thread's launches wait for that lock (a training loop's: measured at twice
+    /// the launch time while the feed ran). From page-locked memory they are plain DMAs.
+    ///
+    /// The staging is written again only after `decode` returns, which waits for every copy
+    /// it queued (its stream is idle on every way out).
+    fn stage_into<'s>(
+        slot: &'s mut Option<PinnedBuffer<u8>>,
+        device: &pinstream::Device,
+        files: &[&[u8]],
+    ) -> Option<(&'s [u8], Vec<usize>)> {
+        let total = files
+            .iter()
+            .try_fold(0usize, |t, f| t.checked_add(f.len()))?;
+        if slot.as_ref().is_none_or(|b| b.len() < total) {
+            *slot = None;
+            // Room to grow into, up to a batch's usual most (a larger group gets what it needs).
+            let grown = total
+                .checked_next_power_of_two()
+                .unwrap_or(total)
+                .max(1 << 20);
+            let len = total.max(grown.min(MAX_BATCH_FILE_BYTES));
+            *slot = PinnedBuffer::new(device, len, HostAlloc::DEFAULT).ok();
+        }
+        let buf = slot.as_mut()?.as_mut_slice().ok()?;
+        let starts = pack(buf, files)?;
+        Some((&buf[..total], starts))
     }
 
     /// The region of the image a crop box reads (the filter stops at the box's edges, widened
@@ -658,10 +698,20 @@ impl Work {
             let idx: Vec<usize> = (start..end)
                 .filter(|&i| !bytes[i - start].is_empty())
                 .collect();
+            let datas: Vec<&[u8]> = idx.iter().map(|&i| &bytes[i - start][..]).collect();
+            let staged = Self::stage_into(
+                &mut self.bitstreams,
+                &self.decoder.stream().device(),
+                &datas,
+            );
             let items: Vec<Item<'_>> = idx
                 .iter()
-                .map(|&i| Item {
-                    data: &bytes[i - start],
+                .enumerate()
+                .map(|(k, &i)| Item {
+                    data: match &staged {
+                        Some((buf, starts)) => &buf[starts[k]..starts[k] + datas[k].len()],
+                        None => datas[k],
+                    },
                     plan: files[i].plan,
                     offset: files[i].offset,
                 })
@@ -721,12 +771,36 @@ impl Work {
         let stream = self.decoder.stream().clone();
         let len = spec.output_len()?;
         kernels::resized_crop(&stream, &*arena, &spec, &mut out.pixels.slice_mut(..len)?)?;
-        out.labels_host.as_mut_slice()?[..n].copy_from_slice(&labels);
-        let host = out.labels_host.slice(..n)?;
+        if self.labels_host.as_ref().is_none_or(|h| h.len() < n) {
+            let most = src.largest_batch().max(n);
+            self.labels_host = Some(PinnedBuffer::new(
+                &stream.device(),
+                most,
+                HostAlloc::DEFAULT,
+            )?);
+        }
+        let labels_host = self.labels_host.as_mut().expect("made above");
+        // Waits for the previous batch's copy from it (tracked), if still queued.
+        labels_host.as_mut_slice()?[..n].copy_from_slice(&labels);
+        let host = labels_host.slice(..n)?;
         stream.copy_h2d(&host, &mut out.labels.slice_mut(..n)?)?;
         stream.record(&out.done)?;
         Ok((out, counts))
     }
+}
+
+/// `files` one after another at the start of `buf`: where each starts, or `None` where they do
+/// not fit.
+fn pack(buf: &mut [u8], files: &[&[u8]]) -> Option<Vec<usize>> {
+    let mut starts = Vec::with_capacity(files.len());
+    let mut at = 0usize;
+    for f in files {
+        let end = at.checked_add(f.len()).filter(|&e| e <= buf.len())?;
+        buf[at..end].copy_from_slice(f);
+        starts.push(at);
+        at = end;
+    }
+    Some(starts)
 }
 
 /// A batch's device memory, sized for `batch` samples of `sample` elements (stream-ordered on
@@ -739,7 +813,6 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
     Ok(Output {
         pixels: DeviceBuffer::new_async(stream, len)?,
         labels: DeviceBuffer::new_async(stream, batch)?,
-        labels_host: PinnedBuffer::new(device, batch, HostAlloc::DEFAULT)?,
         done: Event::new(device)?,
         n: 0,
         dims: [0; 4],
@@ -748,7 +821,24 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{decodes_at_once, Pacer, Turns, AUTO_DECODES_AT_ONCE};
+    use super::{decodes_at_once, pack, Pacer, Turns, AUTO_DECODES_AT_ONCE};
+
+    /// The bitstreams' staging layout: files back to back (empty ones included) over poisoned
+    /// bytes, the rest untouched, and `None` where they do not fit (the files are then decoded
+    /// from where they are).
+    #[test]
+    fn pack_lays_files_back_to_back() {
+        let files: [&[u8]; 4] = [b"abc", b"", b"defgh", b"i"];
+        let mut buf = vec![0xEEu8; 12];
+        assert_eq!(pack(&mut buf, &files), Some(vec![0, 3, 3, 8]));
+        assert_eq!(&buf[..9], b"abcdefghi");
+        assert!(buf[9..].iter().all(|&b| b == 0xEE));
+        let mut exact = vec![0xEEu8; 9];
+        assert_eq!(pack(&mut exact, &files), Some(vec![0, 3, 3, 8]));
+        assert_eq!(&exact[..], b"abcdefghi");
+        assert_eq!(pack(&mut [0u8; 8], &files), None);
+        assert_eq!(pack(&mut [], &[]), Some(vec![]));
+    }
 
     /// 0 picks the automatic cap, which is no cap where the loaders are fewer; any cap at least
     /// the loaders is no cap; `usize::MAX` is no cap.
