@@ -37,9 +37,12 @@ def test_hostile30_downloads_released_from_threads_give_every_block_back():
     x = pinstream.upload(src)
     pinstream.empty_cache(0)
     base = pinstream.memory_stats(0).get("pinned_in_use_bytes", 0)
-    arrays = [pinstream.download(x) for _ in range(48)]
+    # A pinstream.Tensor is handed over once (its memory moves to the consumer): each download
+    # takes a fresh upload (a second download of the same one is refused: checked at the end).
+    arrays = [pinstream.download(x)] + [pinstream.download(pinstream.upload(src)) for _ in range(47)]
     for a in arrays:
         assert np.array_equal(a, src)
+    del a  # the loop's variable would keep the last array (and its block) alive
     held = pinstream.memory_stats(0)["pinned_in_use_bytes"]
     assert held >= base + 48 * n * 4, (base, held)
     chunks = [arrays[i::8] for i in range(8)]
@@ -72,4 +75,7 @@ def test_hostile30_downloads_released_from_threads_give_every_block_back():
     after = pinstream.memory_stats(0)["pinned_in_use_bytes"]
     assert after == base, f"pinned bytes still in use after every download was released: {after} (base {base})"
     # And the pool serves again with the right data.
-    assert np.array_equal(pinstream.download(x), src)
+    assert np.array_equal(pinstream.download(pinstream.upload(src)), src)
+    # A second download of a tensor already handed over is refused, typed.
+    with pytest.raises(pinstream.InvalidArgumentError, match="already handed"):
+        pinstream.download(x)
