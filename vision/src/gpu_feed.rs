@@ -522,25 +522,33 @@ impl Work {
     /// every other thread's launches wait for that lock (a training loop's: measured at twice
     /// the launch time while the feed ran). From page-locked memory they are plain DMAs.
     ///
-    /// The staging is written again only after `decode` returns, which waits for every copy
-    /// it queued (its stream is idle on every way out).
+    /// The staging is written again only once the decoder's stream is idle: `decode` waits for
+    /// every copy it queued on every way out, and this waits again in case it did not return.
     fn stage_into<'s>(
         slot: &'s mut Option<PinnedBuffer<u8>>,
-        device: &pinstream::Device,
+        stream: &Stream,
         files: &[&[u8]],
     ) -> Option<(&'s [u8], Vec<usize>)> {
         let total = files
             .iter()
             .try_fold(0usize, |t, f| t.checked_add(f.len()))?;
+        // Nothing to stage, or more than a batch's usual most (a group of huge files): decoded
+        // from where they are, so the staging never holds more than MAX_BATCH_FILE_BYTES.
+        if total == 0 || total > MAX_BATCH_FILE_BYTES {
+            return None;
+        }
+        // Whatever the way out of the last decode (a panic caught by the loader included),
+        // nothing queued may still read the staging: an idle stream answers at once.
+        stream.synchronize().ok()?;
         if slot.as_ref().is_none_or(|b| b.len() < total) {
             *slot = None;
-            // Room to grow into, up to a batch's usual most (a larger group gets what it needs).
+            // Room to grow into, up to a batch's usual most.
             let grown = total
                 .checked_next_power_of_two()
                 .unwrap_or(total)
                 .max(1 << 20);
-            let len = total.max(grown.min(MAX_BATCH_FILE_BYTES));
-            *slot = PinnedBuffer::new(device, len, HostAlloc::DEFAULT).ok();
+            let len = grown.min(MAX_BATCH_FILE_BYTES);
+            *slot = PinnedBuffer::new(&stream.device(), len, HostAlloc::DEFAULT).ok();
         }
         let buf = slot.as_mut()?.as_mut_slice().ok()?;
         let starts = pack(buf, files)?;
@@ -699,11 +707,7 @@ impl Work {
                 .filter(|&i| !bytes[i - start].is_empty())
                 .collect();
             let datas: Vec<&[u8]> = idx.iter().map(|&i| &bytes[i - start][..]).collect();
-            let staged = Self::stage_into(
-                &mut self.bitstreams,
-                &self.decoder.stream().device(),
-                &datas,
-            );
+            let staged = Self::stage_into(&mut self.bitstreams, self.decoder.stream(), &datas);
             let items: Vec<Item<'_>> = idx
                 .iter()
                 .enumerate()

@@ -136,10 +136,10 @@ impl Default for ImageFeedConfig {
 
 impl ImageFeedConfig {
     /// Checks every field that does not depend on the list (sizes, transform, statistics, the
-    /// prefetcher's settings): an `Error::InvalidArgument` naming the field, before a thread,
+    /// prefetcher's settings, the rank and world size): an `Error::InvalidArgument` naming the field, before a thread,
     /// decoder, buffer or device context is made. [`ImageSource::new`] and
-    /// [`ImageFeed::new`](crate::ImageFeed::new) call it; the rest (ranks, batches per epoch,
-    /// the start) is checked against the list there.
+    /// [`ImageFeed::new`](crate::ImageFeed::new) call it; the rest (batches per epoch, the
+    /// start) is checked against the list there.
     pub fn validate(&self) -> Result<()> {
         const OP: &str = "prefetch::ImageSource::new";
         let c = self;
@@ -187,6 +187,8 @@ impl ImageFeedConfig {
         // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
         // the CPU path): before a thread, decoder or buffer is made.
         c.prefetch.validate()?;
+        // The rank within the world (the sampler's own check and error).
+        Sampler::new(0).shard(c.rank, c.world)?;
         Ok(())
     }
 }
@@ -763,6 +765,16 @@ mod tests {
                     depth: 0,
                     ..Default::default()
                 },
+                ..Default::default()
+            },
+            ImageFeedConfig {
+                rank: 0,
+                world: 0,
+                ..Default::default()
+            },
+            ImageFeedConfig {
+                rank: 3,
+                world: 2,
                 ..Default::default()
             },
         ] {
