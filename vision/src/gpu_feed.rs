@@ -532,22 +532,12 @@ impl Work {
         let total = files
             .iter()
             .try_fold(0usize, |t, f| t.checked_add(f.len()))?;
-        // Nothing to stage, or more than a batch's usual most (a group of huge files): decoded
-        // from where they are, so the staging never holds more than MAX_BATCH_FILE_BYTES.
-        if total == 0 || total > MAX_BATCH_FILE_BYTES {
-            return None;
-        }
+        let len = staging_len(total)?;
         // Whatever the way out of the last decode (a panic caught by the loader included),
         // nothing queued may still read the staging: an idle stream answers at once.
         stream.synchronize().ok()?;
         if slot.as_ref().is_none_or(|b| b.len() < total) {
             *slot = None;
-            // Room to grow into, up to a batch's usual most.
-            let grown = total
-                .checked_next_power_of_two()
-                .unwrap_or(total)
-                .max(1 << 20);
-            let len = grown.min(MAX_BATCH_FILE_BYTES);
             *slot = PinnedBuffer::new(&stream.device(), len, HostAlloc::DEFAULT).ok();
         }
         let buf = slot.as_mut()?.as_mut_slice().ok()?;
@@ -793,6 +783,21 @@ impl Work {
     }
 }
 
+/// The staging to make for `total` bytes of files: room to grow into (the next power of two,
+/// at least 1 MiB), up to a batch's usual most; `None` for nothing to stage or more than
+/// [`MAX_BATCH_FILE_BYTES`] (a group of huge files, decoded from where it is: the staging never
+/// holds more).
+fn staging_len(total: usize) -> Option<usize> {
+    if total == 0 || total > MAX_BATCH_FILE_BYTES {
+        return None;
+    }
+    let grown = total
+        .checked_next_power_of_two()
+        .unwrap_or(total)
+        .max(1 << 20);
+    Some(grown.min(MAX_BATCH_FILE_BYTES))
+}
+
 /// `files` one after another at the start of `buf`: where each starts, or `None` where they do
 /// not fit.
 fn pack(buf: &mut [u8], files: &[&[u8]]) -> Option<Vec<usize>> {
@@ -825,7 +830,35 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 
 #[cfg(test)]
 mod tests {
-    use super::{decodes_at_once, pack, Pacer, Turns, AUTO_DECODES_AT_ONCE};
+    use super::{
+        decodes_at_once, pack, staging_len, Pacer, Turns, AUTO_DECODES_AT_ONCE,
+        MAX_BATCH_FILE_BYTES,
+    };
+
+    /// The staging's size: at least what is asked, a power of two from 1 MiB, never above
+    /// MAX_BATCH_FILE_BYTES; nothing for an empty group or one above it.
+    #[test]
+    fn staging_len_grows_within_the_cap() {
+        const MIB: usize = 1 << 20;
+        assert_eq!(staging_len(0), None);
+        assert_eq!(staging_len(1), Some(MIB));
+        assert_eq!(staging_len(MIB), Some(MIB));
+        assert_eq!(staging_len(MIB + 1), Some(2 * MIB));
+        assert_eq!(staging_len(28 * MIB), Some(32 * MIB));
+        assert_eq!(
+            staging_len(MAX_BATCH_FILE_BYTES - 1),
+            Some(MAX_BATCH_FILE_BYTES)
+        );
+        assert_eq!(
+            staging_len(MAX_BATCH_FILE_BYTES),
+            Some(MAX_BATCH_FILE_BYTES)
+        );
+        assert_eq!(staging_len(MAX_BATCH_FILE_BYTES + 1), None);
+        assert_eq!(staging_len(usize::MAX), None);
+        for total in [1, 3 * MIB + 7, 100 * MIB, MAX_BATCH_FILE_BYTES] {
+            assert!(staging_len(total).unwrap() >= total);
+        }
+    }
 
     /// The bitstreams' staging layout: files back to back (empty ones included) over poisoned
     /// bytes, the rest untouched, and `None` where they do not fit (the files are then decoded
