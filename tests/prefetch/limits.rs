@@ -657,29 +657,39 @@ fn host_sweep(s: &mut Sweep) {
                 || c.validate(),
             );
         }
-        // Spares are made only when batches are held: up to MAX_EXPORT_SPARES is accepted
-        // (the Python feed asks for 1024), one more is refused.
-        for (spares, want) in [
-            (1024, Want::Ok),
-            (MAX_EXPORT_SPARES, Want::Ok),
-            (MAX_EXPORT_SPARES + 1, Want::Invalid),
-            (x.max(MAX_EXPORT_SPARES + 1), Want::Invalid),
-        ] {
-            let c = PrefetchConfig {
-                export_spares: spares,
-                ..base()
-            };
-            s.case(
-                &format!("PrefetchConfig {{ export_spares: {spares} }}"),
-                want,
-                || c.validate(),
-            );
-        }
+        // Spares are made only when batches are held: beyond MAX_EXPORT_SPARES is refused (the
+        // values up to it: after the loop).
+        let spares = PrefetchConfig {
+            export_spares: x.max(MAX_EXPORT_SPARES + 1),
+            ..base()
+        };
+        s.case(
+            &format!("PrefetchConfig {{ export_spares: max({name}, MAX + 1) }}"),
+            Want::Invalid,
+            || spares.validate(),
+        );
         let ahead = PrefetchConfig { ahead: x, ..base() };
         s.case(
             &format!("PrefetchConfig {{ ahead: {name} }}"),
             if x == 0 { Want::Ok } else { Want::Invalid },
             || ahead.validate(),
+        );
+    }
+    // Export spares up to MAX_EXPORT_SPARES are accepted (the Python feed asks for 1024), one
+    // more is refused.
+    for (spares, want) in [
+        (1024, Want::Ok),
+        (MAX_EXPORT_SPARES, Want::Ok),
+        (MAX_EXPORT_SPARES + 1, Want::Invalid),
+    ] {
+        let c = PrefetchConfig {
+            export_spares: spares,
+            ..PrefetchConfig::default()
+        };
+        s.case(
+            &format!("PrefetchConfig {{ export_spares: {spares} }}"),
+            want,
+            || c.validate(),
         );
     }
     // Files: ranges past the end and offsets whose end overflows, on a small real file.

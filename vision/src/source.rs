@@ -136,8 +136,8 @@ impl Default for ImageFeedConfig {
 
 impl ImageFeedConfig {
     /// Checks every field that does not depend on the list (sizes, transform, statistics, the
-    /// prefetcher's settings, the rank and world size): an `Error::InvalidArgument` naming the field, before a thread,
-    /// decoder, buffer or device context is made. [`ImageSource::new`] and
+    /// prefetcher's settings, the rank and world size): an `Error::InvalidArgument` naming the
+    /// field, before a thread, decoder, buffer or device context is made. [`ImageSource::new`] and
     /// [`ImageFeed::new`](crate::ImageFeed::new) call it; the rest (batches per epoch, the
     /// start) is checked against the list there.
     pub fn validate(&self) -> Result<()> {
