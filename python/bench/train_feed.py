@@ -3,6 +3,7 @@ batch 256) fed from a folder of JPEGs, against the same step on a batch already 
 
     python3 train_feed.py --root DIR [--steps 60] [--warmup 10] [--threads 4] [--workers 8]
                           [--only ideal,pinstream,torch,dali] [--model resnet50] [--timeline]
+                          [--pin CPU]
 
 Pipelines, in the order `--only` names them, repeats allowed (each `--steps` timed steps after
 `--warmup` untimed ones, a fresh model each):
@@ -42,6 +43,50 @@ STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
 def cpu_total():
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+class Pinning:
+    """`--pin CPU`: the training thread alone on one CPU, and every thread or process it starts
+    kept off that CPU and its hyperthread sibling: the feed through its own `cpus=`, the rest
+    (the driver's threads, DataLoader workers, DALI, nvidia-smi) started inside `spawning()`.
+    Without `--pin`, nothing changes."""
+
+    def __init__(self, cpu):
+        self.cpu = cpu
+        if cpu is None:
+            return
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        sib = set()
+        for part in open(path).read().strip().split(","):
+            lo, _, hi = part.partition("-")
+            sib.update(range(int(lo), int(hi or lo) + 1))
+        self.main = {cpu}
+        self.rest = set(os.sched_getaffinity(0)) - sib - {cpu}
+        print(f"pin: training thread on {sorted(self.main)}, the rest on {sorted(self.rest)}",
+              file=sys.stderr, flush=True)
+
+    def spawning(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            if self.cpu is None:
+                yield
+                return
+            os.sched_setaffinity(0, self.rest)
+            try:
+                yield
+            finally:
+                os.sched_setaffinity(0, self.main)
+
+        return cm()
+
+    def others(self):
+        """The CPUs for everything but the training thread (None without --pin)."""
+        return None if self.cpu is None else sorted(self.rest)
+
+
+PIN = Pinning(None)
 
 
 def make_model(name, torch, torchvision):
@@ -109,7 +154,8 @@ def run(name, batches, step, a, torch):
         x, y = next(batches)
         step(x, y)
     torch.cuda.synchronize()
-    sampler = GpuSampler()
+    with PIN.spawning():
+        sampler = GpuSampler()
     c0, t0 = cpu_total(), time.perf_counter()
     n = 0
     for _ in range(a.steps):
@@ -272,7 +318,13 @@ def main():
     ap.add_argument("--only", default="ideal,pinstream,torch,dali",
                     help="pipelines in order, repeats allowed (ideal, pinstream, discard, replay, torch, dali)")
     ap.add_argument("--timeline", action="store_true", help="after each, a few steps under torch.profiler")
+    ap.add_argument("--pin", type=int, default=None,
+                    help="the training thread alone on this CPU, everything it starts off it and its sibling")
     a = ap.parse_args()
+    global PIN
+    PIN = Pinning(a.pin)
+    spawn = PIN.spawning()
+    spawn.__enter__()
     import torch
     import torchvision
 
@@ -284,6 +336,8 @@ def main():
     versions = {"torch": torch.__version__, "torchvision": torchvision.__version__}
     x_res = torch.randn(a.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
     y_res = torch.randint(0, 100, (a.batch,), device="cuda")
+    torch.cuda.synchronize()
+    spawn.__exit__(None, None, None)
 
     def resident():
         while True:
@@ -292,8 +346,9 @@ def main():
     def feed():
         # drop_last as the DataLoader's below: a short last batch is a new shape, which
         # cudnn.benchmark would tune for in the timed steps.
+        # With --pin, the feed's own `cpus=` keeps its threads off the training thread's CPU.
         f = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
-                          rank=0, world_size=1, drop_last=True, decode=a.decode)
+                          rank=0, world_size=1, drop_last=True, decode=a.decode, cpus=PIN.others())
 
         def batches():
             for x, y in endless(lambda: iter(f)):
@@ -352,7 +407,15 @@ def main():
             loader = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=a.workers,
                                                  pin_memory=True, drop_last=True, persistent_workers=True,
                                                  prefetch_factor=4)
-            measure("torch_dataloader_apex", endless(lambda: apex_channels_last(loader, torch)),
+            def apex_epoch():
+                with PIN.spawning():
+                    it = apex_channels_last(loader, torch)
+                    first = next(it, None)
+                if first is not None:
+                    yield first
+                    yield from it
+
+            measure("torch_dataloader_apex", endless(apex_epoch),
                     {"workers": a.workers})
             del loader
         elif name == "dali":
@@ -361,7 +424,8 @@ def main():
             except ImportError as e:
                 print(f"dali: skipped ({e})", file=sys.stderr)
                 continue
-            next_batch = dali_batches(a, torch)
+            with PIN.spawning():
+                next_batch = dali_batches(a, torch)
 
             def batches():
                 while True:

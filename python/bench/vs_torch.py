@@ -299,7 +299,7 @@ def timed_rounds(make, cycles, check, rounds, n, warm):
     return statistics.median(walls), statistics.median(cpus), stats
 
 
-def bench_dataloader(quick):
+def bench_dataloader(quick, pick=None):
     """Issue 32: a DataLoader as pinstream's source at the speed of a generator."""
     print("\n## DataLoader as the source: 256 x 3x224x224 uint8 -> float32, 0.5 ms step (ms per batch, CPU ms per batch)")
     per_ms = spin_cycles_per_ms()
@@ -359,6 +359,8 @@ def bench_dataloader(quick):
         configs[f"dl{w}_fresh_serial"] = (ours(lambda w=w: dl(fresh, w), fresh=False), check)
     for lt in (2, 4, 8, 12):
         configs[f"dl4_views_threads{lt}"] = (ours(lambda: dl(views, 4), loader_threads=lt), check)
+    if pick:
+        configs = {k: v for k, v in configs.items() if k in pick or k == "apex_dl4_pin"}
     results = {}
     for name, (make, chk) in configs.items():
         wall, cpu, st = timed_rounds(make, cycles, chk, rounds, n, warm)
@@ -377,6 +379,8 @@ def bench_dataloader(quick):
         print(f"  {name:<28} {wall:7.3f} ms  CPU {cpu:7.2f} ms  {results[name]}", flush=True)
     for w in (4, 8):
         for ds_name, ds in (("views", views), ("fresh", fresh)):
+            if pick and f"dl{w}_{ds_name}_alone" not in pick:
+                continue
             ms, _, _ = timed_rounds(alone(ds, w), 0, alone_check, rounds, n, warm)
             results[f"dl{w}_{ds_name}_alone"] = {"ms": round(ms, 3)}
             print(f"  DataLoader({w} workers, {ds_name}) alone, no copy: {ms:7.3f} ms", flush=True)
@@ -387,6 +391,7 @@ def bench_dataloader(quick):
         "torch": torch.__version__,
         "pinstream": pinstream.__version__,
         "step_ms": step,
+        "sharing_strategy": torch.multiprocessing.get_sharing_strategy(),
         "batch": [256, *IMAGE],
         "rounds": rounds,
         "batches_per_round": n,
@@ -597,7 +602,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="upload,many,download,prefetch,dataloader,cifar,models")
+    ap.add_argument("--configs", default="", help="dataloader: only these configurations (apex_dl4_pin always)")
+    ap.add_argument("--sharing", default=None,
+                    help="torch.multiprocessing's sharing strategy for every DataLoader (file_descriptor, file_system)")
     a = ap.parse_args()
+    if a.sharing:
+        torch.multiprocessing.set_sharing_strategy(a.sharing)
     print(f"# pinstream {pinstream.__version__} vs torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
     only = a.only.split(",")
     if "upload" in only:
@@ -607,7 +617,7 @@ def main():
     if "prefetch" in only:
         bench_prefetch(a.quick)
     if "dataloader" in only:
-        bench_dataloader(a.quick)
+        bench_dataloader(a.quick, [c for c in a.configs.split(",") if c])
     if "download" in only:
         bench_download()
     if "cifar" in only:

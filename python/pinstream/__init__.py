@@ -12,6 +12,7 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 """
 
 import atexit
+import itertools
 import os
 import weakref
 
@@ -43,6 +44,7 @@ __all__ = [
     "Tensor",
     "ImageFeed",
     "distributed_defaults",
+    "MAX_CPUS",
     "Prefetcher",
     "prefetch",
     "load_safetensors",
@@ -205,6 +207,25 @@ def _is_worker_dataloader(iterable):
 FRESH_LOADER_THREADS = 6
 
 
+#: The most CPUs ``cpus=`` may name, and one past the highest CPU number (``CPU_SETSIZE``).
+MAX_CPUS = 1024
+
+
+def _cpus(op, cpus):
+    """``cpus=`` as a list (a set, a range or a generator read once, so a feed that is rebuilt
+    keeps it); the native side checks each entry. At most ``MAX_CPUS + 1`` items are read."""
+    if cpus is None:
+        return None
+    if isinstance(cpus, (str, bytes)):
+        raise InvalidArgumentError(f"{op}: cpus={cpus!r}: give CPU numbers (a list or set of integers)")
+    try:
+        return list(itertools.islice(iter(cpus), MAX_CPUS + 1))
+    except TypeError:
+        raise InvalidArgumentError(
+            f"{op}: cpus: give CPU numbers (a list or set of integers), not {type(cpus).__name__}"
+        ) from None
+
+
 def prefetch(
     iterable,
     device=0,
@@ -218,6 +239,7 @@ def prefetch(
     dry_run=False,
     fresh=None,
     keys=None,
+    cpus=None,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
@@ -257,6 +279,10 @@ def prefetch(
     uint16 bits; labels as int64), for testing an iterable on a machine without a device. It
     is slow and not meant for training.
 
+    ``cpus``: the CPUs the loader threads (and the threads they start) run on, whatever the
+    calling thread's own mask; ``None``: where the caller may run, next to the GPU. Give it
+    when the training thread is pinned to a CPU of its own (docs/python.md).
+
     ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
     raise ``ForkedError`` (see docs/python.md for DataLoader workers and multiprocessing)."""
@@ -291,6 +317,7 @@ def prefetch(
         bool(dry_run),
         fresh,
         keys,
+        _cpus("pinstream.prefetch", cpus),
     )
     _LIVE.add(p)
     return p

@@ -102,6 +102,10 @@ class ImageFeed:
     - ``device``: an ordinal, ``"cuda:N"`` or a ``torch.device``; by default ``LOCAL_RANK``, else 0.
     - ``bad_files``: ``"error"`` (the batch raises an error naming the file) or ``"skip"``
       (left out and counted in ``stats()``).
+    - ``cpus``: the CPUs the feed's threads run on (any iterable of CPU numbers), whatever the
+      calling thread's own mask; ``None``: where the caller may run. With the training thread
+      pinned to a CPU of its own (``os.sched_setaffinity(0, {c})``), give the others here:
+      threads otherwise inherit the pinned thread's one CPU (docs/python.md).
 
     Batches are ordered on the consumer's stream (``torch.from_dlpack`` passes torch's current
     stream): no host wait. Waiting for a batch releases the GIL and handles Ctrl-C.
@@ -132,8 +136,9 @@ class ImageFeed:
         rank=None,
         world_size=None,
         bad_files="error",
+        cpus=None,
     ):
-        from . import _device, _dtype_name
+        from . import _cpus, _device, _dtype_name
 
         if isinstance(data, (str, bytes, os.PathLike)):
             root, items = os.fsdecode(data), None
@@ -193,6 +198,7 @@ class ImageFeed:
             rank=rank,
             world_size=world_size,
             bad_files=str(bad_files),
+            cpus=_cpus("pinstream.ImageFeed", cpus),
         )
         self._native = None
         self._build(0, 0)

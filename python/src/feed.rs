@@ -110,7 +110,7 @@ impl PyImageFeed {
     #[pyo3(signature = (
         root, items, *, device, batch_size, train, size, resize, scale, ratio, flip,
         mean, std, dtype, layout, seed, shuffle, drop_last, decode, threads, depth,
-        decodes_at_once, rank, world_size, bad_files, start_epoch, start_batch
+        decodes_at_once, rank, world_size, bad_files, start_epoch, start_batch, cpus = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -141,6 +141,7 @@ impl PyImageFeed {
         bad_files: &str,
         start_epoch: u64,
         start_batch: usize,
+        cpus: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let list = match (root, items) {
             (Some(r), None) => py.detach(|| ImageList::folder(r)).py_err()?,
@@ -207,6 +208,7 @@ impl PyImageFeed {
         };
         config.prefetch.loader_threads = threads;
         config.prefetch.depth = depth;
+        config.prefetch.cpus = crate::cpus::cpu_list(OP, cpus.as_ref())?;
         // Batches held by Python (a list of them) each keep a slot of the CPU path's
         // prefetcher: spares stand in for up to this many, as the GPU path makes new buffers.
         config.prefetch.export_spares = 1024;

@@ -8,6 +8,7 @@
 mod bench;
 mod capsule;
 mod context;
+mod cpus;
 mod errors;
 mod feed;
 mod fork;

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use pinstream::dlpack::{self, Element};
 use pinstream::kernels::{Layout, Normalize, OutputElement, Spec};
 use pinstream::prefetch::{
-    DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher,
-    Source,
+    CpuBinding, DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig,
+    Prefetcher, Source,
 };
 use pinstream::{bf16, f16, Error, HostKind, PinnedPool};
 use pyo3::exceptions::{PyStopIteration, PyTypeError};
@@ -1056,7 +1056,7 @@ fn per_channel(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
                     layout_out = "nchw", layout_in = "nchw", loader_threads = 2,
-                    zero_copy = false, dry_run = false, fresh = false, keys = None))]
+                    zero_copy = false, dry_run = false, fresh = false, keys = None, cpus = None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefetch(
     py: Python<'_>,
@@ -1073,6 +1073,7 @@ pub(crate) fn prefetch(
     dry_run: bool,
     fresh: bool,
     keys: Option<(String, Option<String>)>,
+    cpus: Option<Bound<'_, PyAny>>,
 ) -> PyResult<PyPrefetcher> {
     let (in_layout, out_layout) = (
         layout(layout_in, "layout_in")?,
@@ -1103,9 +1104,15 @@ pub(crate) fn prefetch(
             format!("dtype {dtype:?}: float32, float16, bfloat16 or uint8"),
         ));
     }
-    let it = iterable
-        .try_iter()
-        .map_err(|_| PyTypeError::new_err("pinstream.prefetch: the source is not iterable"))?;
+    let cpus = crate::cpus::cpu_list(OP, cpus.as_ref())?;
+    let it = {
+        // A DataLoader starts its worker processes (and its pin-memory thread) in `iter()`:
+        // with `cpus` they start on those CPUs too, not on a pinned training thread's own.
+        let _on = cpus.as_deref().map(CpuBinding::bind).transpose().py_err()?;
+        iterable
+            .try_iter()
+            .map_err(|_| PyTypeError::new_err("pinstream.prefetch: the source is not iterable"))?
+    };
     let c = if dry_run {
         None
     } else {
@@ -1141,6 +1148,7 @@ pub(crate) fn prefetch(
     let config = PrefetchConfig {
         depth,
         loader_threads,
+        cpus,
         ..PrefetchConfig::default()
     };
     let source = Source::iter_then(items, move |i, item, batch: &mut HostBatch<i64>| {

@@ -1,6 +1,9 @@
 //! CPU affinity for the prefetcher's threads: binding the calling
 //! thread to them for a while, so that threads it spawns (which inherit the mask) and the
-//! page-locked memory they first touch stay on the GPU's NUMA node.
+//! page-locked memory they first touch stay on the GPU's NUMA node, or on the CPUs the caller
+//! chose ([`PrefetchConfig::cpus`](super::PrefetchConfig::cpus), [`CpuBinding`]).
+
+use std::marker::PhantomData;
 
 use crate::device::topology::SET_SIZE;
 use crate::error::{Error, Result};
@@ -48,6 +51,69 @@ impl Drop for Bound {
     }
 }
 
+/// The most entries [`PrefetchConfig::cpus`](super::PrefetchConfig::cpus) may have, and one past
+/// the highest CPU it may name: what the OS's CPU set holds (`CPU_SETSIZE`).
+pub const MAX_CPUS: usize = SET_SIZE;
+
+/// Why a CPU list cannot be used, checked without the OS: empty, longer than [`MAX_CPUS`], or
+/// naming a CPU at or past it.
+pub(crate) fn check_cpus(cpus: &[usize]) -> std::result::Result<(), String> {
+    if cpus.is_empty() {
+        return Err("cpus is empty (None runs the threads where the caller may run)".into());
+    }
+    if cpus.len() > MAX_CPUS {
+        return Err(format!(
+            "cpus has {} entries, more than {MAX_CPUS}",
+            cpus.len()
+        ));
+    }
+    if let Some(&c) = cpus.iter().find(|&&c| c >= MAX_CPUS) {
+        return Err(format!(
+            "cpus names CPU {c}, past the last one ({})",
+            MAX_CPUS - 1
+        ));
+    }
+    Ok(())
+}
+
+/// The calling thread bound to exactly the CPUs it was given, until this drops, when its
+/// earlier mask comes back. Threads it starts meanwhile keep the mask: this is how a
+/// prefetcher's or an image feed's threads are put on chosen CPUs (for example, off the CPU
+/// the training thread was pinned to).
+///
+/// Not `Send`: the mask it restores is its own thread's.
+#[derive(Debug)]
+pub struct CpuBinding {
+    _bound: Bound,
+    _not_send: PhantomData<*const ()>,
+}
+
+impl CpuBinding {
+    /// Binds the calling thread to `cpus` (any order, repeats allowed), whatever its own mask
+    /// is now: CPUs the process may not use (a container's cpuset) are left out by the OS.
+    /// An `Error::InvalidArgument` when the list is empty, too long, names a CPU at or past
+    /// [`MAX_CPUS`], or names none this process may run on; nothing changes then.
+    pub fn bind(cpus: &[usize]) -> Result<CpuBinding> {
+        check_cpus(cpus).map_err(|r| Error::invalid("CpuBinding::bind", r))?;
+        let saved = current()?;
+        let mut set = empty_set();
+        for &c in cpus {
+            // SAFETY: `c < SET_SIZE` was checked above, so it is inside the bit array.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+        apply(&set).map_err(|_| {
+            Error::invalid(
+                "CpuBinding::bind",
+                format!("none of cpus {cpus:?} is one this process may run on"),
+            )
+        })?;
+        Ok(CpuBinding {
+            _bound: Bound { saved },
+            _not_send: PhantomData,
+        })
+    }
+}
+
 /// Binds the calling thread to those of `cpus` it may run on now. `Ok(None)` (nothing changed)
 /// when none of them are allowed (a container's cpuset, say) or the list is empty.
 pub(crate) fn bind(cpus: &[usize]) -> Result<Option<Bound>> {
@@ -82,6 +148,40 @@ pub(crate) fn allowed() -> Result<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cpu_binding_is_exact_and_checked() {
+        let before = allowed().unwrap();
+        let last = *before.last().unwrap();
+        {
+            // Narrow first (as a training thread pinned to one CPU), then bind to another set:
+            // the binding is not narrowed by the caller's own mask.
+            let _narrow = bind(&[before[0]]).unwrap();
+            let b = CpuBinding::bind(&[last, last]).unwrap();
+            assert_eq!(allowed().unwrap(), vec![last]);
+            let inner = std::thread::spawn(|| allowed().unwrap()).join().unwrap();
+            assert_eq!(inner, vec![last]);
+            drop(b);
+            assert_eq!(allowed().unwrap(), vec![before[0]]);
+        }
+        assert_eq!(allowed().unwrap(), before);
+        for bad in [
+            vec![],
+            vec![MAX_CPUS],
+            vec![0, usize::MAX],
+            vec![0; MAX_CPUS + 1],
+        ] {
+            let e = CpuBinding::bind(&bad).unwrap_err();
+            assert!(matches!(e, Error::InvalidArgument { .. }), "{bad:?}: {e}");
+            assert_eq!(allowed().unwrap(), before);
+        }
+        // A CPU the machine does not have (below MAX_CPUS): refused by the OS, typed.
+        if before.len() < MAX_CPUS - 1 {
+            let e = CpuBinding::bind(&[MAX_CPUS - 1]).unwrap_err();
+            assert!(e.to_string().contains("may run on"), "{e}");
+            assert_eq!(allowed().unwrap(), before);
+        }
+    }
 
     #[test]
     fn bind_restores_the_mask() {

@@ -34,8 +34,16 @@ pub struct PrefetchConfig {
     pub pool: PoolConfig,
     /// Runs the loader, feeder and staging threads on the CPUs next to the device (sysfs
     /// `local_cpulist`, where the OS allows them), so the page-locked memory they fill sits on
-    /// the GPU's NUMA node. Nothing changes where sysfs does not say. Default: on.
+    /// the GPU's NUMA node. Nothing changes where sysfs does not say. Default: on. Not used
+    /// when [`cpus`](Self::cpus) is given.
     pub numa_local: bool,
+    /// The CPUs the prefetcher's threads (loaders, feeder, staging, and the threads they start)
+    /// run on, whatever the calling thread's own mask. `None`, the default: where the caller
+    /// may run (narrowed by `numa_local`). Give it to keep them off a training thread pinned
+    /// to its own CPU (`os.sched_setaffinity(0, {cpu})` in Python): threads otherwise inherit
+    /// the pinned thread's single CPU. At most [`MAX_CPUS`](super::MAX_CPUS) entries, each
+    /// below it; one the process may run on at least ([`CpuBinding::bind`](super::CpuBinding::bind)).
+    pub cpus: Option<Vec<usize>>,
     /// Spare slots that stand in for batches handed to other libraries
     /// ([`DeviceBatch::into_dlpack`](super::DeviceBatch::into_dlpack)) until their consumers
     /// release them, so prefetching goes on at full depth meanwhile. When `depth +
@@ -54,6 +62,7 @@ impl Default for PrefetchConfig {
             stager: StagerConfig::default(),
             pool: PoolConfig::default(),
             numa_local: true,
+            cpus: None,
             export_spares: 2,
         }
     }
@@ -77,6 +86,9 @@ impl PrefetchConfig {
                 "export_spares = {} is more than {MAX_EXPORT_SPARES}",
                 self.export_spares
             ));
+        }
+        if let Some(cpus) = &self.cpus {
+            super::affinity::check_cpus(cpus).map_err(|r| Error::invalid("PrefetchConfig", r))?;
         }
         if self.ahead > 4096 {
             return bad(format!("ahead = {} is more than 4096", self.ahead));

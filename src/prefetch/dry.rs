@@ -62,7 +62,7 @@ fn fill<O: OutputElement, E: Pod>(
 ///
 /// Differences from the GPU prefetcher: no pinned pool, so [`HostBatch::pinned`] gives
 /// ordinary memory (page-locked pixels of your own, resident ranges and files all work);
-/// `PrefetchConfig::stager`, `pool` and `numa_local` are not used; `depth` host slots stand
+/// `PrefetchConfig::stager`, `pool` and `numa_local` are not used (`cpus` is); `depth` host slots stand
 /// for the device slots.
 ///
 /// ```
@@ -132,6 +132,11 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
 
     fn start(source: &Source<E>, config: &PrefetchConfig, shard: u64, shards: u64) -> Result<Self> {
         config.validate()?;
+        // As the device path: the threads started below run on the CPUs chosen.
+        let _chosen = match &config.cpus {
+            Some(cpus) => Some(super::CpuBinding::bind(cpus)?),
+            None => None,
+        };
         let slots = (0..config.depth)
             .map(|_| HostSlot {
                 pixels: Vec::new(),

@@ -58,6 +58,7 @@ mod slot;
 mod source;
 mod turns;
 
+pub use affinity::{CpuBinding, MAX_CPUS};
 pub use batch::HostBatch;
 pub use config::{PrefetchConfig, MAX_EXPORT_SPARES};
 pub use dry::{DryBatch, DryRun};
@@ -176,8 +177,15 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         config.validate()?;
         let device = consumer.device();
         // Threads spawned from here on inherit the mask; this thread gets its own back when
-        // `_local` drops at the end.
-        let _local = match device.local_cpus().filter(|_| config.numa_local) {
+        // `_chosen` / `_local` drop at the end. CPUs the caller chose replace the NUMA choice.
+        let _chosen = match &config.cpus {
+            Some(cpus) => Some(CpuBinding::bind(cpus)?),
+            None => None,
+        };
+        let _local = match device
+            .local_cpus()
+            .filter(|_| config.numa_local && config.cpus.is_none())
+        {
             Some(cpus) => affinity::bind(&cpus)?,
             None => None,
         };

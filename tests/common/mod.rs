@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod guard;
+pub mod threads;
 
 use libtest_mimic::Failed;
 use rand::rngs::SmallRng;

@@ -1,10 +1,11 @@
 //! Prefetch: the background prefetcher (order, errors, pinned and file sources, resident
-//! ranges), its fault schedules, the hostile review, and extreme sizes across the public API.
+//! ranges), the CPUs its threads run on, its fault schedules, the hostile review, and extreme sizes across the public API.
 //!
 //! One binary of the integration tests by subject (tests/README.md).
 
 #[path = "../common/mod.rs"]
 mod common;
+mod cpus;
 mod faults;
 mod hostile;
 mod limits;
@@ -25,6 +26,7 @@ fn main() {
     args.test_threads.get_or_insert(1);
     let mut trials = Vec::new();
     trials.extend(prefetcher::trials());
+    trials.extend(cpus::trials());
     // Each installs a panic hook that keeps its expected panics out of the output.
     trials.extend(faults::trials());
     trials.extend(hostile::trials());

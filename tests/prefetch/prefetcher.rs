@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::common::threads::thread_cpus;
 use crate::common::{ensure, R};
 use libtest_mimic::{Failed, Trial};
 use pinstream::kernels::{cpu, Crop, Layout, Normalize, Sample, Spec};
@@ -1360,21 +1361,6 @@ fn pixels_len_and_read() -> R {
     ensure(matches!(b.pixels.read(), Err(Error::Io { .. })), || {
         "past the end".into()
     })
-}
-
-/// CPUs the calling thread may run on, from procfs.
-fn thread_cpus() -> Result<Vec<usize>, Failed> {
-    let status = std::fs::read_to_string("/proc/thread-self/status")?;
-    let list = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .ok_or("no Cpus_allowed_list in /proc/thread-self/status")?;
-    let mut cpus = Vec::new();
-    for part in list.trim().split(',') {
-        let (a, b) = part.split_once('-').unwrap_or((part, part));
-        cpus.extend(a.trim().parse::<usize>()?..=b.trim().parse::<usize>()?);
-    }
-    Ok(cpus)
 }
 
 /// With `numa_local`, every loader runs on the CPUs next to the device (those the caller may

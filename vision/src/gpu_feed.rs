@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
+use pinstream::prefetch::CpuBinding;
 use pinstream::{Error, Event, Result, Stream};
 
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
@@ -185,6 +186,12 @@ impl<O: OutputElement> GpuFeed<O> {
         let cfg = source.config();
         let threads = cfg.prefetch.loader_threads.max(1);
         let ahead = cfg.prefetch.depth.max(1) + threads;
+        // The loaders (and nvJPEG's and the driver's threads they start) inherit this mask;
+        // this thread gets its own back when `_chosen` drops.
+        let _chosen = match &cfg.prefetch.cpus {
+            Some(cpus) => Some(CpuBinding::bind(cpus)?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 next: 0,
