@@ -17,6 +17,8 @@ Pipelines, in the order `--only` names them, repeats allowed (each `--steps` tim
   discard    the feed runs and its batches are taken and dropped; the step trains on the ideal's
              batch (what running the feed beside the step costs)
   replay     one batch of the feed, copied, replayed (the feed's tensors alone)
+  ipc        an experiment: the feed in a helper process (its own CUDA context), each batch
+             copied into a torch tensor there and handed over by CUDA IPC
   dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
@@ -62,6 +64,8 @@ class Pinning:
             sib.update(range(int(lo), int(hi or lo) + 1))
         self.main = {cpu}
         self.rest = set(os.sched_getaffinity(0)) - sib - {cpu}
+        if not self.rest:
+            raise SystemExit(f"--pin {cpu}: no CPU is left for the rest (siblings {sorted(sib)})")
         print(f"pin: training thread on {sorted(self.main)}, the rest on {sorted(self.rest)}",
               file=sys.stderr, flush=True)
 
@@ -257,6 +261,55 @@ def gpu_timeline(name, batches, step, a, torch, n=6):
     return r
 
 
+def _ipc_producer(root, batch, threads, q, stop):
+    """`ipc`'s decode process: the feed in its own process (its own CUDA context and driver
+    locks), each batch copied into a torch tensor (CUDA IPC shares only torch's allocations)
+    and sent over a queue; torch keeps it alive until the consumer lets it go."""
+    import queue as _q
+
+    import torch
+
+    import pinstream.torch as pt
+
+    f = pt.image_feed(root, batch, threads=threads, layout="NHWC", dtype=torch.float16,
+                      rank=0, world_size=1, drop_last=True)
+    while not stop.is_set():
+        for x, y in f:
+            item = (x.clone(), y.clone())
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.5)
+                    break
+                except _q.Full:
+                    pass
+            if stop.is_set():
+                break
+    f.close()
+
+
+def ipc_batches(a, torch):
+    """An experiment: the feed in a helper process, batches handed over by CUDA IPC."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(maxsize=4), ctx.Event()
+    p = ctx.Process(target=_ipc_producer, args=(a.root, a.batch, a.threads, q, stop), daemon=True)
+    p.start()
+
+    def batches():
+        while True:
+            x, y = q.get(timeout=120)
+            yield x.permute(0, 3, 1, 2), y
+
+    def close():
+        stop.set()
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+
+    return batches(), close
+
+
 def apex_channels_last(loader, torch):
     """vs_torch.py's APEX data_prefetcher, the batch also made channels_last on its side
     stream."""
@@ -388,6 +441,12 @@ def main():
 
             measure(f"discard_{a.decode}", discard(), {"threads": a.threads})
             f.close()
+        elif name == "ipc":
+            b, close = ipc_batches(a, torch)
+            try:
+                measure("pinstream_ipc", b, {"threads": a.threads})
+            finally:
+                close()
         elif name == "replay":
             # One batch from the feed (its own DLPack tensors, which outlive the feed), the feed
             # closed, the batch replayed: the feed's tensors alone.

@@ -12,6 +12,7 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 """
 
 import atexit
+import collections.abc
 import itertools
 import os
 import weakref
@@ -213,17 +214,21 @@ MAX_CPUS = 1024
 
 def _cpus(op, cpus):
     """``cpus=`` as a list (a set, a range or a generator read once, so a feed that is rebuilt
-    keeps it); the native side checks each entry. At most ``MAX_CPUS + 1`` items are read."""
+    keeps it); the native side checks each entry. At most ``MAX_CPUS + 1`` items are read;
+    what the iterable itself raises while it is read goes to the caller as it is."""
     if cpus is None:
         return None
-    if isinstance(cpus, (str, bytes)):
-        raise InvalidArgumentError(f"{op}: cpus={cpus!r}: give CPU numbers (a list or set of integers)")
+    if isinstance(cpus, (str, bytes, bytearray, memoryview, collections.abc.Mapping)):
+        raise InvalidArgumentError(
+            f"{op}: cpus: give CPU numbers (a list or set of integers), not {type(cpus).__name__}"
+        )
     try:
-        return list(itertools.islice(iter(cpus), MAX_CPUS + 1))
+        it = iter(cpus)
     except TypeError:
         raise InvalidArgumentError(
             f"{op}: cpus: give CPU numbers (a list or set of integers), not {type(cpus).__name__}"
         ) from None
+    return list(itertools.islice(it, MAX_CPUS + 1))
 
 
 def prefetch(

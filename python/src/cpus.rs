@@ -2,11 +2,22 @@
 //! (`PrefetchConfig::cpus`), taken from any iterable of integers (a list, a set such as
 //! `os.sched_getaffinity(0)`, a range).
 
-use pinstream::prefetch::MAX_CPUS;
+use pinstream::prefetch::{CpuBinding, MAX_CPUS};
+use pinstream::Error;
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
 
-use crate::errors::invalid;
+use crate::errors::{invalid, to_py};
+
+/// The calling thread bound to `cpus` (see `CpuBinding::bind`), its refusal an
+/// `InvalidArgumentError` of `op`.
+pub(crate) fn bind(op: &'static str, cpus: &[usize]) -> PyResult<CpuBinding> {
+    CpuBinding::bind(cpus).map_err(|e| match e {
+        Error::InvalidArgument { reason, .. } => invalid(op, reason),
+        other => to_py(other),
+    })
+}
 
 /// `None` stays `None`; anything else must be an iterable of at most `MAX_CPUS` integers in
 /// `0..MAX_CPUS` (bools refused), or an `InvalidArgumentError` naming `op`. Reads at most
@@ -34,7 +45,19 @@ pub(crate) fn cpu_list(
         let c = if item.is_instance_of::<PyBool>() {
             None
         } else {
-            item.extract::<usize>().ok()
+            match item.extract::<usize>() {
+                Ok(c) => Some(c),
+                // Not a number, or not one that fits: refused below. Anything else the item's
+                // own `__index__` raised (Ctrl-C among them) goes to the caller as it is.
+                Err(e)
+                    if e.is_instance_of::<PyTypeError>(x.py())
+                        || e.is_instance_of::<PyOverflowError>(x.py())
+                        || e.is_instance_of::<PyValueError>(x.py()) =>
+                {
+                    None
+                }
+                Err(e) => return Err(e),
+            }
         };
         match c {
             Some(c) if c < MAX_CPUS => cpus.push(c),

@@ -143,16 +143,6 @@ impl PyImageFeed {
         start_batch: usize,
         cpus: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let list = match (root, items) {
-            (Some(r), None) => py.detach(|| ImageList::folder(r)).py_err()?,
-            (None, Some(items)) => parse_pairs(items)?,
-            _ => {
-                return Err(invalid(
-                    OP,
-                    "give a folder or (path, label) items, not both",
-                ))
-            }
-        };
         let layout = match layout {
             "NCHW" | "nchw" => Layout::Nchw,
             "NHWC" | "nhwc" => Layout::Nhwc,
@@ -212,9 +202,24 @@ impl PyImageFeed {
         // Batches held by Python (a list of them) each keep a slot of the CPU path's
         // prefetcher: spares stand in for up to this many, as the GPU path makes new buffers.
         config.prefetch.export_spares = 1024;
-        // Every setting is checked before the device's context is made (a bad one is an
-        // InvalidArgumentError on any machine, with or without a GPU).
+        // Every setting is checked before the folder is walked and the device's context is
+        // made (a bad one is an InvalidArgumentError on any machine, with or without a GPU),
+        // `cpus` by binding this thread to them for a moment (the OS refuses a list with no
+        // CPU it lets the process use).
         config.validate().py_err()?;
+        if let Some(cpus) = &config.prefetch.cpus {
+            drop(crate::cpus::bind(OP, cpus)?);
+        }
+        let list = match (root, items) {
+            (Some(r), None) => py.detach(|| ImageList::folder(r)).py_err()?,
+            (None, Some(items)) => parse_pairs(items)?,
+            _ => {
+                return Err(invalid(
+                    OP,
+                    "give a folder or (path, label) items, not both",
+                ))
+            }
+        };
         let files = list.len();
         let c = ctx(py, device)?;
         let feed = py

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use pinstream::dlpack::{self, Element};
 use pinstream::kernels::{Layout, Normalize, OutputElement, Spec};
 use pinstream::prefetch::{
-    CpuBinding, DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig,
-    Prefetcher, Source,
+    DryRun, ForeignBytes, HostBatch, HostBytes, LoadError, Pixels, PrefetchConfig, Prefetcher,
+    Source,
 };
 use pinstream::{bf16, f16, Error, HostKind, PinnedPool};
 use pyo3::exceptions::{PyStopIteration, PyTypeError};
@@ -1052,6 +1052,11 @@ fn per_channel(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
     Ok(v)
 }
 
+/// Whether `x` says it is iterable (`__iter__`, or the old sequence protocol's `__getitem__`).
+fn has_iter(x: &Bound<'_, PyAny>) -> bool {
+    x.hasattr("__iter__").unwrap_or(false) || x.hasattr("__getitem__").unwrap_or(false)
+}
+
 /// Makes a prefetcher over `iterable` (see `pinstream.prefetch`).
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
@@ -1104,14 +1109,30 @@ pub(crate) fn prefetch(
             format!("dtype {dtype:?}: float32, float16, bfloat16 or uint8"),
         ));
     }
-    let cpus = crate::cpus::cpu_list(OP, cpus.as_ref())?;
+    // Every setting is checked before `iter()` (where a DataLoader starts its workers).
+    let config = PrefetchConfig {
+        depth,
+        loader_threads,
+        cpus: crate::cpus::cpu_list(OP, cpus.as_ref())?,
+        ..PrefetchConfig::default()
+    };
+    config.validate().py_err()?;
     let it = {
         // A DataLoader starts its worker processes (and its pin-memory thread) in `iter()`:
         // with `cpus` they start on those CPUs too, not on a pinned training thread's own.
-        let _on = cpus.as_deref().map(CpuBinding::bind).transpose().py_err()?;
-        iterable
-            .try_iter()
-            .map_err(|_| PyTypeError::new_err("pinstream.prefetch: the source is not iterable"))?
+        let _on = match &config.cpus {
+            Some(cpus) => Some(crate::cpus::bind(OP, cpus)?),
+            None => None,
+        };
+        // Not iterable is a TypeError of ours; whatever `__iter__` raises (Ctrl-C among it)
+        // goes to the caller as it is.
+        iterable.try_iter().map_err(|e| {
+            if e.is_instance_of::<PyTypeError>(py) && !has_iter(iterable) {
+                PyTypeError::new_err("pinstream.prefetch: the source is not iterable")
+            } else {
+                e
+            }
+        })?
     };
     let c = if dry_run {
         None
@@ -1144,12 +1165,6 @@ pub(crate) fn prefetch(
         device: c.is_some(),
         side: side.clone(),
         stats: stats.clone(),
-    };
-    let config = PrefetchConfig {
-        depth,
-        loader_threads,
-        cpus,
-        ..PrefetchConfig::default()
     };
     let source = Source::iter_then(items, move |i, item, batch: &mut HostBatch<i64>| {
         finish(i, item, batch, &after)

@@ -64,6 +64,30 @@ def test_train_feed_runs_every_pipeline(tmp_path):
 
 
 @needs_gpu
+def test_train_feed_pinned_and_in_a_helper_process(tmp_path):
+    """``--pin`` (the training thread on one CPU, the feed's ``cpus=`` the others) and the
+    ``ipc`` experiment (the feed in a helper process, batches by CUDA IPC) run and report."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 4:
+        pytest.skip("fewer than 4 CPUs: nothing left beside the training thread and its sibling")
+    root = tmp_path / "set"
+    image_folder(str(root))
+    out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
+                    "--steps", "3", "--warmup", "1", "--threads", "2", "--pin", str(cpus[-1]),
+                    "--only", "ideal,pinstream,ipc")
+    got = lines(out, "TRAIN_JSON")
+    assert [r["pipeline"] for r in got] == ["ideal", "pinstream_auto", "pinstream_ipc"], got
+    for r in got:
+        assert r["images"] == 3 * 8 and r["images_per_s"] > 0 and r["ratio_to_ideal"] > 0, r
+
+
+@needs_gpu
 def test_sharded_load_runs_and_is_byte_identical(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")

@@ -93,6 +93,9 @@ BAD = [
     [0] * (pinstream.MAX_CPUS + 1),
     itertools.count(),
     iter([None]),
+    {1: "a"},
+    bytearray(b"\x00"),
+    memoryview(b"\x00"),
 ]
 
 
@@ -116,6 +119,10 @@ def test_cpus_none_of_which_exist_is_a_typed_error():
         pytest.skip("this machine has every CPU")
     with pytest.raises(pinstream.InvalidArgumentError, match="may run on"):
         pinstream.prefetch(batches(3, []), dry_run=True, cpus=[absent])
+    assert os.sched_getaffinity(0) == have
+    # The feed refuses it before it walks the folder or makes the device's context.
+    with pytest.raises(pinstream.InvalidArgumentError, match="may run on"):
+        pinstream.ImageFeed("/nonexistent-folder", 2, rank=0, world_size=1, cpus=[absent])
     assert os.sched_getaffinity(0) == have
 
 
@@ -178,3 +185,61 @@ def test_prefetch_starts_the_iterable_on_the_cpus_given():
         p = pinstream.prefetch(src, dry_run=True)
         assert src.at_iter == {first}
         p.close()
+
+
+class Index:
+    """An entry whose ``__index__`` raises what it was given."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __index__(self):
+        raise self.exc
+
+
+def test_what_the_list_raises_reaches_the_caller():
+    """Ctrl-C (or any error) raised while ``cpus`` is read is not turned into a bad list."""
+    before = os.sched_getaffinity(0)
+    with pytest.raises(KeyboardInterrupt):
+        pinstream.prefetch(batches(3, []), dry_run=True, cpus=[Index(KeyboardInterrupt())])
+
+    def midway():
+        yield 0
+        raise TypeError("the user's own")
+
+    with pytest.raises(TypeError, match="the user's own"):
+        pinstream.prefetch(batches(3, []), dry_run=True, cpus=midway())
+    with pytest.raises(pinstream.InvalidArgumentError, match="cpus"):
+        pinstream.prefetch(batches(3, []), dry_run=True, cpus=[Index(ValueError("no"))])
+    assert os.sched_getaffinity(0) == before
+
+
+class IterRaises:
+    def __init__(self, exc):
+        self.exc = exc
+        self.calls = 0
+
+    def __iter__(self):
+        self.calls += 1
+        raise self.exc
+
+
+def test_what_iter_raises_reaches_the_caller_and_settings_come_first():
+    """``iter()`` (where a DataLoader starts its workers) runs only once every setting passed,
+    and what it raises comes out as it is, the caller's mask restored."""
+    with pinned_to_first() as (first, last, _):
+        src = IterRaises(KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt):
+            pinstream.prefetch(src, dry_run=True, cpus=[last])
+        assert os.sched_getaffinity(0) == {first} and src.calls == 1
+        src = IterRaises(RuntimeError("workers failed"))
+        with pytest.raises(RuntimeError, match="workers failed"):
+            pinstream.prefetch(src, dry_run=True, cpus=[last])
+        for bad in [dict(depth=0), dict(loader_threads=0), dict(cpus=[])]:
+            src = IterRaises(RuntimeError("must not run"))
+            with pytest.raises(pinstream.InvalidArgumentError):
+                pinstream.prefetch(src, dry_run=True, **bad)
+            assert src.calls == 0, bad
+        assert os.sched_getaffinity(0) == {first}
+    with pytest.raises(TypeError, match="not iterable"):
+        pinstream.prefetch(5, dry_run=True)

@@ -81,7 +81,14 @@ pub(crate) fn check_cpus(cpus: &[usize]) -> std::result::Result<(), String> {
 /// prefetcher's or an image feed's threads are put on chosen CPUs (for example, off the CPU
 /// the training thread was pinned to).
 ///
-/// Not `Send`: the mask it restores is its own thread's.
+/// Not `Send`: the mask it restores is its own thread's. Bindings nest: drop them in the
+/// reverse order of making them, as scopes do (each restores the mask it found, so dropping an
+/// outer one first leaves the thread on the mask the inner one found). A binding that is never
+/// dropped (`mem::forget`) leaves the thread, and every thread it starts later, bound.
+///
+/// The CPUs are not narrowed by the process's own affinity (`taskset`, `numactl
+/// --physcpubind`, a job scheduler's binding): the threads go where they are told. Only CPUs
+/// outside the process's cgroup cpuset (a container's CPUs) are left out, by the OS.
 #[derive(Debug)]
 pub struct CpuBinding {
     _bound: Bound,
@@ -90,9 +97,10 @@ pub struct CpuBinding {
 
 impl CpuBinding {
     /// Binds the calling thread to `cpus` (any order, repeats allowed), whatever its own mask
-    /// is now: CPUs the process may not use (a container's cpuset) are left out by the OS.
-    /// An `Error::InvalidArgument` when the list is empty, too long, names a CPU at or past
-    /// [`MAX_CPUS`], or names none this process may run on; nothing changes then.
+    /// is now: CPUs outside the process's cgroup cpuset (a container's) are left out by the
+    /// OS. An `Error::InvalidArgument` when the list is empty, too long, names a CPU at or past
+    /// [`MAX_CPUS`], or names none the OS lets this process run on (none that exists, or none
+    /// in its cpuset); nothing changes then.
     pub fn bind(cpus: &[usize]) -> Result<CpuBinding> {
         check_cpus(cpus).map_err(|r| Error::invalid("CpuBinding::bind", r))?;
         let saved = current()?;

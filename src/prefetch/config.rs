@@ -42,7 +42,10 @@ pub struct PrefetchConfig {
     /// may run (narrowed by `numa_local`). Give it to keep them off a training thread pinned
     /// to its own CPU (`os.sched_setaffinity(0, {cpu})` in Python): threads otherwise inherit
     /// the pinned thread's single CPU. At most [`MAX_CPUS`](super::MAX_CPUS) entries, each
-    /// below it; one the process may run on at least ([`CpuBinding::bind`](super::CpuBinding::bind)).
+    /// below it; one the OS lets the process run on at least (not narrowed by `taskset`; see
+    /// [`CpuBinding`](super::CpuBinding)). Threads that exist already are not moved: the CUDA
+    /// driver's (started with the device's context) and pinstream's deferred-release thread
+    /// (started by the first release of an exported batch) stay where they started.
     pub cpus: Option<Vec<usize>>,
     /// Spare slots that stand in for batches handed to other libraries
     /// ([`DeviceBatch::into_dlpack`](super::DeviceBatch::into_dlpack)) until their consumers

@@ -20,7 +20,7 @@
 //! ```
 
 use pinstream::kernels::OutputElement;
-use pinstream::prefetch::{DeviceBatch, Prefetcher};
+use pinstream::prefetch::{CpuBinding, DeviceBatch, Prefetcher};
 use pinstream::{Error, Result, Stream};
 
 use crate::dataset::ImageList;
@@ -94,6 +94,12 @@ impl<O: OutputElement> ImageFeed<O> {
     /// errors; with [`Decoding::Gpu`], also nvJPEG's).
     pub fn new(stream: &Stream, list: ImageList, config: ImageFeedConfig) -> Result<Self> {
         let source = ImageSource::new(list, &config)?;
+        // With `cpus`, everything started from here on (nvJPEG's handles and their threads,
+        // the loaders) starts on those CPUs; this thread gets its mask back at the end.
+        let _chosen = match &config.prefetch.cpus {
+            Some(cpus) => Some(CpuBinding::bind(cpus)?),
+            None => None,
+        };
         let engine = match gpu_decoder(stream, config.decoding)? {
             #[cfg(feature = "nvjpeg")]
             Some(nv) => Engine::Gpu(crate::gpu_feed::GpuFeed::new(stream, source.clone(), nv)?),
