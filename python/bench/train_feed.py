@@ -3,7 +3,7 @@ batch 256) fed from a folder of JPEGs, against the same step on a batch already 
 
     python3 train_feed.py --root DIR [--steps 60] [--warmup 10] [--threads 4] [--workers 8]
                           [--only ideal,pinstream,torch,dali] [--model resnet50] [--timeline]
-                          [--pin CPU]
+                          [--pin CPU] [--graph]
 
 Pipelines, in the order `--only` names them, repeats allowed (each `--steps` timed steps after
 `--warmup` untimed ones, a fresh model each):
@@ -93,11 +93,48 @@ class Pinning:
 PIN = Pinning(None)
 
 
-def make_model(name, torch, torchvision):
+def make_graphed(model, opt, crit, torch, like_x, like_y):
+    """`--graph`: the whole step (bfloat16 autocast, no GradScaler: a graph cannot hold its
+    host sync) captured once in a CUDA graph, as PyTorch's whole-network capture recipe does;
+    each step copies the batch into the graph's input and replays it. The host then launches
+    one graph per step instead of hundreds of kernels."""
+    static_x, static_y = torch.empty_like(like_x), torch.empty_like(like_y)
+    static_x.copy_(like_x)
+    static_y.copy_(like_y)
+
+    def body():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = crit(model(static_x), static_y)
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        body()
+
+    def step(x, y):
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+
+    return step
+
+
+def make_model(name, torch, torchvision, graph_like=None):
     model = getattr(torchvision.models, name)(num_classes=1000).cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     scaler = torch.amp.GradScaler("cuda")
     crit = torch.nn.CrossEntropyLoss()
+    if graph_like is not None:
+        return make_graphed(model, opt, crit, torch, *graph_like)
 
     def step(x, y):
         with torch.autocast("cuda", dtype=torch.float16):
@@ -371,6 +408,8 @@ def main():
     ap.add_argument("--only", default="ideal,pinstream,torch,dali",
                     help="pipelines in order, repeats allowed (ideal, pinstream, discard, replay, torch, dali)")
     ap.add_argument("--timeline", action="store_true", help="after each, a few steps under torch.profiler")
+    ap.add_argument("--graph", action="store_true",
+                    help="every pipeline's step captured in a CUDA graph (bfloat16, no GradScaler)")
     ap.add_argument("--pin", type=int, default=None,
                     help="the training thread alone on this CPU, everything it starts off it and its sibling")
     a = ap.parse_args()
@@ -410,7 +449,7 @@ def main():
         return f, batches()
 
     def measure(name, batches, extra=None):
-        step = make_model(a.model, torch, torchvision)
+        step = make_model(a.model, torch, torchvision, (x_res, y_res) if a.graph else None)
         r = run(name, batches, step, a, torch)
         if extra:
             r.update(extra)
@@ -501,7 +540,8 @@ def main():
         if ideal:
             # To the fastest ideal of the run (the GPU's clocks drift as it warms).
             r["ratio_to_ideal"] = round(r["step_ms"] / ideal["step_ms"], 4)
-        r.update(model=a.model, batch=a.batch, device=device, versions=versions)
+        r.update(model=a.model, batch=a.batch, device=device, versions=versions, graph=a.graph,
+                 pin=a.pin)
         print("TRAIN_JSON " + json.dumps(r), flush=True)
 
 
