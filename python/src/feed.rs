@@ -207,6 +207,18 @@ impl PyImageFeed {
         // `cpus` by binding this thread to them for a moment (the OS refuses a list with no
         // CPU it lets the process use).
         config.validate().py_err()?;
+        if !matches!(dtype, "float32" | "float16" | "bfloat16" | "uint8") {
+            return Err(invalid(
+                OP,
+                format!("dtype {dtype:?}: \"float32\", \"float16\", \"bfloat16\" or \"uint8\""),
+            ));
+        }
+        if device < 0 {
+            return Err(invalid(
+                OP,
+                format!("device {device} is not a device ordinal"),
+            ));
+        }
         if let Some(cpus) = &config.prefetch.cpus {
             drop(crate::cpus::bind(OP, cpus)?);
         }

@@ -1052,9 +1052,10 @@ fn per_channel(x: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
     Ok(v)
 }
 
-/// Whether `x` says it is iterable (`__iter__`, or the old sequence protocol's `__getitem__`).
-fn has_iter(x: &Bound<'_, PyAny>) -> bool {
-    x.hasattr("__iter__").unwrap_or(false) || x.hasattr("__getitem__").unwrap_or(false)
+/// Whether `x` says it is iterable (`__iter__`, or the old sequence protocol's `__getitem__`);
+/// what its attribute lookup raises (other than `AttributeError`) goes to the caller.
+fn has_iter(x: &Bound<'_, PyAny>) -> PyResult<bool> {
+    Ok(x.hasattr("__iter__")? || x.hasattr("__getitem__")?)
 }
 
 /// Makes a prefetcher over `iterable` (see `pinstream.prefetch`).
@@ -1109,7 +1110,14 @@ pub(crate) fn prefetch(
             format!("dtype {dtype:?}: float32, float16, bfloat16 or uint8"),
         ));
     }
-    // Every setting is checked before `iter()` (where a DataLoader starts its workers).
+    // Every setting is checked before `iter()` (where a DataLoader starts its workers); the
+    // device's context is made after it (a machine without a GPU says so then).
+    if device < 0 {
+        return Err(invalid(
+            OP,
+            format!("device {device} is not a device ordinal"),
+        ));
+    }
     let config = PrefetchConfig {
         depth,
         loader_threads,
@@ -1126,13 +1134,15 @@ pub(crate) fn prefetch(
         };
         // Not iterable is a TypeError of ours; whatever `__iter__` raises (Ctrl-C among it)
         // goes to the caller as it is.
-        iterable.try_iter().map_err(|e| {
-            if e.is_instance_of::<PyTypeError>(py) && !has_iter(iterable) {
-                PyTypeError::new_err("pinstream.prefetch: the source is not iterable")
-            } else {
-                e
+        match iterable.try_iter() {
+            Ok(it) => it,
+            Err(e) if e.is_instance_of::<PyTypeError>(py) && !has_iter(iterable)? => {
+                return Err(PyTypeError::new_err(
+                    "pinstream.prefetch: the source is not iterable",
+                ))
             }
-        })?
+            Err(e) => return Err(e),
+        }
     };
     let c = if dry_run {
         None

@@ -243,3 +243,22 @@ def test_what_iter_raises_reaches_the_caller_and_settings_come_first():
         assert os.sched_getaffinity(0) == {first}
     with pytest.raises(TypeError, match="not iterable"):
         pinstream.prefetch(5, dry_run=True)
+
+
+class LookupRaises:
+    """Not iterable, and its attribute lookup raises Ctrl-C."""
+
+    def __getattr__(self, name):
+        raise KeyboardInterrupt
+
+
+def test_settings_before_iter_and_the_walk_and_lookups_propagate():
+    src = IterRaises(RuntimeError("must not run"))
+    with pytest.raises(pinstream.InvalidArgumentError, match="device"):
+        pinstream.prefetch(src, device=-1)
+    assert src.calls == 0
+    with pytest.raises(KeyboardInterrupt):
+        pinstream.prefetch(LookupRaises(), dry_run=True)
+    for bad in [dict(dtype="int7"), dict(device=-1)]:
+        with pytest.raises(pinstream.InvalidArgumentError):
+            pinstream.ImageFeed("/nonexistent-folder", 2, rank=0, world_size=1, **bad)
