@@ -683,8 +683,8 @@ impl Work {
             while end < files.len() {
                 let b = match files[end].bytes.take() {
                     Some(b) => b,
-                    None => match read_file_ended(OP, &files[end].path) {
-                        Ok((b, _)) => b,
+                    None => match read_again(&files[end].path) {
+                        Ok(b) => b,
                         Err(e) => {
                             bad(&files[end].path, e)?;
                             bytes.push(Vec::new());
@@ -805,6 +805,22 @@ fn staging_len(total: usize) -> Option<usize> {
     Some(grown.min(MAX_BATCH_FILE_BYTES))
 }
 
+/// A planned file's bytes read again for its decode (it was not kept): an error where it can
+/// no longer be read or was emptied meanwhile, so that the policy for bad files (an error
+/// naming it, or skipped and counted) applies, rather than the file silently falling out of
+/// its batch.
+fn read_again(path: &std::path::Path) -> Result<Vec<u8>> {
+    let (b, _) = read_file_ended(OP, path)?;
+    if b.is_empty() {
+        return Err(crate::dataset::io(
+            OP,
+            path,
+            "the file was emptied after its batch was planned",
+        ));
+    }
+    Ok(b)
+}
+
 /// `files` one after another at the start of `buf`: where each starts, or `None` where they do
 /// not fit.
 fn pack(buf: &mut [u8], files: &[&[u8]]) -> Option<Vec<usize>> {
@@ -838,9 +854,27 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::{
-        decodes_at_once, pack, staging_len, Pacer, Turns, AUTO_DECODES_AT_ONCE,
+        decodes_at_once, pack, read_again, staging_len, Pacer, Turns, AUTO_DECODES_AT_ONCE,
         MAX_BATCH_FILE_BYTES,
     };
+
+    /// A file read again for its decode: its bytes, or an error naming it when it was emptied
+    /// or removed after planning (never an empty result that would drop it unreported).
+    #[test]
+    fn read_again_refuses_emptied_files() {
+        let dir = std::env::temp_dir().join(format!("pinstream-read-again-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("a.jpg");
+        std::fs::write(&f, b"\xff\xd8 some bytes").unwrap();
+        assert_eq!(read_again(&f).unwrap(), b"\xff\xd8 some bytes");
+        std::fs::write(&f, b"").unwrap();
+        let e = read_again(&f).unwrap_err().to_string();
+        assert!(e.contains("emptied") && e.contains("a.jpg"), "{e}");
+        std::fs::remove_file(&f).unwrap();
+        let e = read_again(&f).unwrap_err().to_string();
+        assert!(e.contains("a.jpg"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// The staging's size: at least what is asked, a power of two from 1 MiB, never above
     /// MAX_BATCH_FILE_BYTES; nothing for an empty group or one above it.
