@@ -62,8 +62,8 @@ fn fill<O: OutputElement, E: Pod>(
 ///
 /// Differences from the GPU prefetcher: no pinned pool, so [`HostBatch::pinned`] gives
 /// ordinary memory (page-locked pixels of your own, resident ranges and files all work);
-/// `PrefetchConfig::stager`, `pool` and `numa_local` are not used (`cpus` is); `depth` host slots stand
-/// for the device slots.
+/// `PrefetchConfig::stager`, `pool` and `numa_local` are not used (`cpus` is); `depth` host
+/// slots stand for the device slots.
 ///
 /// ```
 /// use pinstream::kernels::{Normalize, Spec};

@@ -186,8 +186,8 @@ impl<O: OutputElement> GpuFeed<O> {
         let cfg = source.config();
         let threads = cfg.prefetch.loader_threads.max(1);
         let ahead = cfg.prefetch.depth.max(1) + threads;
-        // The loaders (and nvJPEG's and the driver's threads they start) inherit this mask;
-        // this thread gets its own back when `_chosen` drops.
+        // The loaders (and the threads they start) inherit this mask; this thread gets its
+        // own back when `_chosen` drops.
         let _chosen = match &cfg.prefetch.cpus {
             Some(cpus) => Some(CpuBinding::bind(cpus)?),
             None => None,
