@@ -1112,7 +1112,7 @@ pub(crate) fn prefetch(
     }
     // Every setting is checked before `iter()` (where a DataLoader starts its workers); the
     // device's context is made after it (a machine without a GPU says so then).
-    if device < 0 {
+    if device < 0 && !dry_run {
         return Err(invalid(
             OP,
             format!("device {device} is not a device ordinal"),
