@@ -19,15 +19,17 @@ pub(crate) struct Ctx {
 
 static CONTEXTS: OnceLock<Mutex<Vec<Option<Arc<Ctx>>>>> = OnceLock::new();
 
+/// `ordinal` as a device's number, or an `InvalidArgumentError` of `op` (checked before work
+/// that comes ahead of the context).
+pub(crate) fn device_ordinal(op: &'static str, ordinal: i64) -> PyResult<usize> {
+    usize::try_from(ordinal)
+        .map_err(|_| invalid(op, format!("device {ordinal} is not a device ordinal")))
+}
+
 /// The context of device `ordinal`, made on first use (outside the GIL: making a stager
 /// allocates pinned memory).
 pub(crate) fn ctx(py: Python<'_>, ordinal: i64) -> PyResult<Arc<Ctx>> {
-    let ordinal = usize::try_from(ordinal).map_err(|_| {
-        invalid(
-            "pinstream",
-            format!("device {ordinal} is not a device ordinal"),
-        )
-    })?;
+    let ordinal = device_ordinal("pinstream", ordinal)?;
     // A forked child has the parent's contexts in its memory but cannot use them.
     crate::fork::check_cuda("pinstream")?;
     let table = CONTEXTS.get_or_init(|| Mutex::new(Vec::new()));

@@ -19,7 +19,7 @@ use pinstream_vision::{Augment, BadFiles, Decoding, ImageFeed, ImageFeedConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::context::{ctx, lock};
+use crate::context::{ctx, device_ordinal, lock};
 use crate::errors::{invalid, to_py, OrPy};
 use crate::tensor::Tensor;
 
@@ -213,12 +213,7 @@ impl PyImageFeed {
                 format!("dtype {dtype:?}: \"float32\", \"float16\", \"bfloat16\" or \"uint8\""),
             ));
         }
-        if device < 0 {
-            return Err(invalid(
-                OP,
-                format!("device {device} is not a device ordinal"),
-            ));
-        }
+        device_ordinal(OP, device)?;
         if let Some(cpus) = &config.prefetch.cpus {
             drop(crate::cpus::bind(OP, cpus)?);
         }

@@ -34,7 +34,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
 use pyo3::PyTraverseError;
 
-use crate::context::{ctx, existing_ctx, lock};
+use crate::context::{ctx, device_ordinal, existing_ctx, lock};
 use crate::errors::{invalid, to_py, OrPy};
 use crate::source::{self, Host};
 use crate::tensor::{dtype_name, Tensor};
@@ -1112,11 +1112,8 @@ pub(crate) fn prefetch(
     }
     // Every setting is checked before `iter()` (where a DataLoader starts its workers); the
     // device's context is made after it (a machine without a GPU says so then).
-    if device < 0 && !dry_run {
-        return Err(invalid(
-            OP,
-            format!("device {device} is not a device ordinal"),
-        ));
+    if !dry_run {
+        device_ordinal(OP, device)?;
     }
     let config = PrefetchConfig {
         depth,
@@ -1128,10 +1125,11 @@ pub(crate) fn prefetch(
     let it = {
         // A DataLoader starts its worker processes (and its pin-memory thread) in `iter()`:
         // with `cpus` they start on those CPUs too, not on a pinned training thread's own.
-        let _on = match &config.cpus {
-            Some(cpus) => Some(crate::cpus::bind(OP, cpus)?),
-            None => None,
-        };
+        let _on = config
+            .cpus
+            .as_deref()
+            .map(|c| crate::cpus::bind(OP, c))
+            .transpose()?;
         // Not iterable is a TypeError of ours; whatever `__iter__` raises (Ctrl-C among it)
         // goes to the caller as it is.
         match iterable.try_iter() {

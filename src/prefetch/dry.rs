@@ -133,10 +133,11 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
     fn start(source: &Source<E>, config: &PrefetchConfig, shard: u64, shards: u64) -> Result<Self> {
         config.validate()?;
         // As the device path: the threads started below run on the CPUs chosen.
-        let _chosen = match &config.cpus {
-            Some(cpus) => Some(super::CpuBinding::bind(cpus)?),
-            None => None,
-        };
+        let _chosen = config
+            .cpus
+            .as_deref()
+            .map(super::CpuBinding::bind)
+            .transpose()?;
         let slots = (0..config.depth)
             .map(|_| HostSlot {
                 pixels: Vec::new(),

@@ -178,10 +178,7 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         let device = consumer.device();
         // Threads spawned from here on inherit the mask; this thread gets its own back when
         // `_chosen` / `_local` drop at the end. CPUs the caller chose replace the NUMA choice.
-        let _chosen = match &config.cpus {
-            Some(cpus) => Some(CpuBinding::bind(cpus)?),
-            None => None,
-        };
+        let _chosen = config.cpus.as_deref().map(CpuBinding::bind).transpose()?;
         let _local = match device
             .local_cpus()
             .filter(|_| config.numa_local && config.cpus.is_none())

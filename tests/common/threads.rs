@@ -1,6 +1,8 @@
 //! The CPUs threads may run on, from procfs (Linux): the calling thread's, and those of this
 //! process's `pinstream…` threads.
 
+use std::collections::BTreeSet;
+
 use libtest_mimic::Failed;
 
 fn parse_list(list: &str) -> Result<Vec<usize>, Failed> {
@@ -46,4 +48,27 @@ pub fn pinstream_threads() -> Result<Vec<(String, Vec<usize>)>, Failed> {
         }
     }
     Ok(out)
+}
+
+/// The names ("name (id)") of this process's `pinstream…` threads now.
+pub fn pinstream_thread_names() -> Result<BTreeSet<String>, Failed> {
+    Ok(pinstream_threads()?.into_iter().map(|t| t.0).collect())
+}
+
+/// Fails unless there is a `pinstream…` thread not in `before`, and every such thread runs on
+/// exactly `want`.
+pub fn new_threads_on(before: &BTreeSet<String>, want: &[usize], what: &str) -> Result<(), Failed> {
+    let new: Vec<_> = pinstream_threads()?
+        .into_iter()
+        .filter(|t| !before.contains(&t.0))
+        .collect();
+    if new.is_empty() {
+        return Err(format!("{what}: no new pinstream threads").into());
+    }
+    for (name, cpus) in &new {
+        if cpus != want {
+            return Err(format!("{what}: {name} runs on {cpus:?}, not {want:?}").into());
+        }
+    }
+    Ok(())
 }

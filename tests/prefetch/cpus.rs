@@ -3,11 +3,10 @@
 //! its own), and the caller's mask is its own again afterwards; bad lists are typed errors that
 //! change nothing. The dry run is checked here without a GPU, the device path on one.
 
-use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::common::threads::{pinstream_threads, thread_cpus};
+use crate::common::threads::{new_threads_on, pinstream_thread_names, thread_cpus};
 use crate::common::{ensure, trial, within, R};
 use libtest_mimic::Trial;
 use pinstream::kernels::{Normalize, Spec};
@@ -64,7 +63,7 @@ fn threads_on_given(gpu: bool) -> R {
     ensure(thread_cpus()? == vec![first], || {
         "the caller was not narrowed".into()
     })?;
-    let before: BTreeSet<String> = pinstream_threads()?.into_iter().map(|t| t.0).collect();
+    let before = pinstream_thread_names()?;
     let seen = Arc::new(Mutex::new(Vec::new()));
     let config = PrefetchConfig {
         loader_threads: 3,
@@ -73,7 +72,6 @@ fn threads_on_given(gpu: bool) -> R {
         ..PrefetchConfig::default()
     };
     let end = 10u64;
-    let started;
     let mut k = 0u64;
     if gpu {
         let stream = Device::get(0)?.stream()?;
@@ -81,7 +79,7 @@ fn threads_on_given(gpu: bool) -> R {
         ensure(thread_cpus()? == vec![first], || {
             "the caller's CPUs changed".into()
         })?;
-        started = pinstream_threads()?;
+        new_threads_on(&before, &want, "prefetcher")?;
         while let Some(b) = p.next() {
             let b = b?;
             let mut labels = vec![-1i64; 2];
@@ -96,7 +94,7 @@ fn threads_on_given(gpu: bool) -> R {
         ensure(thread_cpus()? == vec![first], || {
             "the caller's CPUs changed".into()
         })?;
-        started = pinstream_threads()?;
+        new_threads_on(&before, &want, "prefetcher")?;
         while let Some(b) = p.next() {
             let b = b?;
             ensure(b.extras() == [k as i64 * 10, k as i64 * 10 + 1], || {
@@ -113,16 +111,6 @@ fn threads_on_given(gpu: bool) -> R {
     for cpus in seen.iter() {
         ensure(*cpus == want, || {
             format!("a loader ran on {cpus:?}, not {want:?}")
-        })?;
-    }
-    let new: Vec<_> = started
-        .into_iter()
-        .filter(|t| !before.contains(&t.0))
-        .collect();
-    ensure(!new.is_empty(), || "no pinstream threads found".into())?;
-    for (name, cpus) in &new {
-        ensure(*cpus == want, || {
-            format!("{name} runs on {cpus:?}, not {want:?}")
         })?;
     }
     ensure(thread_cpus()? == vec![first], || {

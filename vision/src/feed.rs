@@ -96,10 +96,12 @@ impl<O: OutputElement> ImageFeed<O> {
         let source = ImageSource::new(list, &config)?;
         // With `cpus`, everything started from here on (nvJPEG's handles and their threads,
         // the loaders) starts on those CPUs; this thread gets its mask back at the end.
-        let _chosen = match &config.prefetch.cpus {
-            Some(cpus) => Some(CpuBinding::bind(cpus)?),
-            None => None,
-        };
+        let _chosen = config
+            .prefetch
+            .cpus
+            .as_deref()
+            .map(CpuBinding::bind)
+            .transpose()?;
         let engine = match gpu_decoder(stream, config.decoding)? {
             #[cfg(feature = "nvjpeg")]
             Some(nv) => Engine::Gpu(crate::gpu_feed::GpuFeed::new(stream, source.clone(), nv)?),

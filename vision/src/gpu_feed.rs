@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
-use pinstream::prefetch::CpuBinding;
 use pinstream::{Error, Event, Result, Stream};
 
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
@@ -181,17 +180,12 @@ pub(crate) struct GpuFeed<O: OutputElement> {
 }
 
 impl<O: OutputElement> GpuFeed<O> {
-    /// Starts `threads` loaders, each with its own decoder and stream, on `consumer`'s device.
+    /// Starts `threads` loaders, each with its own decoder and stream, on `consumer`'s device
+    /// (on the CPUs `ImageFeed::new`, the caller, bound it to).
     pub(crate) fn new(consumer: &Stream, source: ImageSource, nv: Nvjpeg) -> Result<Self> {
         let cfg = source.config();
         let threads = cfg.prefetch.loader_threads.max(1);
         let ahead = cfg.prefetch.depth.max(1) + threads;
-        // The loaders (and the threads they start) inherit this mask; this thread gets its
-        // own back when `_chosen` drops.
-        let _chosen = match &cfg.prefetch.cpus {
-            Some(cpus) => Some(CpuBinding::bind(cpus)?),
-            None => None,
-        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 next: 0,

@@ -3,10 +3,9 @@
 //! thread is pinned elsewhere (a training thread on a CPU of its own), the batches come whole,
 //! and the caller keeps its CPU. A bad list is refused before anything is made.
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::common::threads::{pinstream_threads, thread_cpus};
+use crate::common::threads::{new_threads_on, pinstream_thread_names, thread_cpus};
 use crate::common::{ensure, trial, within, R};
 use libtest_mimic::Trial;
 use pinstream::prefetch::CpuBinding;
@@ -50,7 +49,7 @@ fn threads_on_given() -> R {
     let want = vec![*caller.last().ok_or("no CPUs")?];
     let _pinned = CpuBinding::bind(&[first])?;
     for decoding in [Decoding::Auto, Decoding::Cpu] {
-        let before: BTreeSet<String> = pinstream_threads()?.into_iter().map(|t| t.0).collect();
+        let before = pinstream_thread_names()?;
         let mut cfg = super::config(4);
         cfg.decoding = decoding;
         cfg.prefetch.cpus = Some(want.clone());
@@ -68,18 +67,7 @@ fn threads_on_given() -> R {
                 format!("{decoding:?}: batch {k}: {d:?}")
             })?;
         }
-        let new: Vec<_> = pinstream_threads()?
-            .into_iter()
-            .filter(|t| !before.contains(&t.0))
-            .collect();
-        ensure(!new.is_empty(), || {
-            format!("{decoding:?}: no pinstream threads")
-        })?;
-        for (name, cpus) in &new {
-            ensure(*cpus == want, || {
-                format!("{decoding:?}: {name} runs on {cpus:?}, not {want:?}")
-            })?;
-        }
+        new_threads_on(&before, &want, &format!("{decoding:?}"))?;
         drop(feed);
         ensure(thread_cpus()? == vec![first], || {
             format!("{decoding:?}: the caller's CPUs changed")
