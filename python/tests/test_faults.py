@@ -155,6 +155,8 @@ def draw(rng):
         "interrupt": fault == "stall" and bool(rng.integers(2)),
         "hold": bool(rng.integers(2)),
         "close_after": float(rng.random() * 0.05),
+        # Drawn last, so the schedules drawn before it stay as they were.
+        "cpus": bool(rng.integers(2)),
     }
 
 
@@ -178,11 +180,17 @@ def run_schedule(rng, plan, dry, where):
         zero_copy=plan["zero_copy"],
         dry_run=dry,
     )
+    mask = os.sched_getaffinity(0)
+    if plan["cpus"]:
+        # The loaders (and `iter()`) on one CPU, whatever the fault: the caller's mask stays.
+        kwargs["cpus"] = [max(mask)]
     if plan["fault"] == "iter":
         with pytest.raises((TypeError, Fault)):
             pinstream.prefetch(src, **kwargs)
+        assert os.sched_getaffinity(0) == mask, where
         return
     pf = pinstream.prefetch(src, **kwargs)
+    assert os.sched_getaffinity(0) == mask, where
     timers = []
     if plan["fault"] == "close":
         timers.append(threading.Timer(plan["close_after"], pf.close))
@@ -256,6 +264,7 @@ def run_schedule(rng, plan, dry, where):
         t.join(WATCHDOG)
     pf.close()
     del pf, held, src
+    assert os.sched_getaffinity(0) == mask, where
 
 
 def settle(base, where):
