@@ -103,7 +103,8 @@ def make_graphed(model, opt, crit, torch, like_x, like_y):
     static_y.copy_(like_y)
 
     def body():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        # No autocast cache inside a capture (PyTorch's graph recipe).
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             loss = crit(model(static_x), static_y)
         loss.backward()
         opt.step()
@@ -115,9 +116,11 @@ def make_graphed(model, opt, crit, torch, like_x, like_y):
             opt.zero_grad(set_to_none=True)
             body()
     torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+    # thread_local: the feed's own threads keep calling CUDA while this thread captures.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         body()
 
     def step(x, y):
@@ -199,9 +202,16 @@ def run(name, batches, step, a, torch):
         sampler = GpuSampler()
     c0, t0 = cpu_total(), time.perf_counter()
     n = 0
+    marks = []
     for _ in range(a.steps):
+        if a.max_ahead and len(marks) >= a.max_ahead:
+            marks.pop(0).synchronize()  # the host at most `max_ahead` steps ahead of the GPU
         x, y = next(batches)
         step(x, y)
+        if a.max_ahead:
+            ev = torch.cuda.Event()
+            ev.record()
+            marks.append(ev)
         n += y.shape[0]
     torch.cuda.synchronize()
     # The CPU before the sampler is reaped: its time is not this process's.
@@ -247,7 +257,7 @@ def overlap(u, v):
     return got
 
 
-def gpu_timeline(name, batches, step, a, torch, n=6):
+def gpu_timeline(name, batches, step, a, torch, n=16):
     """`n` steps under torch.profiler: where the step's time goes on the GPU. Reports the span
     from the first to the last kernel, the busy time of the step's stream (the union of its
     kernels), the busy time of every other stream (the feed's), their overlap, and the host time
@@ -266,9 +276,11 @@ def gpu_timeline(name, batches, step, a, torch, n=6):
             host_next += time.perf_counter() - t
             step(x, y)
         torch.cuda.synchronize()
-    streams = {}
+    streams, names, api = {}, {}, {}
     for e in prof.profiler.kineto_results.events():
         if e.device_type() != torch.autograd.DeviceType.CUDA or e.duration_ns() <= 0:
+            if e.duration_ns() > 0 and e.name().startswith("cu"):
+                api.setdefault(e.name()[:40], []).append(e.duration_ns())
             continue
         nm = e.name()
         if nm.startswith("Memcpy") or nm.startswith("Memset"):
@@ -276,6 +288,7 @@ def gpu_timeline(name, batches, step, a, torch, n=6):
         else:
             kind = "kernel"
         streams.setdefault((e.device_resource_id(), kind), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+        names.setdefault((e.device_resource_id(), nm[:60]), []).append(e.duration_ns())
 
     kernels = {k: v for k, v in streams.items() if k[1] == "kernel"}
     main = max(kernels, key=lambda k: total(kernels[k]))
@@ -293,6 +306,13 @@ def gpu_timeline(name, batches, step, a, torch, n=6):
         "other_streams_all_ms_per_step": round(total(others) / n / 1e6, 3),
         "host_next_ms_per_step": round(host_next / n * 1e3, 3),
         "step_kernels_per_step": round(len(kernels[main]) / n, 1),
+        # The other streams' work by name: GPU ms and launches per step, the six largest.
+        "other_top": sorted(([sid, nm, round(sum(d) / n / 1e6, 3), round(len(d) / n, 1)]
+                             for (sid, nm), d in names.items() if sid != main[0]),
+                            key=lambda t: -t[2])[:16],
+        # CUDA runtime / driver calls on the host, every thread: ms and calls per step.
+        "api_top": sorted(([nm, round(sum(d) / n / 1e6, 3), round(len(d) / n, 1)]
+                           for nm, d in api.items()), key=lambda t: -t[1])[:12],
     }
     print("TIMELINE_JSON " + json.dumps(r), flush=True)
     return r
@@ -410,11 +430,27 @@ def main():
     ap.add_argument("--timeline", action="store_true", help="after each, a few steps under torch.profiler")
     ap.add_argument("--graph", action="store_true",
                     help="every pipeline's step captured in a CUDA graph (bfloat16, no GradScaler)")
+    ap.add_argument("--decodes-at-once", type=int, default=0,
+                    help="the feed's decodes_at_once (0: its default, 4)")
+    ap.add_argument("--max-ahead", type=int, default=0,
+                    help="the training loop waits for step i - K before step i (0: it never waits)")
+    ap.add_argument("--sched", choices=["spin", "yield", "blocking"], default=None,
+                    help="the CUDA context's scheduling flag (default: the driver's choice)")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="every pipeline's step on a stream of its own, not the legacy default stream")
     ap.add_argument("--pin", type=int, default=None,
                     help="the training thread alone on this CPU, everything it starts off it and its sibling")
     a = ap.parse_args()
     global PIN
     PIN = Pinning(a.pin)
+    if a.sched:
+        # The primary context's scheduling flag, set before anything makes the context.
+        import ctypes
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev = ctypes.c_int()
+        flag = {"spin": 1, "yield": 2, "blocking": 4}[a.sched]
+        assert cu.cuInit(0) == 0 and cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+        assert cu.cuDevicePrimaryCtxSetFlags(dev, flag) == 0, "cuDevicePrimaryCtxSetFlags"
     spawn = PIN.spawning()
     spawn.__enter__()
     import torch
@@ -430,6 +466,10 @@ def main():
     y_res = torch.randint(0, 100, (a.batch,), device="cuda")
     torch.cuda.synchronize()
     spawn.__exit__(None, None, None)
+    if a.side_stream:
+        # Work other code queues on the legacy default stream (stream 0) waits for everything
+        # queued on it before, the training step's included, unless the step runs elsewhere.
+        torch.cuda.stream(torch.cuda.Stream()).__enter__()
 
     def resident():
         while True:
@@ -440,6 +480,7 @@ def main():
         # cudnn.benchmark would tune for in the timed steps.
         # With --pin, the feed's own `cpus=` keeps its threads off the training thread's CPU.
         f = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
+                          decodes_at_once=a.decodes_at_once,
                           rank=0, world_size=1, drop_last=True, decode=a.decode, cpus=PIN.others())
 
         def batches():
@@ -448,8 +489,12 @@ def main():
 
         return f, batches()
 
-    def measure(name, batches, extra=None):
-        step = make_model(a.model, torch, torchvision, (x_res, y_res) if a.graph else None)
+    def measure(name, batches, extra=None, bare=False):
+        if bare:
+            def step(x, y):  # no training: the feed alone, as fast as it goes
+                pass
+        else:
+            step = make_model(a.model, torch, torchvision, (x_res, y_res) if a.graph else None)
         r = run(name, batches, step, a, torch)
         if extra:
             r.update(extra)
@@ -467,6 +512,10 @@ def main():
             f, b = feed()
             measure(f"pinstream_{a.decode}", b, {"threads": a.threads})
             out[-1]["decoding"] = f.decoding
+            f.close()
+        elif name == "bare":
+            f, b = feed()
+            measure(f"bare_{a.decode}", b, {"threads": a.threads}, bare=True)
             f.close()
         elif name == "discard":
             # The feed runs, its batches are taken and dropped; the step trains on the resident
@@ -541,6 +590,7 @@ def main():
             # To the fastest ideal of the run (the GPU's clocks drift as it warms).
             r["ratio_to_ideal"] = round(r["step_ms"] / ideal["step_ms"], 4)
         r.update(model=a.model, batch=a.batch, device=device, versions=versions, graph=a.graph,
+                 side_stream=a.side_stream, max_ahead=a.max_ahead, sched=a.sched,
                  pin=a.pin)
         print("TRAIN_JSON " + json.dumps(r), flush=True)
 

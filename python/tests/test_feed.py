@@ -307,3 +307,31 @@ def test_torch_feed_on_another_stream(tmp_path):
     with pinstream.ImageFeed(items, 8, size=40, rank=0, world_size=1, train=False, dtype="bfloat16") as ref:
         want = [float(x.sum()) for _, x in batches(ref)]
     np.testing.assert_allclose(sums, want, rtol=1e-3)
+
+
+@needs_gpu
+def test_feed_runs_ahead_of_a_busy_consumer_and_recycles_right(tmp_path):
+    """Released batches whose consumer's stream is still busy hold the feed back no earlier
+    than `depth + threads` batches (the loaders never wait on the GPU for the consumer), and
+    buffers written again for later batches are written only after the consumer's reads of
+    the earlier ones: every batch's sum, computed on the busy stream, matches a reference."""
+    torch = pytest.importorskip("torch")
+    import pinstream.torch as pt
+
+    items = make_jpegs(tmp_path, 48, seed=21)
+    kw = dict(size=32, rank=0, world_size=1, train=False, threads=1, depth=3)
+    with pinstream.ImageFeed(items, 4, dtype="bfloat16", **kw) as ref:
+        want = [float(x.sum()) for _, x in batches(ref)]
+    stream = torch.cuda.current_stream()
+    sums, busy = [], []
+    with pt.image_feed(items, 4, **kw) as feed:
+        it = iter(feed)
+        torch.cuda._sleep(4_000_000_000)  # about two seconds of GPU clocks
+        for _ in range(len(want)):
+            x, y = next(it)
+            busy.append(not stream.query())
+            sums.append(x.float().sum())  # queued behind the sleep
+            del x, y  # released at once: its reuse must wait for the sum
+        torch.cuda.synchronize()
+    assert all(busy[:4]), f"the feed waited for the consumer's stream: {busy}"
+    np.testing.assert_allclose([float(s) for s in sums], want, rtol=1e-3)

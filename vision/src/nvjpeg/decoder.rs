@@ -380,6 +380,17 @@ impl std::fmt::Debug for GpuDecoder {
     }
 }
 
+/// The decoder's stream, at the device's greatest priority. The feed queues many small pieces of
+/// work per image (a bitstream copy, a colour conversion, a crop) and waits for some of them on
+/// the host; behind a training step that keeps every SM busy, each would wait for the step's
+/// blocks to drain, and the feed would fall behind the step. At the greatest priority the block
+/// scheduler starts them as soon as any SM frees; they are a few per cent of the step's GPU
+/// time, so the step loses little.
+fn decode_stream(device: &Device) -> Result<Stream> {
+    let (_, greatest) = device.stream_priority_range()?;
+    Stream::with_priority(device, greatest)
+}
+
 impl GpuDecoder {
     fn new(nv: &Nvjpeg) -> Result<GpuDecoder> {
         let sh = &nv.shared;
@@ -417,7 +428,7 @@ impl GpuDecoder {
             hardware,
             cuda,
             staging: None,
-            stream: sh.device.stream()?,
+            stream: decode_stream(&sh.device)?,
             idle: Event::new(&sh.device)?,
             lib,
             nv: nv.clone(),

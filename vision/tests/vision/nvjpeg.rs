@@ -38,6 +38,12 @@ pub fn trials() -> Vec<Trial> {
         trial(PREFIX, "gpu/refuses_bad_layouts_before_queuing", layouts).with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/stream_race_other_stream_200", || race(false)).with_ignored_flag(no_gpu),
         trial(PREFIX, "gpu/stream_race_own_stream_200", || race(true)).with_ignored_flag(no_gpu),
+        trial(
+            PREFIX,
+            "gpu/decoder_stream_has_the_greatest_priority",
+            priority,
+        )
+        .with_ignored_flag(no_gpu),
     ]
 }
 
@@ -519,4 +525,24 @@ fn race(own_stream: bool) -> R {
         })?;
     }
     Ok(())
+}
+
+/// Each decoder's stream runs at the device's greatest priority (the feed's small per-image
+/// work must not wait behind a training step's kernels), and two decoders do not share one.
+fn priority() -> R {
+    let dev = Device::get(0)?;
+    let (least, greatest) = dev.stream_priority_range()?;
+    let nv = Nvjpeg::new(&dev)?;
+    let (a, b) = (nv.decoder()?, nv.decoder()?);
+    for d in [&a, &b] {
+        ensure(d.stream().priority() == greatest, || {
+            format!(
+                "priority {} (range {greatest}..={least})",
+                d.stream().priority()
+            )
+        })?;
+    }
+    ensure(a.stream().as_raw() != b.stream().as_raw(), || {
+        "two decoders share a stream".to_string()
+    })
 }
