@@ -313,9 +313,9 @@ def test_torch_feed_on_another_stream(tmp_path):
 @pytest.mark.parametrize("decode", ["cpu", "auto"])
 def test_released_batches_are_rewritten_only_after_the_consumer_read_them(tmp_path, decode):
     """Each batch is released at once while the consumer's stream is still busy (a sleep
-    queued before its reads): its buffers go back to the feed, which must write them again only
-    after those reads ran. Every batch's sum, computed on the busy stream, matches a reference.
-    With CPU decoding the feed also keeps going meanwhile (`depth + threads` batches)."""
+    queued before its reads): the feed must reuse its memory only after those reads ran. Every
+    batch's sum, computed on the busy stream, matches a reference. With CPU decoding the feed
+    also keeps going meanwhile (`depth + threads` batches)."""
     torch = pytest.importorskip("torch")
     import pinstream.torch as pt
 
@@ -332,7 +332,7 @@ def test_released_batches_are_rewritten_only_after_the_consumer_read_them(tmp_pa
         while True:
             busy.append(not stream.query())
             sums.append(x.float().sum())  # queued behind the sleep
-            del x, y  # released at once: its buffers' reuse must wait for the sum
+            del x, y  # released at once: its memory's reuse must wait for the sum
             if len(sums) == len(want):
                 break
             x, y = next(it)

@@ -178,15 +178,6 @@ impl<T: Pod> DeviceBuffer<T> {
         self.tracker.synchronize()
     }
 
-    /// Whether the GPU has finished every operation queued on this buffer so far, the uses
-    /// recorded by [`record_stream`](Self::record_stream) and DLPack consumers included. Never
-    /// blocks; `false` where that cannot be known. A producer that recycles buffers can pick
-    /// one that is idle, so that its next write does not make its own stream wait for a
-    /// consumer's.
-    pub fn is_idle(&self) -> bool {
-        self.tracker.is_idle()
-    }
-
     /// PyTorch's `record_stream`: the memory is also read by what `stream` (another library's,
     /// usually: see [`Stream::from_raw`]) has queued so far. `stream` first waits on the GPU for
     /// the buffer's last write, then the next write or free through pinstream waits for the

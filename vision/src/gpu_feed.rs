@@ -29,12 +29,10 @@ const OP: &str = "ImageFeed (GPU decoding)";
 const TICK: Duration = Duration::from_millis(50);
 
 /// One batch's device memory: pixels, labels (and their page-locked staging), and the event
-/// that marks them written. The buffers are shared with the tensors of a DLPack handover; the
-/// feed writes them again only once it holds the last reference (and the consumer's release is
-/// in their trackers).
+/// that marks them written.
 struct Output<O: pinstream::Pod> {
-    pixels: Arc<DeviceBuffer<O>>,
-    labels: Arc<DeviceBuffer<i64>>,
+    pixels: DeviceBuffer<O>,
+    labels: DeviceBuffer<i64>,
     done: Event,
     /// Samples in the batch (the buffers are sized for a full one).
     n: usize,
@@ -47,11 +45,8 @@ struct State<O: pinstream::Pod> {
     /// Batches handed to the consumer.
     taken: u64,
     ready: BTreeMap<u64, Result<Output<O>>>,
-    /// Outputs back from their consumers, idle on the GPU or not yet.
     free: Vec<Output<O>>,
-    /// Outputs handed over through DLPack: back in `free` once their tensors are released.
-    lent: Vec<Output<O>>,
-    /// Outputs in existence (`lent` included).
+    /// Output buffers made so far.
     made: usize,
     stop: bool,
     /// Loaders still running.
@@ -197,7 +192,6 @@ impl<O: OutputElement> GpuFeed<O> {
                 taken: 0,
                 ready: BTreeMap::new(),
                 free: Vec::new(),
-                lent: Vec::new(),
                 made: 0,
                 stop: false,
                 alive: threads,
@@ -376,16 +370,23 @@ impl<O: OutputElement + pinstream::dlpack::Element> GpuBatch<'_, O> {
             .out
             .take()
             .ok_or_else(|| Error::invalid(OP, "the batch was given back"))?;
-        let len: usize = o.dims.iter().product();
-        let tensors = Tensor::from_device(o.pixels.clone())
-            .and_then(|p| p.slice(..len)?.reshape(&o.dims))
-            .and_then(|p| Ok((p, Tensor::from_device(o.labels.clone())?.slice(..o.n)?)));
-        // The feed keeps its own references: the buffers come back to it (into `free`) when
-        // the consumer releases the tensors, instead of being freed on a loader's stream, which
-        // would make that stream wait for the consumer's work.
-        lock(&self.feed.shared.state).lent.push(o);
+        {
+            // Its buffers leave the feed's circle: a loader makes new ones in their place.
+            let mut st = lock(&self.feed.shared.state);
+            st.made -= 1;
+        }
         self.feed.shared.changed.notify_all();
-        tensors
+        let Output {
+            pixels,
+            labels,
+            dims,
+            n,
+            ..
+        } = o;
+        let len: usize = dims.iter().product();
+        let pixels = Tensor::from_device(pixels)?.slice(..len)?.reshape(&dims)?;
+        let labels = Tensor::from_device(labels)?.slice(..n)?;
+        Ok((pixels, labels))
     }
 }
 
@@ -432,7 +433,7 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
                 }
                 let cap = sh.ahead;
                 let mut tick = TICK;
-                if st.next < st.taken + cap as u64 {
+                if st.next < st.taken + cap as u64 && (!st.free.is_empty() || st.made < cap) {
                     match st.pacer.wait(Instant::now()) {
                         None => break,
                         Some(d) => tick = d.min(TICK),
@@ -447,10 +448,10 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
             let i = st.next;
             st.next += 1;
             st.pacer.claimed(Instant::now());
-            let (out, surplus) = take_output(&mut st, sh.ahead);
-            drop(st);
-            // Idle buffers beyond what the feed circulates: freed outside the lock (no wait).
-            drop(surplus);
+            let out = st.free.pop();
+            if out.is_none() {
+                st.made += 1;
+            }
             (i, out)
         };
         let w = work.as_mut().expect("checked above");
@@ -480,101 +481,6 @@ fn loader<O: OutputElement>(sh: &Shared<O>) {
         drop(st);
         sh.changed.notify_all();
     }
-}
-
-/// Which output buffer a claim takes (see [`choose`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Choice {
-    /// This one of `free`: the GPU is done with it.
-    Idle(usize),
-    /// A new one.
-    New,
-    /// This one of `free`, still in use on the GPU: the loader waits for it on the host
-    /// before it writes it.
-    Pending(usize),
-}
-
-/// The policy of a claim, given which `free` outputs are idle on the GPU and how many outputs
-/// circulate (`circle`: in existence, less those a consumer holds through DLPack), against
-/// `cap`: an idle one; else a new one while fewer than `cap` circulate; else the oldest pending
-/// one (the feed then runs no further ahead of the consumer's GPU work than `cap` batches);
-/// else a new one (the consumer holds the rest: it may keep batches as long as it likes).
-fn choose(idle: &[bool], circle: usize, cap: usize) -> Choice {
-    if let Some(i) = idle.iter().position(|&b| b) {
-        Choice::Idle(i)
-    } else if circle < cap || idle.is_empty() {
-        Choice::New
-    } else {
-        Choice::Pending(0)
-    }
-}
-
-/// Which idle `free` outputs to free: those beyond `cap` circulating, idle ones only (freeing
-/// one still in use would make its stream wait for the consumer).
-fn surplus(idle: &[bool], circle: usize, cap: usize) -> Vec<usize> {
-    let over = circle.saturating_sub(cap);
-    idle.iter()
-        .enumerate()
-        .filter(|(_, &b)| b)
-        .map(|(i, _)| i)
-        .take(over)
-        .collect()
-}
-
-/// Takes the output buffers of a claim: the lent outputs whose tensors were all released go
-/// back to `free`, idle surplus is taken out (returned, to be dropped outside the lock), then
-/// [`choose`] picks (`None`: make a new one).
-fn take_output<O: OutputElement>(
-    st: &mut State<O>,
-    cap: usize,
-) -> (Option<Output<O>>, Vec<Output<O>>) {
-    let mut k = 0;
-    while k < st.lent.len() {
-        let o = &st.lent[k];
-        if Arc::strong_count(&o.pixels) == 1 && Arc::strong_count(&o.labels) == 1 {
-            let o = st.lent.swap_remove(k);
-            st.free.push(o);
-        } else {
-            k += 1;
-        }
-    }
-    let idle = |free: &[Output<O>]| -> Vec<bool> {
-        free.iter()
-            .map(|o| o.pixels.is_idle() && o.labels.is_idle())
-            .collect()
-    };
-    let mut flags = idle(&st.free);
-    let mut extra = Vec::new();
-    for i in surplus(&flags, st.made - st.lent.len(), cap)
-        .into_iter()
-        .rev()
-    {
-        extra.push(st.free.remove(i));
-        flags.remove(i);
-        st.made -= 1;
-    }
-    let out = match choose(&flags, st.made - st.lent.len(), cap) {
-        Choice::Idle(i) | Choice::Pending(i) => Some(st.free.remove(i)),
-        Choice::New => {
-            st.made += 1;
-            None
-        }
-    };
-    (out, extra)
-}
-
-/// Waits on the host until the GPU is done with `out` (a consumer's work recorded in it),
-/// checking for a stop meanwhile, so that writing it makes no stream wait for the consumer.
-fn wait_idle<O: OutputElement>(sh: &Shared<O>, out: &Output<O>) -> Result<()> {
-    let mut nap = Duration::from_micros(50);
-    while !(out.pixels.is_idle() && out.labels.is_idle()) {
-        if lock(&sh.state).stop {
-            return Err(Error::invalid(OP, "the feed is stopping"));
-        }
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_millis(2));
-    }
-    Ok(())
 }
 
 /// A loader's own decoder, arena and page-locked staging.
@@ -843,18 +749,13 @@ impl Work {
             ));
         }
         let mut out = match out {
-            Some(o) => {
-                wait_idle(sh, &o)?;
-                o
-            }
+            Some(o) => o,
             None => output::<O>(
                 self.decoder.stream(),
                 src.largest_batch(),
                 spec.sample_len()?,
             )?,
         };
-        let shared = || Error::invalid(OP, "an output buffer is still shared");
-        let pixels = Arc::get_mut(&mut out.pixels).ok_or_else(shared)?;
         let n = labels.len();
         let (c, (h, w)) = (spec.out_channels(), cfg.out);
         out.dims = match cfg.layout {
@@ -864,7 +765,7 @@ impl Work {
         out.n = n;
         let stream = self.decoder.stream().clone();
         let len = spec.output_len()?;
-        kernels::resized_crop(&stream, &*arena, &spec, &mut pixels.slice_mut(..len)?)?;
+        kernels::resized_crop(&stream, &*arena, &spec, &mut out.pixels.slice_mut(..len)?)?;
         if self.labels_host.as_ref().is_none_or(|h| h.len() < n) {
             let most = src.largest_batch().max(n);
             self.labels_host = Some(PinnedBuffer::new(
@@ -877,8 +778,7 @@ impl Work {
         // Waits for the previous batch's copy from it (tracked), if still queued.
         labels_host.as_mut_slice()?[..n].copy_from_slice(&labels);
         let host = labels_host.slice(..n)?;
-        let labels = Arc::get_mut(&mut out.labels).ok_or_else(shared)?;
-        stream.copy_h2d(&host, &mut labels.slice_mut(..n)?)?;
+        stream.copy_h2d(&host, &mut out.labels.slice_mut(..n)?)?;
         stream.record(&out.done)?;
         Ok((out, counts))
     }
@@ -937,8 +837,8 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
         .checked_mul(sample)
         .ok_or_else(|| Error::invalid(OP, "the batch's output size overflows usize"))?;
     Ok(Output {
-        pixels: Arc::new(DeviceBuffer::new_async(stream, len)?),
-        labels: Arc::new(DeviceBuffer::new_async(stream, batch)?),
+        pixels: DeviceBuffer::new_async(stream, len)?,
+        labels: DeviceBuffer::new_async(stream, batch)?,
         done: Event::new(device)?,
         n: 0,
         dims: [0; 4],
@@ -948,27 +848,9 @@ fn output<O: OutputElement>(stream: &Stream, batch: usize, sample: usize) -> Res
 #[cfg(test)]
 mod tests {
     use super::{
-        choose, decodes_at_once, pack, read_again, staging_len, surplus, Choice, Pacer, Turns,
-        AUTO_DECODES_AT_ONCE, MAX_BATCH_FILE_BYTES,
+        decodes_at_once, pack, read_again, staging_len, Pacer, Turns, AUTO_DECODES_AT_ONCE,
+        MAX_BATCH_FILE_BYTES,
     };
-
-    /// A claim takes an idle output first, then a new one below the cap, then waits for the
-    /// oldest pending one (the feed stays at most `cap` batches ahead of the consumer's GPU
-    /// work), and makes a new one when the consumer holds every other.
-    #[test]
-    fn claims_prefer_idle_then_new_then_pending() {
-        assert_eq!(choose(&[false, true, true], 3, 4), Choice::Idle(1));
-        assert_eq!(choose(&[false, false], 3, 4), Choice::New);
-        assert_eq!(choose(&[false, false], 4, 4), Choice::Pending(0));
-        assert_eq!(choose(&[false], 9, 4), Choice::Pending(0));
-        assert_eq!(choose(&[], 4, 4), Choice::New);
-        assert_eq!(choose(&[], 0, 4), Choice::New);
-        // Only idle outputs beyond the cap are freed, the first ones first.
-        assert_eq!(surplus(&[true, false, true, true], 6, 4), vec![0, 2]);
-        assert_eq!(surplus(&[false, false], 6, 4), Vec::<usize>::new());
-        assert_eq!(surplus(&[true, true], 4, 4), Vec::<usize>::new());
-        assert_eq!(surplus(&[true], 2, 4), Vec::<usize>::new());
-    }
 
     /// A file read again for its decode: its bytes, or an error naming it when it was emptied
     /// or removed after planning (never an empty result that would drop it unreported).
