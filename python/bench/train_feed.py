@@ -306,7 +306,7 @@ def gpu_timeline(name, batches, step, a, torch, n=16):
         "other_streams_all_ms_per_step": round(total(others) / n / 1e6, 3),
         "host_next_ms_per_step": round(host_next / n * 1e3, 3),
         "step_kernels_per_step": round(len(kernels[main]) / n, 1),
-        # The other streams' work by name: GPU ms and launches per step, the six largest.
+        # The other streams' work by stream and name: GPU ms and launches per step, the 16 largest.
         "other_top": sorted(([sid, nm, round(sum(d) / n / 1e6, 3), round(len(d) / n, 1)]
                              for (sid, nm), d in names.items() if sid != main[0]),
                             key=lambda t: -t[2])[:16],

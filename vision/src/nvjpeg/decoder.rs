@@ -380,12 +380,12 @@ impl std::fmt::Debug for GpuDecoder {
     }
 }
 
-/// The decoder's stream, at the device's greatest priority. The feed queues many small pieces of
-/// work per image (a bitstream copy, a colour conversion, a crop) and waits for some of them on
-/// the host; behind a training step that keeps every SM busy, each would wait for the step's
-/// blocks to drain, and the feed would fall behind the step. At the greatest priority the block
-/// scheduler starts them as soon as any SM frees; they are a few per cent of the step's GPU
-/// time, so the step loses little.
+/// The decoder's stream, at the device's greatest priority. What the feed queues here (the
+/// resized crop, the labels' copy, the CPU route's uploads) is then scheduled ahead of a
+/// training step's kernels instead of waiting for their blocks to drain; it is a few per cent
+/// of the step's GPU time, so the step loses little. nvJPEG's own copies and colour conversions
+/// run on its internal streams, which this does not reach (measured: BENCHMARKS.md, 2026-11-27
+/// third session, where this priority moved no ratio).
 fn decode_stream(device: &Device) -> Result<Stream> {
     let (_, greatest) = device.stream_priority_range()?;
     Stream::with_priority(device, greatest)
