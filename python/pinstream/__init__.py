@@ -17,6 +17,14 @@ import itertools
 import os
 import weakref
 
+# More hardware work queues than CUDA's default 8, where the process has not chosen: the image
+# feed's nvJPEG keeps a dozen internal streams, and with 8 queues its work shares a queue with
+# the training step's, each waiting behind the other (ResNet-18/50 beside the feed: 6 of 6
+# measurements better with 32, BENCHMARKS.md 2026-11-27 fourth session). CUDA reads this when
+# the process's context is made, so it only acts where pinstream is imported before the first
+# CUDA call; an explicit value (Megatron's 1, say) is kept.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 from . import errors
 from ._native import (
     Prefetcher,
