@@ -306,6 +306,9 @@ def gpu_timeline(name, batches, step, a, torch, n=16):
         "other_streams_all_ms_per_step": round(total(others) / n / 1e6, 3),
         "host_next_ms_per_step": round(host_next / n * 1e3, 3),
         "step_kernels_per_step": round(len(kernels[main]) / n, 1),
+        # How many other streams ran GPU work (the feed's and nvJPEG's internal ones): more
+        # streams than CUDA_DEVICE_MAX_CONNECTIONS share hardware queues.
+        "other_streams": len({sid for (sid, _) in names if sid != main[0]}),
         # The other streams' work by stream and name: GPU ms and launches per step, the 16 largest.
         "other_top": sorted(([sid, nm, round(sum(d) / n / 1e6, 3), round(len(d) / n, 1)]
                              for (sid, nm), d in names.items() if sid != main[0]),
