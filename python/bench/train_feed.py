@@ -447,7 +447,9 @@ def main():
     global PIN
     PIN = Pinning(a.pin)
     if a.sched:
-        # The primary context's scheduling flag, set before anything makes the context.
+        # The primary context's scheduling flag, set before anything makes the context; cuInit
+        # comes before pinstream's import here, so its queue default is set here too.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
         import ctypes
         cu = ctypes.CDLL("libcuda.so.1")
         dev = ctypes.c_int()

@@ -19,11 +19,27 @@ import weakref
 
 # More hardware work queues than CUDA's default 8, where the process has not chosen: the image
 # feed's nvJPEG keeps a dozen internal streams, and with 8 queues its work shares a queue with
-# the training step's, each waiting behind the other (ResNet-18/50 beside the feed: 6 of 6
-# measurements better with 32, BENCHMARKS.md 2026-11-27 fourth session). CUDA reads this when
-# the process's context is made, so it only acts where pinstream is imported before the first
-# CUDA call; an explicit value (Megatron's 1, say) is kept.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# the training step's, each waiting behind the other (BENCHMARKS.md, 2026-11-27 fourth
+# session). CUDA reads the variable when it initializes, so it only acts where pinstream is
+# imported before the first CUDA call. A value already set is kept: in os.environ, or only in
+# the C environment (os.putenv, a native setenv). Child processes inherit it.
+_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def _c_environment_has(name):
+    try:
+        import ctypes
+
+        getenv = ctypes.CDLL(None).getenv
+        getenv.restype = ctypes.c_char_p
+        getenv.argtypes = [ctypes.c_char_p]
+        return getenv(name.encode()) is not None
+    except Exception:  # no C library to ask: os.environ alone decides
+        return False
+
+
+if _CONNECTIONS not in os.environ and not _c_environment_has(_CONNECTIONS):
+    os.environ[_CONNECTIONS] = "32"
 
 from . import errors
 from ._native import (
