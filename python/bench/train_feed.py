@@ -447,9 +447,10 @@ def main():
     global PIN
     PIN = Pinning(a.pin)
     if a.sched:
-        # The primary context's scheduling flag, set before anything makes the context; cuInit
-        # comes before pinstream's import here, so its queue default is set here too.
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+        # The primary context's scheduling flag, set before anything makes the context. The
+        # cuInit below would come before pinstream's import: import it first, so that its
+        # CUDA_DEVICE_MAX_CONNECTIONS default applies here as on every other path.
+        import pinstream  # noqa: F401
         import ctypes
         cu = ctypes.CDLL("libcuda.so.1")
         dev = ctypes.c_int()
