@@ -391,7 +391,7 @@ def dali_batches(a, torch):
     from nvidia.dali import Pipeline, fn, types
     from nvidia.dali.plugin.pytorch import feed_ndarray
 
-    pipe = Pipeline(batch_size=a.batch, num_threads=a.threads, device_id=torch.cuda.current_device(),
+    pipe = Pipeline(batch_size=a.batch, num_threads=a.threads or 4, device_id=torch.cuda.current_device(),
                     prefetch_queue_depth=2)
     with pipe:
         jpegs, labels = fn.readers.file(file_root=a.root, random_shuffle=True, name="Reader")
@@ -423,7 +423,8 @@ def main():
     ap.add_argument("--root", required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=4, help="pinstream's and DALI's threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="pinstream's and DALI's threads (default: pinstream's own, 2 decoding on the GPU; DALI 4)")
     ap.add_argument("--workers", type=int, default=8, help="the DataLoader's workers")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--model", default="resnet50")
@@ -516,7 +517,7 @@ def main():
             measure("ideal", resident())
         elif name == "pinstream":
             f, b = feed()
-            measure(f"pinstream_{a.decode}", b, {"threads": a.threads})
+            measure(f"pinstream_{a.decode}", b, {"threads": f.threads})
             out[-1]["decoding"] = f.decoding
             f.close()
         elif name == "bare":

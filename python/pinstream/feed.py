@@ -92,7 +92,8 @@ class ImageFeed:
       ``flip``; ``train=False``: ``Resize(resize)`` + ``CenterCrop(size)``.
     - ``decode``: ``"auto"`` (the GPU's JPEG engines where nvJPEG loads and the GPU has them,
       else the CPU), ``"gpu"`` or ``"cpu"``. ``threads`` loader threads read and parse the files
-      (and decode them on the CPU path).
+      (and decode them on the CPU path); ``None``, the default, runs 2 with GPU decoding
+      (more would contend with a training step for the GPU) and 4 with CPU decoding.
     - ``seed``, ``shuffle`` (default: ``train``) and ``drop_last`` as ``DistributedSampler``'s:
       each epoch's order is drawn from ``(seed, epoch)``, and the augmentation from ``(seed,
       epoch, batch)``, so a position replays exactly.
@@ -129,7 +130,7 @@ class ImageFeed:
         shuffle=None,
         drop_last=False,
         decode="auto",
-        threads=4,
+        threads=None,
         depth=2,
         decodes_at_once=0,
         device=None,
@@ -192,7 +193,8 @@ class ImageFeed:
             shuffle=bool(train if shuffle is None else shuffle),
             drop_last=bool(drop_last),
             decode=str(decode),
-            threads=_count("threads", threads, 1),
+            # None: the native default (0), 2 loaders with GPU decoding, 4 with CPU decoding.
+            threads=0 if threads is None else _count("threads", threads, 1),
             depth=_count("depth", depth, 1),
             decodes_at_once=_count("decodes_at_once", decodes_at_once),
             rank=rank,
@@ -263,6 +265,11 @@ class ImageFeed:
     def hardware_engines(self):
         """The GPU's JPEG engines in use (0 when decoding on the CPU)."""
         return self._live().hardware_engines
+
+    @property
+    def threads(self):
+        """The loader threads it runs (``threads=None``: 2 decoding on the GPU, 4 on the CPU)."""
+        return self._live().threads
 
     def stats(self):
         """Images decoded per route (``hardware``, ``cuda``, ``cpu``) and bad files skipped."""

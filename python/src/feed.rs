@@ -61,6 +61,7 @@ pub(crate) struct PyImageFeed {
     files: usize,
     decoding: &'static str,
     engines: u32,
+    threads: usize,
     /// The process that made it: in a forked child its calls raise `ForkedError`.
     pid: u32,
 }
@@ -248,13 +249,14 @@ impl PyImageFeed {
                 })
             })
             .py_err()?;
-        let (batches, decoding, engines) = each!(&feed, f => (
+        let (batches, decoding, engines, threads) = each!(&feed, f => (
             f.batches_per_epoch(),
             match f.decoding() {
                 Decoding::Gpu => "gpu",
                 _ => "cpu",
             },
             f.hardware_engines(),
+            f.loader_threads(),
         ));
         Ok(PyImageFeed {
             inner: Mutex::new(Some(feed)),
@@ -262,6 +264,7 @@ impl PyImageFeed {
             files,
             decoding,
             engines,
+            threads,
             pid: crate::fork::pid(),
         })
     }
@@ -353,6 +356,12 @@ impl PyImageFeed {
     #[getter]
     fn hardware_engines(&self) -> u32 {
         self.engines
+    }
+
+    /// The loader threads it runs (`threads=None`: 2 decoding on the GPU, 4 on the CPU).
+    #[getter]
+    fn threads(&self) -> usize {
+        self.threads
     }
 
     /// Images decoded per route so far: `{"hardware", "cuda", "cpu"}`, and `skipped`: bad files

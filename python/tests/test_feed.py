@@ -128,6 +128,25 @@ def test_shapes_labels_and_epochs(tmp_path, decode, dtype):
 
 
 @needs_gpu
+def test_loader_threads_default_by_route_and_explicit_kept(tmp_path):
+    """``threads=None`` runs 2 loaders decoding on the GPU (more contend with a training step
+    for the GPU) and 4 on the CPU; an explicit count is kept on both routes."""
+    items = make_jpegs(tmp_path, 8, seed=5)
+    common = dict(size=32, rank=0, world_size=1)
+    with pinstream.ImageFeed(items, 4, decode="cpu", **common) as c:
+        assert c.threads == 4
+        assert len(batches(c)) == 2
+    with pinstream.ImageFeed(items, 4, decode="cpu", threads=3, **common) as c:
+        assert c.threads == 3
+    with pinstream.ImageFeed(items, 4, decode="auto", **common) as a:
+        assert a.threads == (2 if a.decoding == "gpu" else 4)
+        assert len(batches(a)) == 2
+    with pinstream.ImageFeed(items, 4, decode="auto", threads=5, **common) as a:
+        assert a.threads == 5
+        assert len(batches(a)) == 2
+
+
+@needs_gpu
 def test_gpu_and_cpu_decoding_agree(tmp_path):
     items = make_jpegs(tmp_path, 24, seed=3)
     common = dict(size=96, train=False, resize=110, dtype="float32", rank=0, world_size=1)

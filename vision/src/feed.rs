@@ -110,7 +110,7 @@ impl<O: OutputElement> ImageFeed<O> {
             None => Engine::Cpu(Box::new(Prefetcher::new(
                 stream,
                 source.source(),
-                config.prefetch.clone(),
+                config.prefetch_for(false),
             )?)),
         };
         Ok(ImageFeed {
@@ -221,6 +221,13 @@ impl<O: OutputElement> ImageFeed<O> {
             #[cfg(feature = "nvjpeg")]
             Engine::Gpu(_) => Decoding::Gpu,
         }
+    }
+
+    /// The loader threads it runs ([`ImageFeedConfig::loader_threads`] for where it decodes).
+    pub fn loader_threads(&self) -> usize {
+        self.source
+            .config()
+            .loader_threads(self.decoding() == Decoding::Gpu)
     }
 
     /// Images decoded so far by the GPU's engines, nvJPEG's CUDA backend and the CPU (all on

@@ -184,7 +184,7 @@ impl<O: OutputElement> GpuFeed<O> {
     /// (on the CPUs `ImageFeed::new`, the caller, bound it to).
     pub(crate) fn new(consumer: &Stream, source: ImageSource, nv: Nvjpeg) -> Result<Self> {
         let cfg = source.config();
-        let threads = cfg.prefetch.loader_threads.max(1);
+        let threads = cfg.loader_threads(true).max(1);
         let ahead = cfg.prefetch.depth.max(1) + threads;
         let shared = Arc::new(Shared {
             state: Mutex::new(State {

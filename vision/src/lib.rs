@@ -52,7 +52,7 @@ pub use feed::{FeedBatch, ImageFeed};
 pub use gpu_feed::GpuBatch;
 pub use source::{
     Augment, BadFiles, Decoding, ImageFeedConfig, ImageSource, RouteCounts, Skipped,
-    AUTO_DECODES_AT_ONCE,
+    AUTO_CPU_LOADER_THREADS, AUTO_DECODES_AT_ONCE, AUTO_GPU_LOADER_THREADS,
 };
 #[cfg(feature = "nvjpeg")]
 pub mod nvjpeg;

@@ -69,7 +69,9 @@ pub struct ImageFeedConfig {
     pub start: (u64, usize),
     /// The prefetcher underneath (`loader_threads` decode in parallel; with GPU decoding,
     /// `loader_threads` read and parse files and queue their decodes, and `depth` batches are
-    /// kept ready).
+    /// kept ready). `loader_threads = 0`, this config's default, picks by where the feed
+    /// decodes: [`AUTO_GPU_LOADER_THREADS`] on the GPU, [`AUTO_CPU_LOADER_THREADS`] on the CPU
+    /// (see [`loader_threads`](Self::loader_threads)).
     pub prefetch: PrefetchConfig,
     /// Where JPEGs are decoded: on the GPU where it can ([`Decoding::Auto`], the default).
     pub decoding: Decoding,
@@ -84,6 +86,18 @@ pub struct ImageFeedConfig {
 /// once, at most. Measured on H100 and H200 (7 JPEG engines), where eight loaders decoding at
 /// once fed fewer images per second than four (BENCHMARKS.md, issue 31).
 pub const AUTO_DECODES_AT_ONCE: usize = 4;
+
+/// What `prefetch.loader_threads = 0` (the feed's default) stands for with GPU decoding.
+/// Measured beside training steps on an H200 (BENCHMARKS.md, 2026-11-27 fifth session): two
+/// loaders fed ResNet-18 at 1.14–1.15 of its ideal where four gave 1.25–1.28, and ResNet-50 no
+/// worse; every loader adds nvJPEG streams that contend with the step's for the GPU's queues.
+/// Alone, without a step, four feed more images per second (34 700 against 24 700): raise it
+/// for a model faster than that.
+pub const AUTO_GPU_LOADER_THREADS: usize = 2;
+
+/// What `prefetch.loader_threads = 0` (the feed's default) stands for with CPU decoding: the
+/// prefetcher's own default.
+pub const AUTO_CPU_LOADER_THREADS: usize = 4;
 
 /// Images decoded per route, over the feed's life.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -112,7 +126,8 @@ pub enum Decoding {
 
 impl Default for ImageFeedConfig {
     /// Batches of 256, 224 x 224 NCHW, `RandomResizedCrop` defaults, ImageNet statistics,
-    /// shuffled with seed 0, one rank, no `drop_last`, bad files an error, 4 loader threads.
+    /// shuffled with seed 0, one rank, no `drop_last`, bad files an error, loader threads by
+    /// where the feed decodes (`prefetch.loader_threads = 0`: 2 on the GPU, 4 on the CPU).
     fn default() -> Self {
         ImageFeedConfig {
             batch: 256,
@@ -127,7 +142,10 @@ impl Default for ImageFeedConfig {
             drop_last: false,
             bad_files: BadFiles::Error,
             start: (0, 0),
-            prefetch: PrefetchConfig::default(),
+            prefetch: PrefetchConfig {
+                loader_threads: 0,
+                ..PrefetchConfig::default()
+            },
             decoding: Decoding::Auto,
             gpu_decodes_at_once: 0,
         }
@@ -185,11 +203,34 @@ impl ImageFeedConfig {
         // Checks the statistics for three channels (every image is decoded to RGB).
         c.norm.check(OP, 3)?;
         // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
-        // the CPU path): before a thread, decoder or buffer is made.
-        c.prefetch.validate()?;
+        // the CPU path): before a thread, decoder or buffer is made. 0 loaders is the automatic
+        // choice, checked as the larger of the two it stands for.
+        c.prefetch_for(false).validate()?;
+        c.prefetch_for(true).validate()?;
         // The rank within the world (the sampler's own check and error).
         Sampler::new(0).shard(c.rank, c.world)?;
         Ok(())
+    }
+}
+
+impl ImageFeedConfig {
+    /// The loader threads a feed decoding on the GPU (`gpu`) or on the CPU runs:
+    /// `prefetch.loader_threads`, or where that is 0 (the default) [`AUTO_GPU_LOADER_THREADS`]
+    /// or [`AUTO_CPU_LOADER_THREADS`].
+    pub fn loader_threads(&self, gpu: bool) -> usize {
+        match (self.prefetch.loader_threads, gpu) {
+            (0, true) => AUTO_GPU_LOADER_THREADS,
+            (0, false) => AUTO_CPU_LOADER_THREADS,
+            (n, _) => n,
+        }
+    }
+
+    /// `prefetch` with the loader threads resolved for GPU or CPU decoding.
+    pub(crate) fn prefetch_for(&self, gpu: bool) -> PrefetchConfig {
+        PrefetchConfig {
+            loader_threads: self.loader_threads(gpu),
+            ..self.prefetch.clone()
+        }
     }
 }
 
@@ -731,6 +772,32 @@ fn crop_rng(seed: u64, epoch: u64, k: usize) -> Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The feed's default `loader_threads = 0` stands for 2 loaders decoding on the GPU and 4
+    /// on the CPU, and validates; an explicit count is kept on both routes, and 0 with a depth
+    /// the larger choice cannot take is refused.
+    #[test]
+    fn loader_threads_default_by_route() {
+        let d = ImageFeedConfig::default();
+        assert_eq!(d.prefetch.loader_threads, 0);
+        assert_eq!(d.loader_threads(true), AUTO_GPU_LOADER_THREADS);
+        assert_eq!(d.loader_threads(false), AUTO_CPU_LOADER_THREADS);
+        assert_eq!((AUTO_GPU_LOADER_THREADS, AUTO_CPU_LOADER_THREADS), (2, 4));
+        assert_eq!(d.prefetch_for(false).loader_threads, 4);
+        assert!(d.validate().is_ok());
+        let mut three = ImageFeedConfig::default();
+        three.prefetch.loader_threads = 3;
+        assert_eq!(
+            (three.loader_threads(true), three.loader_threads(false)),
+            (3, 3)
+        );
+        let mut deep = ImageFeedConfig::default();
+        deep.prefetch.depth = 17;
+        assert!(matches!(
+            deep.validate(),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
 
     /// `validate` checks the settings alone, without a list or a device: the default, the
     /// Python binding's 1024 export spares, and the prefetcher's bounds; a bad field is refused

@@ -112,14 +112,7 @@ fn drop_last_shares_are_disjoint() -> R {
 /// refuses, before a loader thread or a decoder is made.
 fn loader_threads_and_depth_checked() -> R {
     let list = ImageList::from_pairs(vec![(PathBuf::from("/nonexistent/a.jpg"), 0)])?;
-    for (threads, depth) in [
-        (100_000, 2),
-        (257, 2),
-        (0, 2),
-        (4, 17),
-        (4, 0),
-        (4, usize::MAX),
-    ] {
+    for (threads, depth) in [(100_000, 2), (257, 2), (4, 17), (4, 0), (4, usize::MAX)] {
         let c = ImageFeedConfig {
             prefetch: PrefetchConfig {
                 loader_threads: threads,
@@ -133,5 +126,28 @@ fn loader_threads_and_depth_checked() -> R {
             format!("loader_threads {threads}, depth {depth}: {r:?}")
         })?;
     }
-    Ok(())
+    // 0 loader threads is the feed's default: chosen by where it decodes, not refused; with
+    // a depth the larger choice refuses, it is refused.
+    let auto = config(1, 0, 1, false);
+    ensure(auto.prefetch.loader_threads == 0, || {
+        format!("default loader_threads {}", auto.prefetch.loader_threads)
+    })?;
+    ensure(
+        auto.loader_threads(true) == pinstream_vision::AUTO_GPU_LOADER_THREADS
+            && auto.loader_threads(false) == pinstream_vision::AUTO_CPU_LOADER_THREADS,
+        || "0 loader threads resolves to the automatic choices".to_string(),
+    )?;
+    ImageSource::new(list.clone(), &auto)?;
+    let deep = ImageFeedConfig {
+        prefetch: PrefetchConfig {
+            loader_threads: 0,
+            depth: 17,
+            ..PrefetchConfig::default()
+        },
+        ..config(1, 0, 1, false)
+    };
+    let r = ImageSource::new(list, &deep);
+    ensure(matches!(r, Err(Error::InvalidArgument { .. })), || {
+        format!("loader_threads 0, depth 17: {r:?}")
+    })
 }
