@@ -522,7 +522,7 @@ def main():
             f.close()
         elif name == "bare":
             f, b = feed()
-            measure(f"bare_{a.decode}", b, {"threads": a.threads}, bare=True)
+            measure(f"bare_{a.decode}", b, {"threads": f.threads}, bare=True)
             f.close()
         elif name == "discard":
             # The feed runs, its batches are taken and dropped; the step trains on the resident
@@ -534,12 +534,12 @@ def main():
                     next(b)
                     yield x_res, y_res
 
-            measure(f"discard_{a.decode}", discard(), {"threads": a.threads})
+            measure(f"discard_{a.decode}", discard(), {"threads": f.threads})
             f.close()
         elif name == "ipc":
             b, close = ipc_batches(a, torch)
             try:
-                measure("pinstream_ipc", b, {"threads": a.threads})
+                measure("pinstream_ipc", b, {"threads": a.threads or "default"})
             finally:
                 close()
         elif name == "replay":
@@ -586,7 +586,7 @@ def main():
                     yield next_batch()
 
             versions["dali"] = nvidia.dali.__version__
-            measure("dali", batches(), {"threads": a.threads})
+            measure("dali", batches(), {"threads": a.threads or 4})
         else:
             raise SystemExit(f"unknown pipeline {name!r}")
 

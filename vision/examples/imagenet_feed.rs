@@ -136,7 +136,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         cfg.shuffle = false;
     }
     eprintln!(
-        "{} images of {} classes, batch {}, {} loader threads, {}",
+        "{} images of {} classes, batch {}, {} loader threads (0: by where it decodes), {}",
         list.len(),
         list.num_classes(),
         cfg.batch,
@@ -146,7 +146,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !pinstream::available() {
         // The same pipeline on the CPU: loaders, decoding, crops, the kernel's reference.
         let src = ImageSource::new(list, &cfg)?;
-        let mut run = DryRun::<f32, i64>::new(src.source(), cfg.prefetch.clone())?;
+        let mut run = DryRun::<f32, i64>::new(src.source(), cfg.prefetch_config(false))?;
         for _ in 0..src.batches_per_epoch() {
             let b = run.next().ok_or("ended")??;
             println!(
@@ -224,7 +224,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         if a.json {
             println!(
                 "FEED_JSON {{\"epoch\":{epoch},\"images\":{seen},\"secs\":{secs:.4},\"cpu\":{cpu:.4},\"threads\":{},\"decodes_at_once\":\"{}\",\"skipped\":{skipped},\"checked\":{},\"worst_units\":{worst:.3},\"mean_diff\":{mean_diff:.5},\"dataset\":{n_images},\"decoding\":\"{}\",\"engines\":{},\"routes\":{{\"hardware\":{},\"cuda\":{},\"cpu\":{}}},\"batch_ms\":{{\"p50\":{p50:.3},\"p99\":{p99:.3},\"max\":{max:.3}}}}}",
-                a.threads,
+                feed.loader_threads(),
                 match a.at_once {
                     0 => "auto".to_string(),
                     usize::MAX => "none".to_string(),

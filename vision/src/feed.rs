@@ -110,7 +110,7 @@ impl<O: OutputElement> ImageFeed<O> {
             None => Engine::Cpu(Box::new(Prefetcher::new(
                 stream,
                 source.source(),
-                config.prefetch_for(false),
+                config.prefetch_config(false),
             )?)),
         };
         Ok(ImageFeed {

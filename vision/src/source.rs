@@ -71,7 +71,10 @@ pub struct ImageFeedConfig {
     /// `loader_threads` read and parse files and queue their decodes, and `depth` batches are
     /// kept ready). `loader_threads = 0`, this config's default, picks by where the feed
     /// decodes: [`AUTO_GPU_LOADER_THREADS`] on the GPU, [`AUTO_CPU_LOADER_THREADS`] on the CPU
-    /// (see [`loader_threads`](Self::loader_threads)).
+    /// (see [`loader_threads`](Self::loader_threads)). Set its fields (`cfg.prefetch.depth =
+    /// 3`) rather than replacing it with `PrefetchConfig { .., ..PrefetchConfig::default() }`,
+    /// whose 4 loader threads then apply on both routes. A `Prefetcher` or `DryRun` of your
+    /// own takes [`prefetch_config`](Self::prefetch_config), not this.
     pub prefetch: PrefetchConfig,
     /// Where JPEGs are decoded: on the GPU where it can ([`Decoding::Auto`], the default).
     pub decoding: Decoding,
@@ -204,9 +207,9 @@ impl ImageFeedConfig {
         c.norm.check(OP, 3)?;
         // The loaders and depth, for the GPU-decoding path too (the prefetcher checks them for
         // the CPU path): before a thread, decoder or buffer is made. 0 loaders is the automatic
-        // choice, checked as the larger of the two it stands for.
-        c.prefetch_for(false).validate()?;
-        c.prefetch_for(true).validate()?;
+        // choice: each of the two counts it stands for is checked with the other fields.
+        c.prefetch_config(false).validate()?;
+        c.prefetch_config(true).validate()?;
         // The rank within the world (the sampler's own check and error).
         Sampler::new(0).shard(c.rank, c.world)?;
         Ok(())
@@ -225,8 +228,10 @@ impl ImageFeedConfig {
         }
     }
 
-    /// `prefetch` with the loader threads resolved for GPU or CPU decoding.
-    pub(crate) fn prefetch_for(&self, gpu: bool) -> PrefetchConfig {
+    /// `prefetch` with the loader threads resolved for GPU or CPU decoding: what to hand a
+    /// `Prefetcher` or `DryRun` of your own running [`ImageSource::source`] (they refuse 0
+    /// loader threads, the feed's default).
+    pub fn prefetch_config(&self, gpu: bool) -> PrefetchConfig {
         PrefetchConfig {
             loader_threads: self.loader_threads(gpu),
             ..self.prefetch.clone()
@@ -774,8 +779,8 @@ mod tests {
     use super::*;
 
     /// The feed's default `loader_threads = 0` stands for 2 loaders decoding on the GPU and 4
-    /// on the CPU, and validates; an explicit count is kept on both routes, and 0 with a depth
-    /// the larger choice cannot take is refused.
+    /// (the prefetcher's own default) on the CPU, and validates; an explicit count is kept on
+    /// both routes, and 0 with a bad depth is refused.
     #[test]
     fn loader_threads_default_by_route() {
         let d = ImageFeedConfig::default();
@@ -783,7 +788,15 @@ mod tests {
         assert_eq!(d.loader_threads(true), AUTO_GPU_LOADER_THREADS);
         assert_eq!(d.loader_threads(false), AUTO_CPU_LOADER_THREADS);
         assert_eq!((AUTO_GPU_LOADER_THREADS, AUTO_CPU_LOADER_THREADS), (2, 4));
-        assert_eq!(d.prefetch_for(false).loader_threads, 4);
+        assert_eq!(d.prefetch_config(false).loader_threads, 4);
+        assert_eq!(d.prefetch_config(true).loader_threads, 2);
+        assert_eq!(
+            AUTO_CPU_LOADER_THREADS,
+            PrefetchConfig::default().loader_threads
+        );
+        // What a Prefetcher or DryRun of one's own accepts; the raw field (0) it refuses.
+        assert!(d.prefetch_config(false).validate().is_ok());
+        assert!(d.prefetch.validate().is_err());
         assert!(d.validate().is_ok());
         let mut three = ImageFeedConfig::default();
         three.prefetch.loader_threads = 3;

@@ -137,7 +137,17 @@ fn loader_threads_and_depth_checked() -> R {
             && auto.loader_threads(false) == pinstream_vision::AUTO_CPU_LOADER_THREADS,
         || "0 loader threads resolves to the automatic choices".to_string(),
     )?;
-    ImageSource::new(list.clone(), &auto)?;
+    let src = ImageSource::new(list.clone(), &auto)?;
+    // A DryRun of one's own over the source: the resolved config starts, the raw field (0)
+    // is refused with a typed error (hostile review, fifth session).
+    drop(pinstream::prefetch::DryRun::<f32, i64>::new(
+        src.source(),
+        auto.prefetch_config(false),
+    )?);
+    let raw = pinstream::prefetch::DryRun::<f32, i64>::new(src.source(), auto.prefetch.clone());
+    ensure(matches!(raw, Err(Error::InvalidArgument { .. })), || {
+        format!("a DryRun with loader_threads 0: {:?}", raw.err())
+    })?;
     let deep = ImageFeedConfig {
         prefetch: PrefetchConfig {
             loader_threads: 0,
