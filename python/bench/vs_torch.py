@@ -359,6 +359,9 @@ def bench_dataloader(quick, pick=None):
         configs[f"dl{w}_fresh_serial"] = (ours(lambda w=w: dl(fresh, w), fresh=False), check)
     for lt in (2, 4, 8, 12):
         configs[f"dl4_views_threads{lt}"] = (ours(lambda: dl(views, 4), loader_threads=lt), check)
+        # The staging engine copies the held batch (its threads and bounce blocks) instead.
+        configs[f"dl4_views_zero_copy_threads{lt}"] = (
+            ours(lambda: dl(views, 4), loader_threads=lt, zero_copy=True), check)
     if pick:
         configs = {k: v for k, v in configs.items() if k in pick or k == "apex_dl4_pin"}
     results = {}

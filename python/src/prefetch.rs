@@ -383,7 +383,8 @@ impl Items {
                 let block = py.detach(|| -> pinstream::Result<_> {
                     let src = host.bytes()?.0;
                     let mut block = pool.alloc::<u8>(src.len())?;
-                    block.as_mut_slice()?.copy_from_slice(src);
+                    // Streaming stores, as after the turn (the DMA reads the block next).
+                    pinstream::staging::copy_streaming(block.as_mut_slice()?, src)?;
                     Ok(block)
                 });
                 // The export ends here, with the GIL held.
@@ -492,7 +493,9 @@ fn take_after(
         batch: i,
         message: e.to_string(),
     })?;
-    dst.copy_from_slice(host.bytes()?.0);
+    // Streaming stores: the page-locked block is read next by the DMA, not by this CPU
+    // (BENCHMARKS.md, 2026-11-27 fifth session: 1.7–2.5 ms per batch against 2.9).
+    pinstream::staging::copy_streaming(dst, host.bytes()?.0)?;
     take.stats.copied_after.fetch_add(1, Ordering::Relaxed);
     // The export ends here, on this thread, without the GIL: a DLPack producer's deleter takes
     // it where it needs it, and the memory (a worker's shared memory) is unmapped here, not on

@@ -35,6 +35,7 @@ pub(crate) mod plan;
 #[cfg(feature = "safetensors")]
 pub(crate) use file::open_without_blocking;
 pub use file::FileSource;
+pub use nt::copy_streaming;
 pub use packed::{ArenaBatch, Packed, PackedArena, PackedBatch, Packer};
 
 use std::marker::PhantomData;
