@@ -383,8 +383,7 @@ impl Items {
                 let block = py.detach(|| -> pinstream::Result<_> {
                     let src = host.bytes()?.0;
                     let mut block = pool.alloc::<u8>(src.len())?;
-                    // Streaming stores, as after the turn (the DMA reads the block next).
-                    pinstream::staging::copy_streaming(block.as_mut_slice()?, src)?;
+                    copy_pixels(block.as_mut_slice()?, src, true)?;
                     Ok(block)
                 });
                 // The export ends here, with the GIL held.
@@ -466,6 +465,36 @@ struct AfterTake {
     stats: Arc<Stats>,
 }
 
+/// Copies a batch's pixels into its block. For a block a DMA reads next (`for_dma`) with
+/// streaming stores, which skip reading each destination line first (BENCHMARKS.md,
+/// 2026-11-27 fifth session: 1.7–2.5 ms per DataLoader batch against 2.9), up to the staging
+/// engine's `streaming_max_bytes` (the same measured limit, and the same
+/// `PINSTREAM_STAGING_STREAMING_MAX`; 0 turns them off); a plain copy above it, and where the
+/// CPU reads the copy next (the dry run). `Err` where the lengths differ.
+fn copy_pixels(dst: &mut [u8], src: &[u8], for_dma: bool) -> pinstream::Result<()> {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let max = *MAX.get_or_init(|| {
+        pinstream::staging::StagerConfig::from_env()
+            .unwrap_or_default()
+            .streaming_max_bytes
+    });
+    if for_dma && src.len() <= max {
+        return pinstream::staging::copy_streaming(dst, src);
+    }
+    if dst.len() != src.len() {
+        return Err(pinstream::Error::invalid(
+            OP,
+            format!(
+                "a batch of {} bytes does not fit its {}-byte block",
+                src.len(),
+                dst.len()
+            ),
+        ));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
 fn take_after(
     i: u64,
     host: Host,
@@ -493,9 +522,8 @@ fn take_after(
         batch: i,
         message: e.to_string(),
     })?;
-    // Streaming stores: the page-locked block is read next by the DMA, not by this CPU
-    // (BENCHMARKS.md, 2026-11-27 fifth session: 1.7–2.5 ms per batch against 2.9).
-    pinstream::staging::copy_streaming(dst, host.bytes()?.0)?;
+    // The dry run's CPU reference reads the copy next; otherwise the DMA does.
+    copy_pixels(dst, host.bytes()?.0, take.device)?;
     take.stats.copied_after.fetch_add(1, Ordering::Relaxed);
     // The export ends here, on this thread, without the GIL: a DLPack producer's deleter takes
     // it where it needs it, and the memory (a worker's shared memory) is unmapped here, not on
