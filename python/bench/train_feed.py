@@ -93,6 +93,39 @@ class Pinning:
 PIN = Pinning(None)
 
 
+def green_stream(torch, sm_count):
+    """A non-blocking stream of a CUDA green context holding about ``sm_count`` SMs (the driver
+    rounds to its partition granularity): kernels queued on it run on those SMs only. Returns
+    (the torch stream, SMs it got, SMs left to everything else, the handles to keep alive).
+    Driver API through ctypes (CUDA 12.4+; ``CUdevResource`` is 144 bytes up to 13.0)."""
+    import ctypes
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def ok(r, what):
+        if r != 0:
+            raise RuntimeError(f"{what}: CUresult {r}")
+
+    torch.cuda.synchronize()  # the primary context made and current on this thread
+    dev = ctypes.c_int()
+    ok(cu.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+    whole, part, rest = (ctypes.create_string_buffer(144) for _ in range(3))
+    ok(cu.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # CU_DEV_RESOURCE_TYPE_SM
+    groups = ctypes.c_uint(1)
+    ok(cu.cuDevSmResourceSplitByCount(part, ctypes.byref(groups), whole, rest, 0, ctypes.c_uint(sm_count)),
+       "cuDevSmResourceSplitByCount")
+    desc = ctypes.c_void_p()
+    ok(cu.cuDevResourceGenerateDesc(ctypes.byref(desc), part, 1), "cuDevResourceGenerateDesc")
+    g = ctypes.c_void_p()
+    ok(cu.cuGreenCtxCreate(ctypes.byref(g), desc, dev, 1), "cuGreenCtxCreate")  # CU_GREEN_CTX_DEFAULT_STREAM
+    st = ctypes.c_void_p()
+    ok(cu.cuGreenCtxStreamCreate(ctypes.byref(st), g, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
+
+    def sms(b):
+        return int.from_bytes(b.raw[96:100], "little")  # CUdevSmResource.smCount
+
+    return torch.cuda.ExternalStream(st.value), sms(part), sms(rest), (cu, g, st)
+
+
 def make_graphed(model, opt, crit, torch, like_x, like_y):
     """`--graph`: the whole step (bfloat16 autocast, no GradScaler: a graph cannot hold its
     host sync) captured once in a CUDA graph, as PyTorch's whole-network capture recipe does;
@@ -192,12 +225,19 @@ def endless(make_epoch):
         yield from make_epoch()
 
 
+def sync(torch):
+    """Everything queued so far has run: the device's primary context, and the current stream
+    (which may belong to a green context, which `torch.cuda.synchronize` does not wait for)."""
+    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()
+
+
 def run(name, batches, step, a, torch):
     """`warmup` then `steps` timed steps over `batches` (an iterator of (x, y) on the GPU)."""
     for _ in range(a.warmup):
         x, y = next(batches)
         step(x, y)
-    torch.cuda.synchronize()
+    sync(torch)
     with PIN.spawning():
         sampler = GpuSampler()
     c0, t0 = cpu_total(), time.perf_counter()
@@ -213,7 +253,7 @@ def run(name, batches, step, a, torch):
             ev.record()
             marks.append(ev)
         n += y.shape[0]
-    torch.cuda.synchronize()
+    sync(torch)
     # The CPU before the sampler is reaped: its time is not this process's.
     secs, cpu = time.perf_counter() - t0, cpu_total() - c0
     r = {"pipeline": name, "images": n, "secs": round(secs, 4), "images_per_s": round(n / secs, 1),
@@ -440,6 +480,9 @@ def main():
                     help="the training loop waits for step i - K before step i (0: it never waits)")
     ap.add_argument("--sched", choices=["spin", "yield", "blocking"], default=None,
                     help="the CUDA context's scheduling flag (default: the driver's choice)")
+    ap.add_argument("--green-step", type=int, default=0,
+                    help="the pinstream pipeline's step (and an 'ideal_green' pipeline) on a green "
+                         "context of about this many SMs, the rest left to the feed (0: off)")
     ap.add_argument("--side-stream", action="store_true",
                     help="every pipeline's step on a stream of its own, not the legacy default stream")
     ap.add_argument("--pin", type=int, default=None,
@@ -478,6 +521,21 @@ def main():
         # queued on it before, the training step's included, unless the step runs elsewhere.
         torch.cuda.stream(torch.cuda.Stream()).__enter__()
 
+    green = None
+    if a.green_step:
+        g_stream, g_sms, g_rest, g_keep = green_stream(torch, a.green_step)
+        green = g_stream
+        print(f"GREEN step on {g_sms} SMs, {g_rest} left", flush=True)
+
+    def on_green(f):
+        # The pipeline's steps, and the feed's batches ordered on it, on the green stream.
+        if green is None:
+            return f()
+        with torch.cuda.stream(green):
+            r = f()
+        torch.cuda.synchronize()
+        return r
+
     def resident():
         while True:
             yield x_res, y_res
@@ -515,9 +573,12 @@ def main():
     for name in a.only.split(","):
         if name == "ideal":
             measure("ideal", resident())
+        elif name == "ideal_green":
+            on_green(lambda: measure("ideal_green", resident(), {"green_sms": a.green_step}))
         elif name == "pinstream":
             f, b = feed()
-            measure(f"pinstream_{a.decode}", b, {"threads": f.threads})
+            on_green(lambda: measure(f"pinstream_{a.decode}", b, {"threads": f.threads,
+                                                                  "green_sms": a.green_step}))
             out[-1]["decoding"] = f.decoding
             f.close()
         elif name == "bare":

@@ -88,6 +88,29 @@ def test_train_feed_pinned_and_in_a_helper_process(tmp_path):
 
 
 @needs_gpu
+def test_train_feed_with_the_step_on_a_green_context(tmp_path):
+    """``--green-step N``: the step on a stream of a CUDA green context of about N SMs (the
+    feed's batches ordered on it), with an ``ideal_green`` pipeline beside the plain ideal."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    root = tmp_path / "set"
+    image_folder(str(root))
+    out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
+                    "--steps", "3", "--warmup", "1", "--green-step", "64",
+                    "--only", "ideal,ideal_green,pinstream")
+    got = lines(out, "TRAIN_JSON")
+    assert [r["pipeline"] for r in got] == ["ideal", "ideal_green", "pinstream_auto"], got
+    for r in got:
+        assert r["images"] == 3 * 8 and r["images_per_s"] > 0 and r["ratio_to_ideal"] > 0, r
+    assert got[1]["green_sms"] == 64 and got[2]["green_sms"] == 64
+    assert any(line.startswith("GREEN step on ") for line in out.splitlines())
+
+
+@needs_gpu
 def test_sharded_load_runs_and_is_byte_identical(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
