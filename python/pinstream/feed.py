@@ -71,11 +71,19 @@ def _pair(name, v, cast):
 
 
 def _count(name, v, least=0, most=2**63 - 1):
-    if isinstance(v, bool) or not isinstance(v, int) or not least <= v <= most:
+    # An integer, numpy's too (as the labels take them), never a bool, float or string cut or
+    # parsed into one.
+    n = None
+    if not isinstance(v, bool):
+        try:
+            n = operator.index(v)
+        except TypeError:
+            pass
+    if n is None or not least <= n <= most:
         raise InvalidArgumentError(
             f"pinstream.ImageFeed: {name}={v!r} must be an integer in {least}..={most}"
         )
-    return v
+    return n
 
 
 class ImageFeed:

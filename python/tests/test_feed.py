@@ -79,6 +79,13 @@ def test_bad_arguments_are_typed_before_any_gpu(tmp_path, monkeypatch):
         (dict(seed=2**64), pinstream.InvalidArgumentError),
         (dict(batch_size=2**64), pinstream.InvalidArgumentError),
         (dict(threads=2**70), pinstream.InvalidArgumentError),
+        # Integers only, numpy's too (accepted in the test below), never a bool, float or str.
+        (dict(threads=True), pinstream.InvalidArgumentError),
+        (dict(threads=np.bool_(True)), pinstream.InvalidArgumentError),
+        (dict(threads=2.0), pinstream.InvalidArgumentError),
+        (dict(threads="2"), pinstream.InvalidArgumentError),
+        (dict(depth=np.float64(2)), pinstream.InvalidArgumentError),
+        (dict(threads=np.int64(-1)), pinstream.InvalidArgumentError),
     ]:
         with pytest.raises(kind):
             pinstream.ImageFeed(items, **{"batch_size": 4, **kwargs})
@@ -96,7 +103,8 @@ def test_default_settings_are_valid(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     items = make_jpegs(tmp_path, 4, seed=7)
-    for kwargs in [{}, dict(decode="cpu"), dict(train=False), dict(threads=16, depth=16)]:
+    for kwargs in [{}, dict(decode="cpu"), dict(train=False), dict(threads=16, depth=16),
+                   dict(threads=np.int64(2), depth=np.int32(3), seed=np.uint64(7))]:
         if GPU_REASON is None:
             pinstream.ImageFeed(items, 2, **kwargs).close()
             continue
