@@ -214,9 +214,7 @@ impl ImageFeedConfig {
         Sampler::new(0).shard(c.rank, c.world)?;
         Ok(())
     }
-}
 
-impl ImageFeedConfig {
     /// The loader threads a feed decoding on the GPU (`gpu`) or on the CPU runs:
     /// `prefetch.loader_threads`, or where that is 0 (the default) [`AUTO_GPU_LOADER_THREADS`]
     /// or [`AUTO_CPU_LOADER_THREADS`].
