@@ -86,8 +86,8 @@ pub use error::{CudaError, Error, Result};
 pub use event::{AnyEvent, Event, TimingEvent};
 pub use memory::{
     DeviceBuffer, DeviceSlice, DeviceSliceMut, DeviceView, DeviceViewMut, ForeignBuffer, HostAlloc,
-    HostKind, HostRegister, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool, PinnedView,
-    PoolBacking, PoolBlock, PoolConfig, PoolStats, Registered,
+    HostKind, HostRegister, HostRegistration, HostSlice, HostSliceMut, PinnedBuffer, PinnedPool,
+    PinnedView, PoolBacking, PoolBlock, PoolConfig, PoolStats, Registered,
 };
 #[cfg(feature = "staging")]
 pub use staging::{

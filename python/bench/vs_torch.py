@@ -357,6 +357,11 @@ def bench_dataloader(quick, pick=None):
         configs[f"dl{w}_fresh_pin"] = (ours(lambda w=w: dl(fresh, w, pin=True)), check)
         configs[f"dl{w}_fresh_zero_copy"] = (ours(lambda w=w: dl(fresh, w), zero_copy=True), check)
         configs[f"dl{w}_fresh_serial"] = (ours(lambda w=w: dl(fresh, w), fresh=False), check)
+    # The DataLoader iterated in a helper process (its per-batch interpreter work off this one).
+    configs["dl4_views_process"] = (ours(lambda: dl(views, 4), process=True), check)
+    configs["dl8_views_process"] = (ours(lambda: dl(views, 8), process=True), check)
+    configs["dl4_fresh_process"] = (ours(lambda: dl(fresh, 4), process=True), check)
+    configs["dl4_views_process_threads4"] = (ours(lambda: dl(views, 4), process=True, loader_threads=4), check)
     for lt in (2, 4, 8, 12):
         configs[f"dl4_views_threads{lt}"] = (ours(lambda: dl(views, 4), loader_threads=lt), check)
         # The staging engine copies the held batch (its threads and bounce blocks) instead.
@@ -401,7 +406,8 @@ def bench_dataloader(quick, pick=None):
         "warmup": warm,
         "results": results,
         "x_apex_dl4": {k: round(apex4 / v["ms"], 2) for k, v in results.items() if "alone" not in k},
-        "of_generator": {k: round(v["ms"] / results["generator"]["ms"], 3) for k, v in results.items() if k.startswith("dl") and "alone" not in k},
+        "of_generator": {k: round(v["ms"] / results["generator"]["ms"], 3) for k, v in results.items()
+                         if k.startswith("dl") and "alone" not in k and "generator" in results},
     }
     print(json.dumps(line), flush=True)
 
@@ -489,11 +495,14 @@ def bench_cifar(quick):
     print(f"    pinstream is x{a[0] / b[0]:.1f} (CPU x{a[1] / max(b[1], 1e-9):.1f} less)")
 
 
-def bench_models(quick):
+def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None):
     """A real training step: torchvision ResNet-18 / ResNet-50, AMP (float16 autocast with a
     GradScaler), channels_last, batch 256, SGD; the input from DataLoader(pin_memory) + APEX
-    prefetcher, from pinstream.torch.prefetch (float16, NHWC viewed as channels_last), and the
-    ideal: the same step on a batch already on the GPU."""
+    prefetcher, from pinstream.torch.prefetch (float16, NHWC viewed as channels_last) over a
+    generator and over DataLoaders (in this process with 1, 2, 6 or 12 loader threads, or
+    iterated in a helper process with ``process=True``), and the ideal: the same step on a
+    batch already on the GPU, measured first and last (each ratio is to the faster of the
+    two). ``pick``: only these sources (the ideal always)."""
     import torchvision
 
     print("\n## training step: ResNet, AMP, channels_last, batch 256 (ms per batch, CPU ms per batch)")
@@ -501,7 +510,7 @@ def bench_models(quick):
     # Each source's first `warm` batches are steps too, untimed: a DataLoader's workers start
     # there (a second or more, which would weigh on 30 batches).
     warm = 3 if quick else 6
-    n_batches = (12 if quick else 30) + warm
+    n_batches = (steps or (12 if quick else 30)) + warm
     ds = Synthetic(n_batches)
     fresh_ds = FreshBatches(n_batches)
     gen_data = [ds[i] for i in range(4)]
@@ -515,7 +524,7 @@ def bench_models(quick):
     def loader():
         return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4, pin_memory=True)
 
-    for name in ["resnet18", "resnet50"]:
+    for name in models:
         model = getattr(torchvision.models, name)(num_classes=1000).to(DEV, memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = torch.amp.GradScaler("cuda")
@@ -530,6 +539,7 @@ def bench_models(quick):
             scaler.update()
 
         def timed(batches, prep):
+            first.clear()
             batches = iter(batches)
             for _ in range(warm):
                 step(*prep(*next(batches)))
@@ -547,13 +557,24 @@ def bench_models(quick):
             cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (
                 ch0.children_user + ch0.children_system
             )
-            return wall / n * 1e3, cpu / n * 1e3
+            assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
+            st = batches.stats() if hasattr(batches, "stats") else None
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+            if st:
+                k = max(st["items"], 1)
+                st = {"turn_ms": round(st["pull_seconds"] / k * 1e3, 3),
+                      "gil_wait_ms": round(st["gil_wait_seconds"] / k * 1e3, 3),
+                      "after_ms": round(st["after_seconds"] / k * 1e3, 3)}
+            return wall / n * 1e3, cpu / n * 1e3, st
 
         resident = [(((gen_data[i][0].to(DEV).float() - torch.tensor(mean, device=DEV).view(1, 3, 1, 1))
                       / torch.tensor(std, device=DEV).view(1, 3, 1, 1)).contiguous(memory_format=torch.channels_last),
                      gen_data[i][1].to(DEV)) for i in range(4)]
         for _ in range(5):  # warm-up: cuDNN's choices, the allocator
             step(*resident[0])
+        want = resident[0][0][:, :, :2, :2].double().sum().item()
         first = []
 
         def keep_first(x, y):
@@ -561,50 +582,54 @@ def bench_models(quick):
                 first.append(x[:, :, :2, :2].float().sum().item())
             return x, y
 
-        ideal = timed((resident[i % 4] for i in range(n_batches)), lambda x, y: (x, y))
-        apex = timed(ApexPrefetcher(loader(), mean, std),
-                     lambda x, y: keep_first(x.contiguous(memory_format=torch.channels_last), y))
-        ours = timed(pt.prefetch(generator(), normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc"),
-                     lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
+        def nhwc(x, y):
+            return keep_first(x.permute(0, 3, 1, 2), y)
 
-        def from_dl(dataset, workers, **kw):
-            return timed(pt.prefetch(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers),
-                                     normalize=pinstream.IMAGENET, dtype=torch.float16, layout="nhwc", **kw),
-                         lambda x, y: keep_first(x.permute(0, 3, 1, 2), y))
+        def cl(x, y):
+            return keep_first(x.contiguous(memory_format=torch.channels_last), y)
 
-        ours_dl = from_dl(ds, 4)
-        ours_dl_12 = from_dl(ds, 4, loader_threads=12)
-        # Fewer threads pulling under the GIL beside a host-bound eager step.
-        ours_dl_lt = {lt: from_dl(ds, 4, loader_threads=lt) for lt in (1, 2)}
-        ours_dl8 = from_dl(ds, 8)
-        ours_dl8_fresh = from_dl(fresh_ds, 8)
-        want = resident[0][0][:, :, :2, :2].double().sum().item()
+        def ideal():
+            return timed((resident[i % 4] for i in range(n_batches)), lambda x, y: (x, y))
+
+        def ours(src, **kw):
+            return lambda: timed(pt.prefetch(src(), normalize=pinstream.IMAGENET, dtype=torch.float16,
+                                             layout="nhwc", **kw), nhwc)
+
+        def dl(dataset, workers):
+            return lambda: torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
+
+        sources = {
+            "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
+                             lambda: timed(ApexPrefetcher(loader(), mean, std), cl)),
+            "generator": ("pinstream.torch.prefetch(generator), f16 NHWC", ours(generator)),
+            "dl4_views": ("pinstream.torch.prefetch(DataLoader, 4 workers)", ours(dl(ds, 4))),
+            "dl4_views_threads12": ("... 4 workers, 12 loader threads", ours(dl(ds, 4), loader_threads=12)),
+            "dl4_views_threads1": ("... 4 workers, 1 loader thread", ours(dl(ds, 4), loader_threads=1)),
+            "dl4_views_threads2": ("... 4 workers, 2 loader threads", ours(dl(ds, 4), loader_threads=2)),
+            "dl8_views": ("pinstream.torch.prefetch(DataLoader, 8 workers)", ours(dl(ds, 8))),
+            "dl8_fresh": ("... 8 workers, a new shared tensor per batch", ours(dl(fresh_ds, 8))),
+            "dl4_views_process": ("... 4 workers, process=True (a helper process)", ours(dl(ds, 4), process=True)),
+            "dl4_views_process_threads1": ("... 4 workers, process=True, 1 loader thread",
+                                           ours(dl(ds, 4), process=True, loader_threads=1)),
+            "dl4_fresh_process": ("... 4 workers, process=True, a new shared tensor per batch",
+                                  ours(dl(fresh_ds, 4), process=True)),
+        }
+        if pick:
+            sources = {k: v for k, v in sources.items() if k in pick}
+        ideal0 = ideal()
+        results = {k: f() for k, (_, f) in sources.items()}
+        ideal1 = ideal()
+        base = min(ideal0[0], ideal1[0])
         assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
         print(f"- {name}")
-        print(f"    ideal (input already on the GPU):                   {ideal[0]:7.2f} ms, CPU {ideal[1]:7.2f} ms")
-        print(f"    DataLoader(pin_memory, 4 workers) + APEX prefetcher: {apex[0]:7.2f} ms, CPU {apex[1]:7.2f} ms  /ideal {apex[0] / ideal[0]:.3f}")
-        print(f"    pinstream.torch.prefetch(generator), f16 NHWC:       {ours[0]:7.2f} ms, CPU {ours[1]:7.2f} ms  /ideal {ours[0] / ideal[0]:.3f}")
-        print(f"    pinstream.torch.prefetch(DataLoader, 4 workers):     {ours_dl[0]:7.2f} ms, CPU {ours_dl[1]:7.2f} ms  /ideal {ours_dl[0] / ideal[0]:.3f}")
-        print(f"    ... 4 workers, 12 loader threads:                    {ours_dl_12[0]:7.2f} ms, CPU {ours_dl_12[1]:7.2f} ms  /ideal {ours_dl_12[0] / ideal[0]:.3f}")
-        for lt, r in ours_dl_lt.items():
-            print(f"    ... 4 workers, {lt} loader thread(s):                    {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {r[0] / ideal[0]:.3f}")
-        print(f"    pinstream.torch.prefetch(DataLoader, 8 workers):     {ours_dl8[0]:7.2f} ms, CPU {ours_dl8[1]:7.2f} ms  /ideal {ours_dl8[0] / ideal[0]:.3f}")
-        print(f"    ... 8 workers, a new shared tensor per batch:        {ours_dl8_fresh[0]:7.2f} ms, CPU {ours_dl8_fresh[1]:7.2f} ms  /ideal {ours_dl8_fresh[0] / ideal[0]:.3f}")
+        print(f"    ideal (input already on the GPU), first / last:     {ideal0[0]:7.2f} / {ideal1[0]:.2f} ms, CPU {ideal0[1]:7.2f} ms")
+        for k, (label, _) in sources.items():
+            r = results[k]
+            print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {r[0] / base:.3f}  {r[2] or ''}")
         summary[name] = {
-            "ideal_ms": round(ideal[0], 2),
-            "of_ideal": {
-                "apex_dl4_pin": round(apex[0] / ideal[0], 3),
-                "generator": round(ours[0] / ideal[0], 3),
-                "dl4_views": round(ours_dl[0] / ideal[0], 3),
-                "dl4_views_threads12": round(ours_dl_12[0] / ideal[0], 3),
-                **{f"dl4_views_threads{lt}": round(r[0] / ideal[0], 3) for lt, r in ours_dl_lt.items()},
-                "dl8_views": round(ours_dl8[0] / ideal[0], 3),
-                "dl8_fresh": round(ours_dl8_fresh[0] / ideal[0], 3),
-            },
-            "cpu_ms": {"ideal": round(ideal[1], 1), "apex_dl4_pin": round(apex[1], 1), "generator": round(ours[1], 1),
-                       "dl4_views": round(ours_dl[1], 1), "dl4_views_threads12": round(ours_dl_12[1], 1),
-                       "dl8_views": round(ours_dl8[1], 1),
-                       "dl8_fresh": round(ours_dl8_fresh[1], 1)},
+            "ideal_ms": [round(ideal0[0], 2), round(ideal1[0], 2)],
+            "of_ideal": {k: round(r[0] / base, 3) for k, r in results.items()},
+            "cpu_ms": {"ideal": round(ideal0[1], 1), **{k: round(r[1], 1) for k, r in results.items()}},
         }
         del model, opt, resident
     print(json.dumps(summary), flush=True)
@@ -617,6 +642,9 @@ def main():
     ap.add_argument("--configs", default="", help="dataloader: only these configurations (apex_dl4_pin always)")
     ap.add_argument("--sharing", default=None,
                     help="torch.multiprocessing's sharing strategy for every DataLoader (file_descriptor, file_system)")
+    ap.add_argument("--models", default="resnet18,resnet50", help="models: which models")
+    ap.add_argument("--model-steps", type=int, default=None, help="models: timed steps per source (default 30)")
+    ap.add_argument("--model-sources", default="", help="models: only these sources (the ideal always)")
     a = ap.parse_args()
     if a.sharing:
         torch.multiprocessing.set_sharing_strategy(a.sharing)
@@ -635,7 +663,7 @@ def main():
     if "cifar" in only:
         bench_cifar(a.quick)
     if "models" in only:
-        bench_models(a.quick)
+        bench_models(a.quick, a.models.split(","), a.model_steps, [c for c in a.model_sources.split(",") if c])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Results are DLPack producers (``torch.from_dlpack``, ``cupy.from_dlpack``,
 import atexit
 import collections.abc
 import itertools
+import operator
 import os
 import weakref
 
@@ -232,6 +233,24 @@ def _is_worker_dataloader(iterable):
 FRESH_LOADER_THREADS = 6
 
 
+#: Loader threads with ``process=True``: the pull is a pipe read, the copies out of the ring
+#: run after the turns.
+PROCESS_LOADER_THREADS = 2
+
+
+def _count(name, n):
+    """A positive integer argument (a numpy integer too; never a bool, float or string)."""
+    try:
+        if isinstance(n, bool):
+            raise TypeError
+        n = operator.index(n)
+    except TypeError:
+        raise InvalidArgumentError(f"pinstream.prefetch: {name}={n!r}: a positive integer") from None
+    if n < 1:
+        raise InvalidArgumentError(f"pinstream.prefetch: {name}={n}: a positive integer")
+    return n
+
+
 #: The most CPUs ``cpus=`` may name, and one past the highest CPU number (``CPU_SETSIZE``).
 MAX_CPUS = 1024
 
@@ -269,6 +288,7 @@ def prefetch(
     fresh=None,
     keys=None,
     cpus=None,
+    process=False,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
@@ -312,15 +332,46 @@ def prefetch(
     calling thread's own mask; ``None``: where the caller may run, next to the GPU. Give it
     when the training thread is pinned to a CPU of its own (docs/python.md).
 
+    ``process=True`` iterates ``iterable`` in a helper process forked when the prefetcher
+    starts, so that this process spends no interpreter time on it (a ``DataLoader`` beside an
+    eager training step that keeps the GIL busy: docs/python.md). The helper copies each item's
+    uint8 images into a ring of shared-memory slots and sends the rest pickled; the images then
+    count as ``fresh``. The iterable must work in a forked process without CUDA (a
+    ``DataLoader``'s ``pin_memory`` is turned off there); pass a ``DataLoader``, not an iterator
+    already started here. Needs numpy.
+
     ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
     raise ``ForkedError`` (see docs/python.md for DataLoader workers and multiprocessing)."""
     mean, std = normalize if normalize is not None else (None, None)
+    if not isinstance(process, bool):
+        raise InvalidArgumentError(f"pinstream.prefetch: process={process!r}: True or False")
+    if process:
+        from . import process as _process
+
+        if not (hasattr(type(iterable), "__iter__") or hasattr(type(iterable), "__getitem__")):
+            raise TypeError("pinstream.prefetch: the source is not iterable")
+        if _process.is_started_dataloader_iterator(iterable):
+            raise InvalidArgumentError(
+                "pinstream.prefetch: process=True takes the DataLoader itself, not an iterator "
+                "of it already started in this process (its workers would feed this process)"
+            )
+        if fresh is False:
+            raise InvalidArgumentError(
+                "pinstream.prefetch: process=True hands over every item's images in a slot of "
+                "their own (fresh); fresh=False does not apply"
+            )
+        fresh = True
+        if loader_threads is None:
+            loader_threads = PROCESS_LOADER_THREADS
     if fresh is None:
         fresh = _is_worker_dataloader(iterable)
     fresh = bool(fresh)
     if loader_threads is None:
         loader_threads = FRESH_LOADER_THREADS if fresh and not zero_copy else 2
+    if process:
+        loader_threads = _count("loader_threads", loader_threads)
+        depth = _count("depth", depth)
     if keys is not None:
         if isinstance(keys, str):
             keys = (keys, None)
@@ -332,6 +383,14 @@ def prefetch(
                 f"pinstream.prefetch: keys={keys!r}: give (images_key, labels_key), strings "
                 "(labels_key may be None)"
             )
+    if process:
+        # Slots for the items the loader threads hold, those waiting in the pipe, and one the
+        # helper fills meanwhile. The helper is forked where the native side calls iter(),
+        # after every setting was checked.
+        iterable = _process.HelperReader(
+            iterable, keys, loader_threads + depth + 2, None if dry_run else _device(device)
+        )
+    on_close = iterable.close if process else None
     p = _native.prefetch(
         iterable,
         _device(device),
@@ -347,6 +406,8 @@ def prefetch(
         fresh,
         keys,
         _cpus("pinstream.prefetch", cpus),
+        on_close,
+        bool(process),
     )
     _LIVE.add(p)
     return p

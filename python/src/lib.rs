@@ -13,6 +13,7 @@ mod errors;
 mod feed;
 mod fork;
 mod prefetch;
+mod ring;
 mod safetensors;
 mod source;
 mod tensor;
@@ -41,5 +42,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tensor::Tensor>()?;
     m.add_class::<prefetch::PyPrefetcher>()?;
     m.add_class::<feed::PyImageFeed>()?;
+    m.add_class::<ring::PyHostRegistration>()?;
     Ok(())
 }

@@ -459,6 +459,10 @@ fn finish(
 struct AfterTake {
     /// Hold pageable arrays for the staging engine (`zero_copy=True`) instead of copying them.
     zero_copy: bool,
+    /// Every item's pixels are a view of a slot of `process=True`'s ring, page-locked while
+    /// the view lives and written again only once it is gone: handed to the upload for one
+    /// DMA (where the runtime confirms the ring is page-locked).
+    ring: bool,
     /// A device to DMA page-locked arrays to (not in the dry run).
     device: bool,
     side: Arc<Mutex<Side>>,
@@ -502,6 +506,16 @@ fn take_after(
     take: &AfterTake,
 ) -> pinstream::Result<()> {
     let (len, kind) = host.bytes().map(|(b, k)| (b.len(), k))?;
+    if take.device && take.ring {
+        take.stats.direct.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: the view of a ring slot (`process=True`): its ring stays mapped and
+        // registered while the view lives (the view's finalizer holds the registration), and
+        // the helper writes the slot again only once the view is gone, which `Held` delays
+        // until the drop has waited for the DMA. Where the runtime does not confirm that both
+        // ends are page-locked, the upload stages the bytes instead.
+        batch.pixels = Pixels::Foreign(unsafe { ForeignBytes::page_locked(Held::new(host)) });
+        return Ok(());
+    }
     if take.device && kind != HostKind::Pageable {
         take.stats.direct.fetch_add(1, Ordering::Relaxed);
         // SAFETY: only a DLPack import is ever page-locked here (a buffer is always taken as
@@ -786,6 +800,10 @@ pub(crate) struct PyPrefetcher {
     /// The process that made it (`fork`): in a forked child, whose copy of it has no threads,
     /// `__next__` raises `ForkedError` and closing or dropping it leaks it.
     pid: u32,
+    /// Called once (with no arguments) when it is closed, dropped or cleared, before its
+    /// threads are joined: the Python side's `process=True` helper stops there, so that a
+    /// loader waiting for it wakes.
+    on_close: Mutex<Option<Py<PyAny>>>,
 }
 
 impl PyPrefetcher {
@@ -817,12 +835,25 @@ impl PyPrefetcher {
         if pulling(self.id()) {
             return Err(reentered(what));
         }
+        self.run_on_close(py);
         // The lock is taken without the GIL: a `__next__` on another thread holds it while it
         // waits for a batch, which the loader threads pull with the GIL.
         let p = py.detach(|| lock(&self.inner).take());
         // The loader threads may be waiting for the GIL: drop them without it.
         py.detach(move || drop(p));
         Ok(())
+    }
+}
+
+impl PyPrefetcher {
+    /// Calls `on_close` once; what it raises is reported as unraisable (the close goes on).
+    fn run_on_close(&self, py: Python<'_>) {
+        let hook = lock(&self.on_close).take();
+        if let Some(hook) = hook {
+            if let Err(e) = hook.call0(py) {
+                e.write_unraisable(py, Some(hook.bind(py)));
+            }
+        }
     }
 }
 
@@ -878,6 +909,7 @@ impl Drop for PyPrefetcher {
             return;
         }
         let own_loader = pulling(self.id());
+        Python::attach(|py| self.run_on_close(py));
         let p = lock(&self.inner).take();
         retire(p, own_loader);
     }
@@ -1024,6 +1056,11 @@ impl PyPrefetcher {
                 visit.call(it)?;
             }
         }
+        if let Ok(hook) = self.on_close.try_lock() {
+            if let Some(hook) = hook.as_ref() {
+                visit.call(hook)?;
+            }
+        }
         Ok(())
     }
 
@@ -1036,6 +1073,7 @@ impl PyPrefetcher {
             return;
         }
         let own_loader = pulling(self.id());
+        Python::attach(|py| self.run_on_close(py));
         let p = lock(&self.inner).take();
         retire(p, own_loader);
     }
@@ -1093,7 +1131,8 @@ fn has_iter(x: &Bound<'_, PyAny>) -> PyResult<bool> {
 #[pyfunction]
 #[pyo3(signature = (iterable, device = 0, depth = 2, mean = None, std = None, dtype = "float32",
                     layout_out = "nchw", layout_in = "nchw", loader_threads = 2,
-                    zero_copy = false, dry_run = false, fresh = false, keys = None, cpus = None))]
+                    zero_copy = false, dry_run = false, fresh = false, keys = None, cpus = None,
+                    on_close = None, ring = false))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prefetch(
     py: Python<'_>,
@@ -1111,6 +1150,8 @@ pub(crate) fn prefetch(
     fresh: bool,
     keys: Option<(String, Option<String>)>,
     cpus: Option<Bound<'_, PyAny>>,
+    on_close: Option<Py<PyAny>>,
+    ring: bool,
 ) -> PyResult<PyPrefetcher> {
     let (in_layout, out_layout) = (
         layout(layout_in, "layout_in")?,
@@ -1201,6 +1242,7 @@ pub(crate) fn prefetch(
     };
     let after = AfterTake {
         zero_copy,
+        ring,
         device: c.is_some(),
         side: side.clone(),
         stats: stats.clone(),
@@ -1238,6 +1280,7 @@ pub(crate) fn prefetch(
         stats,
         fresh: fresh || zero_copy,
         pid: crate::fork::pid(),
+        on_close: Mutex::new(on_close),
     })
 }
 

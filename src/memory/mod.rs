@@ -18,7 +18,7 @@ pub(crate) use pool::class_of as pool_class_of;
 pub use pool::{PinnedPool, PoolBacking, PoolBlock, PoolConfig, PoolStats};
 #[cfg(feature = "timing")]
 pub(crate) use registered::time_register;
-pub use registered::{HostRegister, Registered};
+pub use registered::{HostRegister, HostRegistration, Registered};
 pub use tracker::{leaked, Leaked};
 // Where they were before issue 30 (they live in `copy` now).
 pub use crate::copy::{Download, DownloadTarget};

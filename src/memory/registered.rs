@@ -259,3 +259,85 @@ pub(crate) mod read_only {
         r.range(..end).next_back().is_some_and(|(_, &e)| e > start)
     }
 }
+
+/// Memory owned elsewhere, page-locked with `cudaHostRegister` until this value is dropped:
+/// for memory whose owner outlives the registration and whose copies are not tracked here,
+/// such as a mapping shared with another process that a prefetcher DMAs from. Unlike
+/// [`Registered`] it is not scoped and tracks nothing: its drop unregisters at once.
+#[derive(Debug)]
+pub struct HostRegistration {
+    ptr: *mut std::ffi::c_void,
+    len: usize,
+    device: Device,
+}
+
+// SAFETY: it only holds the address for the unregistration; the runtime's calls on it are
+// thread-safe.
+unsafe impl Send for HostRegistration {}
+// SAFETY: `&HostRegistration` gives no access to the memory.
+unsafe impl Sync for HostRegistration {}
+
+impl HostRegistration {
+    /// Registers the `len` bytes at `ptr` with `flags` for `device`.
+    ///
+    /// # Safety
+    ///
+    /// `ptr..ptr + len` must be mapped host memory that stays mapped until this value is
+    /// dropped, and every GPU copy from or to it must be over before the drop.
+    pub unsafe fn new(
+        device: &Device,
+        ptr: *mut u8,
+        len: usize,
+        flags: HostRegister,
+    ) -> Result<Self> {
+        if len == 0 || ptr.is_null() {
+            return Err(crate::Error::invalid(
+                "HostRegistration::new",
+                format!("{len} bytes at {ptr:p}: give a mapped, non-empty range"),
+            ));
+        }
+        device.make_current()?;
+        check_with(
+            // SAFETY: the caller's promise: `len` mapped bytes at `ptr` for as long as the
+            // registration lives (unregistered in `Drop`).
+            unsafe { sys::cudaHostRegister(ptr.cast(), len, flags.bits()) },
+            "cudaHostRegister",
+            || format!("{len} bytes, flags {:#x}", flags.bits()),
+        )?;
+        Ok(HostRegistration {
+            ptr: ptr.cast(),
+            len,
+            device: *device,
+        })
+    }
+
+    /// The number of bytes registered.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true: an empty range is refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The device that was current at registration.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        // SAFETY: registered by `new`, unregistered once; the caller promised that no copy
+        // uses it any more. A failure leaves the pages locked (reported, nothing else to do).
+        let err = unsafe { sys::cudaHostUnregister(self.ptr) };
+        if let Err(e) = check_with(err, "cudaHostUnregister", || format!("{} bytes", self.len)) {
+            super::tracker::leak(
+                "registered host memory (unregistration failed)",
+                self.len,
+                &e,
+            );
+        }
+    }
+}
