@@ -233,9 +233,10 @@ def _is_worker_dataloader(iterable):
 FRESH_LOADER_THREADS = 6
 
 
-#: Loader threads with ``process=True``: the pull is a pipe read, the copies out of the ring
-#: run after the turns.
-PROCESS_LOADER_THREADS = 2
+#: Loader threads with ``process=True``: a turn only reads a slot's number and hands the slot
+#: to the DMA, and every other thread would take the GIL from an eager training step
+#: (ResNet-18: 1.027 / 1.043 of the ideal with one, 1.028 / 1.105 with two; BENCHMARKS.md).
+PROCESS_LOADER_THREADS = 1
 
 
 def _count(name, n):
