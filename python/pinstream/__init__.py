@@ -336,8 +336,9 @@ def prefetch(
     ``process=True`` iterates ``iterable`` in a helper process forked when the prefetcher
     starts, so that this process spends no interpreter time on it (a ``DataLoader`` beside an
     eager training step that keeps the GIL busy: docs/python.md). The helper copies each item's
-    uint8 images into a ring of shared-memory slots and sends the rest pickled; the images then
-    count as ``fresh``. The iterable must work in a forked process without CUDA (a
+    uint8 images into a ring of shared-memory slots and sends the rest pickled (with ``fresh``,
+    chosen as above, it pulls the next item meanwhile; without, only after the copy). The
+    iterable must work in a forked process without CUDA (a
     ``DataLoader``'s ``pin_memory`` is turned off there); pass a ``DataLoader``, not an iterator
     already started here. Needs numpy.
 
@@ -357,11 +358,9 @@ def prefetch(
                 "pinstream.prefetch: process=True takes the DataLoader itself, not an iterator "
                 "of it already started in this process (its workers would feed this process)"
             )
-        if fresh is False:
-            raise InvalidArgumentError(
-                "pinstream.prefetch: process=True hands over every item's images in a slot of "
-                "their own (fresh); fresh=False does not apply"
-            )
+        # In the helper, `fresh` decides whether the next item is pulled while one is copied
+        # into its slot; here every item's images are a slot of their own either way.
+        ahead = _is_worker_dataloader(iterable) if fresh is None else bool(fresh)
         fresh = True
         if loader_threads is None:
             loader_threads = PROCESS_LOADER_THREADS
@@ -389,7 +388,7 @@ def prefetch(
         # helper fills meanwhile. The helper is forked where the native side calls iter(),
         # after every setting was checked.
         iterable = _process.HelperReader(
-            iterable, keys, loader_threads + depth + 2, None if dry_run else _device(device)
+            iterable, keys, loader_threads + depth + 2, None if dry_run else _device(device), ahead
         )
     on_close = iterable.close if process else None
     p = _native.prefetch(

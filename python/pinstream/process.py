@@ -6,14 +6,19 @@ GIL held, and an eager training step (ResNet-18: 15 ms of host time per 15 ms st
 GIL all the time. With ``process=True`` the iterable is iterated in a helper forked from this
 process (when the prefetcher starts: where ``iter()`` would be called). The helper copies each
 item's images into a slot of a ring of shared memory and sends the rest of the item (labels,
-other entries) pickled; this process reads a slot number and the small rest, and pinstream's
-loader threads copy the images out of the slot without the GIL. A slot is written again only
-once nothing here refers to its images any more.
+other entries) pickled; this process reads a slot number and the small rest, and the
+prefetcher DMAs the images straight from the slot (the ring is page-locked; in a dry run the
+loader threads copy them). A slot is written again only once nothing here refers to its images
+any more.
 
 The helper never touches CUDA or pinstream's native side (neither carries over a fork). It
-ignores Ctrl-C (the training process handles it), ends when the iteration ends, when this
-process closes the prefetcher or goes away, and sends what the iterable raised (the exception
-itself where it pickles, else its type, message and traceback as a ``LoaderError``).
+closes the descriptors of other readers' helpers, ignores Ctrl-C (the training process handles
+it), ends when the iteration ends, when this process closes the prefetcher (SIGTERM if it sits
+in a slow ``next()``: it stops there) or goes away, running the iterator's cleanup, and sends
+what the iterable raised (the exception itself where it pickles, else its type, message and
+traceback as a ``LoaderError``). Messages are framed by their length on a raw pipe, read in
+slices here, so a helper that dies mid-message is noticed even while a process it forked holds
+the pipe open.
 """
 
 import collections.abc
@@ -48,8 +53,14 @@ OP = "pinstream.prefetch(process=True)"
 COPY_THREADS = 4
 #: Items below this size are copied by one thread.
 _PARALLEL_BYTES = 1 << 20
-#: Items pulled ahead of the one being copied and sent.
+#: Items pulled ahead of the one being copied and sent (``fresh``: every item a new array).
 _AHEAD = 2
+#: A message's length before it, on the pipe from the helper.
+_LENGTH = struct.Struct("<Q")
+
+#: The descriptors and rings of every reader alive in this process, by reader: a helper closes
+#: the others' (so that a closed prefetcher's pipes end, and its ring goes, with its own helper).
+_OWNED = {}
 
 
 class _TorchArray:
@@ -103,7 +114,7 @@ def _ring_array(x, np):
     ``None`` for anything else, which is sent pickled (the native side then says what is
     wrong with it)."""
     if isinstance(x, np.ndarray):
-        a = x
+        a = np.asarray(x)  # a subclass (np.matrix) as a plain array
     elif type(x).__module__.startswith("torch") and hasattr(x, "numpy"):
         try:
             if x.device.type != "cpu":
@@ -112,8 +123,16 @@ def _ring_array(x, np):
         except Exception:  # noqa: BLE001 - not a plain CPU tensor: sent as it is
             return None
     else:
-        return None
-    if a.dtype != np.uint8 or a.size == 0:
+        try:
+            view = memoryview(x)  # a typed buffer (memoryview, array.array), as in-process
+        except TypeError:
+            return None
+        if view.format not in ("B", "<B", "=B", "|B") or not view.c_contiguous:
+            return None
+        a = np.asarray(view)
+    # Only C-contiguous uint8 goes to the ring; anything else is sent as it is, and the
+    # native side takes it or says why not, as it does in-process.
+    if a.dtype != np.uint8 or a.size == 0 or not a.flags.c_contiguous:
         return None
     return a
 
@@ -161,21 +180,57 @@ def _with_images(rest, place, images):
 def _error_payload(e):
     """What the iterable raised, for the other side: the exception itself where it pickles
     and unpickles, and in any case its type, message and traceback."""
-    text = "".join(traceback.format_exception(e))
+    try:
+        text = "".join(traceback.format_exception(e))
+    except BaseException:  # noqa: BLE001 - a __str__ or __notes__ that raises
+        text = ""
     try:
         exc = pickle.dumps(e)
         pickle.loads(exc)
-    except Exception:  # noqa: BLE001 - sent as text
+    except BaseException:  # noqa: BLE001 - a __reduce__ that raises anything: sent as text
         exc = None
     try:
         message = str(e)
-    except Exception:  # noqa: BLE001 - a __str__ that raises
+    except BaseException:  # noqa: BLE001 - a __str__ that raises
         message = "(its message could not be read)"
     return (exc, type(e).__name__, message, text)
 
 
 class _Stop(Exception):
     """The training process closed the prefetcher or went away: the helper ends."""
+
+
+class _Terminated(BaseException):
+    """SIGTERM in the helper (the training process ends it, or it went away): the iteration
+    stops where it is, and its cleanup (``finally`` blocks, a DataLoader's workers) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _close_others(own):
+    """In the helper: closes the descriptors and rings of every other reader of the training
+    process (they belong to other helpers)."""
+    for token, (fds, ring) in list(_OWNED.items()):
+        if token == own:
+            continue
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if ring is not None:
+            try:
+                ring.close()
+            except (BufferError, ValueError):
+                pass  # a view of it is alive in this copy: left mapped
 
 
 def _copy(np, pool, dst, src):
@@ -191,16 +246,27 @@ def _copy(np, pool, dst, src):
         f.result()
 
 
-def _helper(iterable, keys, slots, ring_fd, ready, free_fd, theirs):
+def _helper(*args):
+    """The helper process's body; SIGTERM (the training process ends it) ends it quietly."""
+    try:
+        _pull(*args)
+    except _Terminated:
+        pass
+
+
+def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead):
     """The helper process: this thread pulls the items, a second one takes a free slot for
-    each, copies its images there and sends the slot's number and the rest, in order, while
-    the next item is pulled. Never touches CUDA."""
+    each, copies its images there and sends the slot's number and the rest, in order. With
+    ``ahead`` (every item a new array) the next item is pulled meanwhile; without, only once
+    the item was copied (an iterable may refill its array). Never touches CUDA."""
     import concurrent.futures
     import queue
 
-    for c in theirs:
-        c.close()
+    for fd in theirs:
+        os.close(fd)
+    _close_others(own)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     parent = os.getppid()
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -212,20 +278,23 @@ def _helper(iterable, keys, slots, ring_fd, ready, free_fd, theirs):
             iterable.pin_memory = False
     np = _numpy()
     free = list(range(slots))
-    jobs = queue.Queue(maxsize=_AHEAD)
+    jobs = queue.Queue(maxsize=_AHEAD if ahead else 1)
+    # The sender has ended (it sent why); the puller has ended (nothing more will be queued).
     ended = threading.Event()
+    stopping = threading.Event()
 
     def send(msg):
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)  # its errors are the item's
         try:
-            ready.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-        except (BrokenPipeError, EOFError, OSError) as e:
+            _write_all(ready_fd, _LENGTH.pack(len(data)) + data)
+        except OSError as e:
             raise _Stop from e
 
     def take_slot():
         while not free:
             r, _, _ = select.select([free_fd], [], [], POLL_SECONDS)
             if not r:
-                if os.getppid() != parent:
+                if stopping.is_set():
                     raise _Stop
                 continue
             data = os.read(free_fd, _TOKEN.size * slots)
@@ -241,17 +310,24 @@ def _helper(iterable, keys, slots, ring_fd, ready, free_fd, theirs):
         i = 0
         try:
             while True:
-                job = jobs.get()
+                try:
+                    job = jobs.get(timeout=POLL_SECONDS)
+                except queue.Empty:
+                    if stopping.is_set():
+                        return
+                    continue
                 if job[0] != "item":
                     send(job)
                     return
-                _, i, item = job
+                _, i, item, copied = job
                 place = _images_place(item, keys)
                 images = None
                 if place is not None:
                     images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
                 if images is None:
-                    send(("item", i, -1, None, None, _pack(item)))
+                    msg = ("item", i, -1, None, None, _pack(item))
+                    copied.set()
+                    send(msg)
                     continue
                 if ring is None:
                     slot_bytes = max(mmap.PAGESIZE, -(-images.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
@@ -267,55 +343,92 @@ def _helper(iterable, keys, slots, ring_fd, ready, free_fd, theirs):
                 s = take_slot()
                 _copy(np, pool, np.frombuffer(ring, np.uint8, images.nbytes, s * slot_bytes),
                       images.reshape(-1))
-                send(("item", i, s, images.shape, place, _without_images(item, place)))
+                copied.set()
+                msg = ("item", i, s, images.shape, place, _without_images(item, place))
                 del item, images
+                send(msg)
         except _Stop:
             pass
         except BaseException as e:  # noqa: BLE001 - a rest that does not pickle, among others
             try:
                 send(("error", i, *_error_payload(e)))
-            except _Stop:
+            except BaseException:  # noqa: BLE001 - the training process is gone
                 pass
         finally:
             ended.set()
             pool.shutdown(wait=True)
 
-    sender = threading.Thread(target=deliver, name="pinstream-helper-send", daemon=True)
+    def watch():
+        # The training process gone (killed): end as if it had closed the prefetcher.
+        while not ended.wait(0.5):
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     def put(job):
-        """Queues a job for the sender; ``_Stop`` once it has ended (it sent why)."""
+        """Queues a job for the sender and, without ``ahead``, waits until it was copied;
+        ``_Stop`` once the sender has ended (it sent why)."""
         while not ended.is_set():
             try:
                 jobs.put(job, timeout=POLL_SECONDS)
-                return
+                break
             except queue.Full:
                 continue
-        raise _Stop
+        else:
+            raise _Stop
+        copied = job[3] if job[0] == "item" else None
+        while copied is not None and not ahead and not copied.wait(POLL_SECONDS):
+            if ended.is_set():
+                raise _Stop
 
+    sender = threading.Thread(target=deliver, name="pinstream-helper-send", daemon=True)
+    watchdog = threading.Thread(target=watch, name="pinstream-helper-watch", daemon=True)
     i = 0
+    it = None
     try:
         try:
             # First: a DataLoader forks its workers here, before this process has threads.
             it = iter(iterable)
         finally:
             sender.start()
+            watchdog.start()
+        iterable = None
         while True:
             try:
                 item = next(it)
             except StopIteration:
                 break
-            put(("item", i, item))
+            put(("item", i, item, threading.Event()))
             del item
             i += 1
         put(("end",))
-    except _Stop:
+    except (_Stop, _Terminated):
         pass
     except BaseException as e:  # noqa: BLE001 - everything goes to the training process
         try:
             put(("error", i, *_error_payload(e)))
-        except _Stop:
+        except BaseException:  # noqa: BLE001 - the sender has ended
             pass
-    sender.join()
+    finally:
+        # The iterator's own cleanup: a generator's `finally` blocks, a DataLoader's workers.
+        try:
+            close = getattr(it, "close", None)
+            if callable(close):
+                close()
+        except BaseException:  # noqa: BLE001 - nothing to report it to any more
+            pass
+        it = None
+        stopping.set()
+    sender.join(5.0)
+
+
+def _copy_reraise_note(e, text):
+    if text:
+        try:
+            e.add_note(f"raised in {OP}'s helper process:\n{text}")
+        except Exception:  # noqa: BLE001 - an odd __notes__: the exception as it is
+            pass
+    return e
 
 
 class _Slots:
@@ -343,8 +456,9 @@ class _Slots:
 
 
 def _end_helper(proc, slots):
-    """Ends the helper: no more free slots (it ends at its next wait for one), then SIGTERM,
-    then SIGKILL. Only in the process that started it (not in a fork of this one)."""
+    """Ends the helper: no more free slots (it ends at its next wait for one), then SIGTERM
+    (it stops where it is and cleans up), then SIGKILL. Only in the process that started it
+    (not in a fork of this one)."""
     slots.close()
     try:
         if proc is not None and proc._parent_pid == os.getpid():  # noqa: SLF001 - a fork's copy
@@ -359,15 +473,13 @@ def _end_helper(proc, slots):
         pass
 
 
-def _stop(proc, slots, ready, ring_fd):
-    """The reader is gone: the helper ends, the pipe from it and the ring's descriptor are
+def _stop(token, proc, slots, fds):
+    """The reader is gone: the helper ends, and the pipe from it and the ring's descriptor are
     closed (nothing reads them any more)."""
     _end_helper(proc, slots)
-    ring_fd.close()
-    try:
-        ready.close()
-    except OSError:
-        pass
+    _OWNED.pop(token, None)
+    for fd in fds:
+        fd.close()
 
 
 class HelperReader:
@@ -375,12 +487,13 @@ class HelperReader:
     the helper (``iter()``), and each ``next()`` gives the next item with its images as a
     read-only numpy view of their slot."""
 
-    def __init__(self, iterable, keys, slots, device=None):
+    def __init__(self, iterable, keys, slots, device=None, ahead=True):
         if slots < 2:
             raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
         self._np = _numpy()
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
+        self._ahead = ahead
         self._registration = None
         self._iterable = iterable
         self._keys = keys
@@ -394,6 +507,7 @@ class HelperReader:
         self._slots = None
         self._finalizer = None
         self._ring_fd = None
+        self._buf = bytearray()
 
     def __iter__(self):
         if self._started:
@@ -401,21 +515,31 @@ class HelperReader:
         self._started = True
         import multiprocessing
 
+        if multiprocessing.current_process().daemon:
+            raise InvalidArgumentError(
+                f"{OP}: this is a daemonic process (a Pool worker, a Process(daemon=True)), "
+                "which may not start one: use process=False here"
+            )
         ctx = multiprocessing.get_context("fork")
-        ring_fd = os.memfd_create("pinstream-ring", os.MFD_CLOEXEC)
+        fds = []
         try:
-            ready_r, ready_w = ctx.Pipe(duplex=False)
+            ring_fd = os.memfd_create("pinstream-ring", os.MFD_CLOEXEC)
+            fds.append(_FdCloser(ring_fd))
+            ready_r, ready_w = os.pipe()
+            fds += [_FdCloser(ready_r), _FdCloser(ready_w)]
             free_r, free_w = os.pipe()
+            fds += [_FdCloser(free_r), _FdCloser(free_w)]
         except BaseException:
-            os.close(ring_fd)
+            for fd in fds:
+                fd.close()
             raise
-        self._ring_fd = ring_fd
-        self._ready = ready_r
-        self._slots = _Slots(free_w)
+        token = object()
+        _OWNED[token] = ((ring_fd, ready_r, free_w), None)
+        slots = _Slots(free_w)
         proc = ctx.Process(
             target=_helper,
             args=(self._iterable, self._keys, self._slots_n, ring_fd, ready_w, free_r,
-                  (ready_r, _FdCloser(free_w))),
+                  (ready_r, free_w), token, self._ahead),
             name="pinstream-helper",
         )
         try:
@@ -425,17 +549,26 @@ class HelperReader:
                 warnings.simplefilter("ignore", DeprecationWarning)
                 proc.start()
         except BaseException:
-            _stop(None, self._slots, ready_r)
-            os.close(ring_fd)
+            _OWNED.pop(token, None)
+            fds[4] = _FdCloser(None)  # closed by `slots`
+            slots.close()
+            for fd in fds:
+                fd.close()
             raise
         finally:
-            ready_w.close()
-            os.close(free_r)
+            fds[2].close()  # ready_w and free_r are the helper's
+            fds[3].close()
+        self._ring_fd = ring_fd
+        self._ready = ready_r
+        self._slots = slots
         self._proc = proc
+        self._token = token
         # The iterable lives on in the helper; this process lets go of it (a DataLoader's
         # dataset, a generator's frame).
         self._iterable = None
-        self._finalizer = weakref.finalize(self, _stop, proc, self._slots, ready_r, _FdCloser(ring_fd))
+        self._finalizer = weakref.finalize(
+            self, _stop, token, proc, slots, (fds[0], fds[1])
+        )
         return self
 
     def close(self):
@@ -447,27 +580,32 @@ class HelperReader:
         if self._proc is not None:
             _end_helper(self._proc, self._slots)
 
-    def _recv(self):
+    def _frame(self):
+        """The next message's bytes: read in slices, checking between them that the
+        prefetcher is not closing (``StopIteration``) and that the helper is alive."""
         while True:
+            if len(self._buf) >= _LENGTH.size:
+                (n,) = _LENGTH.unpack_from(self._buf)
+                if len(self._buf) >= _LENGTH.size + n:
+                    data = bytes(self._buf[_LENGTH.size:_LENGTH.size + n])
+                    del self._buf[:_LENGTH.size + n]
+                    return data
             if self._done:
                 raise StopIteration
-            try:
-                if self._ready.poll(POLL_SECONDS):
-                    return pickle.loads(self._ready.recv_bytes())
-            except (EOFError, OSError):
-                pass
-            else:
-                if self._proc.exitcode is None:
+            r, _, _ = select.select([self._ready], [], [], POLL_SECONDS)
+            if r:
+                chunk = os.read(self._ready, 1 << 20)
+                if chunk:
+                    self._buf += chunk
                     continue
-                # It may have sent its last message just before it ended.
-                try:
-                    if self._ready.poll(0):
-                        return pickle.loads(self._ready.recv_bytes())
-                except (EOFError, OSError):
-                    pass
-            code = self._proc.exitcode
+            elif self._proc.exitcode is None:
+                continue
+            # The pipe ended, or nothing more comes from a helper that has exited (a process
+            # it forked may still hold the pipe open).
             if self._done:
                 raise StopIteration
+            self._proc.join(1.0)
+            code = self._proc.exitcode
             self.close()
             raise LoaderError(
                 f"{OP}: the helper process {self._proc.pid} ended (exit code {code}) before the "
@@ -478,7 +616,7 @@ class HelperReader:
         if self._done or not self._started:
             raise StopIteration
         while True:
-            msg = self._recv()
+            msg = pickle.loads(self._frame())  # what it raises is the item's error
             kind = msg[0]
             if kind == "ring":
                 if self._ring is not None:
@@ -488,6 +626,8 @@ class HelperReader:
                 size = self._slot_bytes * self._slots_n
                 self._ring = mmap.mmap(self._ring_fd, size, mmap.MAP_SHARED,
                                        mmap.PROT_READ | mmap.PROT_WRITE)
+                fds, _ = _OWNED.get(self._token, ((), None))
+                _OWNED[self._token] = (fds, self._ring)
                 if self._device is not None:
                     self._registration = _register(self._ring, self._device)
                 continue
@@ -503,9 +643,7 @@ class HelperReader:
                     except Exception:  # noqa: BLE001 - raised as text below
                         e = None
                     if isinstance(e, BaseException):
-                        if text:
-                            e.add_note(f"raised in {OP}'s helper process:\n{text}")
-                        raise e
+                        raise _copy_reraise_note(e, text)
                 if name == "InvalidArgumentError":
                     raise InvalidArgumentError(message)
                 raise LoaderError(f"{OP}: batch {i}: {name}: {message} (in the helper process)\n{text}")

@@ -841,17 +841,27 @@ impl PyPrefetcher {
         let p = py.detach(|| lock(&self.inner).take());
         // The loader threads may be waiting for the GIL: drop them without it.
         py.detach(move || drop(p));
+        // Nothing pulls from the iterable any more: let it go now, not with the prefetcher
+        // (`process=True`'s ring and pipes go with it).
+        let it = lock(&self.iterable).take();
+        drop(it);
         Ok(())
     }
 }
 
 impl PyPrefetcher {
     /// Calls `on_close` once; what it raises is reported as unraisable (the close goes on).
+    /// An exception already set (a drop while one propagates: the `for` loop's body raised)
+    /// is kept aside meanwhile and set again after, as it was.
     fn run_on_close(&self, py: Python<'_>) {
         let hook = lock(&self.on_close).take();
         if let Some(hook) = hook {
+            let pending = PyErr::take(py);
             if let Err(e) = hook.call0(py) {
                 e.write_unraisable(py, Some(hook.bind(py)));
+            }
+            if let Some(e) = pending {
+                e.restore(py);
             }
         }
     }
