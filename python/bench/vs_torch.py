@@ -495,7 +495,7 @@ def bench_cifar(quick):
     print(f"    pinstream is x{a[0] / b[0]:.1f} (CPU x{a[1] / max(b[1], 1e-9):.1f} less)")
 
 
-def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None):
+def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, warm=None):
     """A real training step: torchvision ResNet-18 / ResNet-50, AMP (float16 autocast with a
     GradScaler), channels_last, batch 256, SGD; the input from DataLoader(pin_memory) + APEX
     prefetcher, from pinstream.torch.prefetch (float16, NHWC viewed as channels_last) over a
@@ -509,7 +509,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None):
     mean, std = pinstream.IMAGENET
     # Each source's first `warm` batches are steps too, untimed: a DataLoader's workers start
     # there (a second or more, which would weigh on 30 batches).
-    warm = 3 if quick else 6
+    warm = warm or (3 if quick else 6)
     n_batches = (steps or (12 if quick else 30)) + warm
     ds = Synthetic(n_batches)
     fresh_ds = FreshBatches(n_batches)
@@ -608,9 +608,10 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None):
             "dl4_views_threads2": ("... 4 workers, 2 loader threads", ours(dl(ds, 4), loader_threads=2)),
             "dl8_views": ("pinstream.torch.prefetch(DataLoader, 8 workers)", ours(dl(ds, 8))),
             "dl8_fresh": ("... 8 workers, a new shared tensor per batch", ours(dl(fresh_ds, 8))),
-            "dl4_views_process": ("... 4 workers, process=True (a helper process)", ours(dl(ds, 4), process=True)),
-            "dl4_views_process_threads1": ("... 4 workers, process=True, 1 loader thread",
-                                           ours(dl(ds, 4), process=True, loader_threads=1)),
+            "dl4_views_process": ("... 4 workers, process=True (a helper process, 1 thread)",
+                                  ours(dl(ds, 4), process=True)),
+            "dl4_views_process_threads2": ("... 4 workers, process=True, 2 loader threads",
+                                           ours(dl(ds, 4), process=True, loader_threads=2)),
             "dl4_fresh_process": ("... 4 workers, process=True, a new shared tensor per batch",
                                   ours(dl(fresh_ds, 4), process=True)),
         }
@@ -645,6 +646,9 @@ def main():
     ap.add_argument("--models", default="resnet18,resnet50", help="models: which models")
     ap.add_argument("--model-steps", type=int, default=None, help="models: timed steps per source (default 30)")
     ap.add_argument("--model-sources", default="", help="models: only these sources (the ideal always)")
+    ap.add_argument("--model-warmup", type=int, default=None,
+                    help="models: untimed steps per source first (default 6; a DataLoader's or a helper's "
+                         "fork makes the training process copy its pages on first write for a while)")
     a = ap.parse_args()
     if a.sharing:
         torch.multiprocessing.set_sharing_strategy(a.sharing)
@@ -663,7 +667,8 @@ def main():
     if "cifar" in only:
         bench_cifar(a.quick)
     if "models" in only:
-        bench_models(a.quick, a.models.split(","), a.model_steps, [c for c in a.model_sources.split(",") if c])
+        bench_models(a.quick, a.models.split(","), a.model_steps, [c for c in a.model_sources.split(",") if c],
+                     a.model_warmup)
 
 
 if __name__ == "__main__":
