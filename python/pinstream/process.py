@@ -31,6 +31,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -60,7 +61,35 @@ _LENGTH = struct.Struct("<Q")
 
 #: The descriptors and rings of every reader alive in this process, by reader: a helper closes
 #: the others' (so that a closed prefetcher's pipes end, and its ring goes, with its own helper).
+#: Under ``_OWNED_LOCK``: a descriptor leaves it before it is closed, and helpers are forked
+#: holding the lock, so a helper never closes a number that was reused meanwhile.
 _OWNED = {}
+_OWNED_LOCK = threading.Lock()
+
+#: How long a helper's cleanup may take (the iterator's ``finally``, a DataLoader's workers)
+#: once it was asked to end, before it is killed.
+CLEANUP_SECONDS = 5.0
+
+
+def _after_fork_in_child():
+    # Another thread may have held the lock at the fork; no thread of the child will free it.
+    global _OWNED_LOCK
+    _OWNED_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_owned(token, fd):
+    """Closes one of reader ``token``'s descriptors, leaving the registry first."""
+    with _OWNED_LOCK:
+        entry = _OWNED.get(token)
+        if entry is not None and fd in entry[0]:
+            _OWNED[token] = (tuple(f for f in entry[0] if f != fd), entry[1])
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class _TorchArray:
@@ -233,17 +262,32 @@ def _close_others(own):
                 pass  # a view of it is alive in this copy: left mapped
 
 
-def _copy(np, pool, dst, src):
+def _copy(np, dst, src):
     """``dst[:] = src`` (flat uint8), in ``COPY_THREADS`` parts at once for a large item (numpy
-    copies without the GIL)."""
+    copies without the GIL); plain threads, which start in any state of the interpreter (a
+    ``ThreadPoolExecutor`` refuses once it is shutting down, as a fork of it may be)."""
     n = src.size
-    if pool is None or n < _PARALLEL_BYTES:
+    if n < _PARALLEL_BYTES:
         np.copyto(dst, src)
         return
     step = -(-n // COPY_THREADS)
-    bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
-    for f in [pool.submit(np.copyto, dst[a:b], src[a:b]) for a, b in bounds]:
-        f.result()
+    bounds = [(a, min(a + step, n)) for a in range(step, n, step)]
+    failed = []
+
+    def part(a, b):
+        try:
+            np.copyto(dst[a:b], src[a:b])
+        except BaseException as e:  # noqa: BLE001 - raised on the sender below
+            failed.append(e)
+
+    threads = [threading.Thread(target=part, args=ab, daemon=True) for ab in bounds]
+    for t in threads:
+        t.start()
+    part(0, min(step, n))
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
 
 
 def _helper(*args):
@@ -259,7 +303,6 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
     each, copies its images there and sends the slot's number and the rest, in order. With
     ``ahead`` (every item a new array) the next item is pulled meanwhile; without, only once
     the item was copied (an iterable may refill its array). Never touches CUDA."""
-    import concurrent.futures
     import queue
 
     for fd in theirs:
@@ -306,7 +349,6 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
     def deliver():
         ring = None
         slot_bytes = 0
-        pool = concurrent.futures.ThreadPoolExecutor(COPY_THREADS, "pinstream-helper-copy")
         i = 0
         try:
             while True:
@@ -341,7 +383,7 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
                           "batches of one size (or smaller ones)", ""))
                     return
                 s = take_slot()
-                _copy(np, pool, np.frombuffer(ring, np.uint8, images.nbytes, s * slot_bytes),
+                _copy(np, np.frombuffer(ring, np.uint8, images.nbytes, s * slot_bytes),
                       images.reshape(-1))
                 copied.set()
                 msg = ("item", i, s, images.shape, place, _without_images(item, place))
@@ -356,19 +398,20 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
                 pass
         finally:
             ended.set()
-            pool.shutdown(wait=True)
 
     def watch():
-        # The training process gone (killed): end as if it had closed the prefetcher.
+        # The training process gone (killed): end as if it had closed the prefetcher, and
+        # for good if the iterable keeps SIGTERM from ending it.
         while not ended.wait(0.5):
             if os.getppid() != parent:
                 os.kill(os.getpid(), signal.SIGTERM)
-                return
+                time.sleep(CLEANUP_SECONDS)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def put(job):
         """Queues a job for the sender and, without ``ahead``, waits until it was copied;
         ``_Stop`` once the sender has ended (it sent why)."""
-        while not ended.is_set():
+        while not ended.is_set() and sender.is_alive():
             try:
                 jobs.put(job, timeout=POLL_SECONDS)
                 break
@@ -378,7 +421,7 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
             raise _Stop
         copied = job[3] if job[0] == "item" else None
         while copied is not None and not ahead and not copied.wait(POLL_SECONDS):
-            if ended.is_set():
+            if ended.is_set() or not sender.is_alive():
                 raise _Stop
 
     sender = threading.Thread(target=deliver, name="pinstream-helper-send", daemon=True)
@@ -411,6 +454,9 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
             pass
     finally:
         # The iterator's own cleanup: a generator's `finally` blocks, a DataLoader's workers.
+        # A second SIGTERM does not cut it short; the training process kills the helper if it
+        # takes more than CLEANUP_SECONDS.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             close = getattr(it, "close", None)
             if callable(close):
@@ -435,11 +481,15 @@ class _Slots:
     """This process's side of the ring's free slots: a slot's number goes back to the helper
     once its images are no longer referred to here; nothing is sent after ``close``."""
 
-    def __init__(self, fd):
+    def __init__(self, fd, token=None):
         self._fd = fd
+        self._token = token
+        self._pid = os.getpid()
         self._lock = threading.Lock()
 
     def release(self, s):
+        if os.getpid() != self._pid:
+            return  # a fork's copy (a helper, a worker): the slots are not its to give back
         with self._lock:
             if self._fd is None:
                 return
@@ -449,10 +499,12 @@ class _Slots:
                 pass
 
     def close(self):
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            _close_owned(self._token, fd)
 
 
 def _end_helper(proc, slots):
@@ -465,7 +517,7 @@ def _end_helper(proc, slots):
             proc.join(0.5)
             if proc.exitcode is None:
                 proc.terminate()
-                proc.join(2.0)
+                proc.join(CLEANUP_SECONDS)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(2.0)
@@ -475,11 +527,15 @@ def _end_helper(proc, slots):
 
 def _stop(token, proc, slots, fds):
     """The reader is gone: the helper ends, and the pipe from it and the ring's descriptor are
-    closed (nothing reads them any more)."""
+    closed (nothing reads them any more). Nothing in a fork's copy of it (a helper, a
+    DataLoader worker): the helper and the descriptors are the process's that made it."""
+    if proc is None or proc._parent_pid != os.getpid():  # noqa: SLF001
+        return
     _end_helper(proc, slots)
-    _OWNED.pop(token, None)
-    for fd in fds:
-        fd.close()
+    with _OWNED_LOCK:
+        _OWNED.pop(token, None)
+        for fd in fds:
+            fd.close()
 
 
 class HelperReader:
@@ -507,7 +563,10 @@ class HelperReader:
         self._slots = None
         self._finalizer = None
         self._ring_fd = None
-        self._buf = bytearray()
+        # The message being read: its length's bytes, then its body (allocated at its size).
+        self._head = bytearray()
+        self._body = None
+        self._got = 0
 
     def __iter__(self):
         if self._started:
@@ -527,6 +586,12 @@ class HelperReader:
             fds.append(_FdCloser(ring_fd))
             ready_r, ready_w = os.pipe()
             fds += [_FdCloser(ready_r), _FdCloser(ready_w)]
+            try:
+                import fcntl
+
+                fcntl.fcntl(ready_w, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+            except OSError:
+                pass  # a smaller pipe (a limit on pipe buffers): only slower
             free_r, free_w = os.pipe()
             fds += [_FdCloser(free_r), _FdCloser(free_w)]
         except BaseException:
@@ -534,8 +599,7 @@ class HelperReader:
                 fd.close()
             raise
         token = object()
-        _OWNED[token] = ((ring_fd, ready_r, free_w), None)
-        slots = _Slots(free_w)
+        slots = _Slots(free_w, token)
         proc = ctx.Process(
             target=_helper,
             args=(self._iterable, self._keys, self._slots_n, ring_fd, ready_w, free_r,
@@ -543,17 +607,21 @@ class HelperReader:
             name="pinstream-helper",
         )
         try:
-            with warnings.catch_warnings():
+            with _OWNED_LOCK, warnings.catch_warnings():
+                _OWNED[token] = ((ring_fd, ready_r, free_w), None)
                 # Python 3.12 warns of fork() in a process with threads; the helper only runs
                 # Python (and the DataLoader, which forks its workers the same way).
                 warnings.simplefilter("ignore", DeprecationWarning)
                 proc.start()
+                fds[2].close()  # ready_w and free_r are the helper's
+                fds[3].close()
         except BaseException:
-            _OWNED.pop(token, None)
             fds[4] = _FdCloser(None)  # closed by `slots`
             slots.close()
-            for fd in fds:
-                fd.close()
+            with _OWNED_LOCK:
+                _OWNED.pop(token, None)
+                for fd in fds:
+                    fd.close()
             raise
         finally:
             fds[2].close()  # ready_w and free_r are the helper's
@@ -584,20 +652,28 @@ class HelperReader:
         """The next message's bytes: read in slices, checking between them that the
         prefetcher is not closing (``StopIteration``) and that the helper is alive."""
         while True:
-            if len(self._buf) >= _LENGTH.size:
-                (n,) = _LENGTH.unpack_from(self._buf)
-                if len(self._buf) >= _LENGTH.size + n:
-                    data = bytes(self._buf[_LENGTH.size:_LENGTH.size + n])
-                    del self._buf[:_LENGTH.size + n]
-                    return data
+            if self._body is not None and self._got == len(self._body):
+                data, self._body = self._body, None
+                return data
             if self._done:
                 raise StopIteration
             r, _, _ = select.select([self._ready], [], [], POLL_SECONDS)
             if r:
-                chunk = os.read(self._ready, 1 << 20)
-                if chunk:
-                    self._buf += chunk
-                    continue
+                if self._body is None:
+                    chunk = os.read(self._ready, _LENGTH.size - len(self._head))
+                    if chunk:
+                        self._head += chunk
+                        if len(self._head) == _LENGTH.size:
+                            (n,) = _LENGTH.unpack(self._head)
+                            self._head = bytearray()
+                            self._body = bytearray(n)
+                            self._got = 0
+                        continue
+                else:
+                    k = os.readv(self._ready, [memoryview(self._body)[self._got:]])
+                    if k:
+                        self._got += k
+                        continue
             elif self._proc.exitcode is None:
                 continue
             # The pipe ended, or nothing more comes from a helper that has exited (a process
@@ -626,8 +702,9 @@ class HelperReader:
                 size = self._slot_bytes * self._slots_n
                 self._ring = mmap.mmap(self._ring_fd, size, mmap.MAP_SHARED,
                                        mmap.PROT_READ | mmap.PROT_WRITE)
-                fds, _ = _OWNED.get(self._token, ((), None))
-                _OWNED[self._token] = (fds, self._ring)
+                with _OWNED_LOCK:
+                    if self._token in _OWNED:
+                        _OWNED[self._token] = (_OWNED[self._token][0], self._ring)
                 if self._device is not None:
                     self._registration = _register(self._ring, self._device)
                 continue

@@ -581,3 +581,89 @@ def test_finding_typed_memoryviews_work_as_in_process():
 
     for i, (x, y) in enumerate(pinstream.prefetch(items(), dtype="uint8", process=True, dry_run=True)):
         assert np.array_equal(x, pixels(i))
+
+
+# --- findings of the second hostile review ------------------------------------------------
+
+
+def test_finding_helpers_never_close_a_reused_descriptor():
+    """A closed reader's descriptors stayed registered, so a later helper closed numbers that
+    the user's files (or the next prefetcher's own pipes) had reused meanwhile: wrong labels,
+    EBADF, or a helper ending at once. Eight threads create, consume and close prefetchers;
+    each iterable reads a file it opens in the helper."""
+    run_child(
+        """
+        import collections, multiprocessing, tempfile
+        path = tempfile.mktemp()
+        open(path, "wb").write(bytes(range(256)) * 16)
+        def gen(k):
+            with open(path, "rb") as f:
+                for i in range(12):
+                    f.seek(i)
+                    b = f.read(1)[0]
+                    yield np.full((2, 3, 4, 4), (k + i) % 251, np.uint8), np.array([b, b])
+        errors = collections.Counter()
+        def work(t):
+            for r in range(6):
+                try:
+                    p = pinstream.prefetch(gen(t + r), dtype="uint8", process=True, dry_run=True)
+                    for i, (x, y) in enumerate(p):
+                        assert x[0, 0, 0, 0] == (t + r + i) % 251 and list(y) == [i, i], (x, y)
+                        if i == 3 + (t + r) % 5:
+                            break
+                    p.close()
+                except BaseException as e:
+                    errors[repr(e)[:120]] += 1
+        ts = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert not errors, errors
+        gc.collect()
+        assert not multiprocessing.active_children()
+        print("ok")
+        """,
+        timeout=180,
+    )
+
+
+def test_finding_a_prefetcher_made_after_the_main_thread_returned_works():
+    """The helper, a fork of an interpreter that is shutting down, could not make its copy
+    thread pool; the failure escaped the sender's error handling and both processes waited
+    forever."""
+    run_child(
+        """
+        def train():
+            p = pinstream.prefetch([(np.ones((2, 3, 4, 4), np.uint8), np.arange(2))] * 10,
+                                   dtype="uint8", process=True, dry_run=True)
+            print("got", len(list(p)))
+            print("ok")
+        threading.Thread(target=train).start()
+        """,
+    )
+
+
+def test_finding_a_slow_cleanup_is_not_cut_short():
+    """The helper was SIGTERMed 0.5 s after close() whatever it was doing, so a ``finally``
+    taking a second never finished."""
+    run_child(
+        """
+        import tempfile
+        mark = tempfile.mktemp()
+        def gen():
+            try:
+                i = 0
+                while True:
+                    yield np.full((2, 3, 4, 4), i % 251, np.uint8), np.arange(2)
+                    i += 1
+            finally:
+                time.sleep(1.0)
+                open(mark, "w").write("cleaned")
+        p = pinstream.prefetch(gen(), dtype="uint8", process=True, dry_run=True)
+        next(p)
+        p.close()
+        assert open(mark).read() == "cleaned"
+        print("ok")
+        """,
+    )
