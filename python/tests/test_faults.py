@@ -2,7 +2,8 @@
 
 Each schedule draws an iterable that may raise in ``__iter__``, ``__next__`` or ``__del__``,
 stall, reuse (refill) its array, yield a wrong shape, a wrong dtype or junk, or be closed
-from another thread; and a consumer that may break out of the loop, get a Ctrl-C
+from another thread, iterated in the training process or in a helper process (``process=True``);
+and a consumer that may break out of the loop, get a Ctrl-C
 (``KeyboardInterrupt``, a real SIGINT from a timer thread) while it waits, and hold or drop
 the batches. Invariants, for every schedule:
 
@@ -20,6 +21,7 @@ failure message). The ``dry_run`` mode runs everywhere; the ``device`` mode need
 
 import faulthandler
 import gc
+import multiprocessing
 import os
 import signal
 import sys
@@ -74,6 +76,14 @@ class Source:
         self.buf = None
         self.stalled = threading.Event()
         self.release = threading.Event()
+        # In a helper process the items are made there: their pixels come from a seed of
+        # their own, which this process uses again for the reference.
+        self.pix_seed = int(rng.integers(1 << 32)) if plan["process"] else None
+
+    def pixels(self, i):
+        if self.pix_seed is None:
+            return self.items[i]
+        return np.random.default_rng((self.pix_seed, i)).integers(0, 256, self.plan["shape"], dtype=np.uint8)
 
     def __iter__(self):
         if self.plan["fault"] == "iter":
@@ -109,12 +119,15 @@ class Iter:
             if f == "junk":
                 return None
             if f == "stall":
-                s.stalled.set()
-                if not s.release.wait(WATCHDOG):
-                    raise Fault("never released")
+                if p["process"]:
+                    time.sleep(0.2)  # no event reaches the helper: a stall of its own
+                else:
+                    s.stalled.set()
+                    if not s.release.wait(WATCHDOG):
+                        raise Fault("never released")
         if p["sleep"]:
             time.sleep(s.rng.random() * 0.01)
-        px = s.rng.integers(0, 256, p["shape"], dtype=np.uint8)
+        px = s.pixels(i) if p["process"] else s.rng.integers(0, 256, p["shape"], dtype=np.uint8)
         if p["reuse"]:
             if s.buf is None:
                 s.buf = np.empty(p["shape"], np.uint8)
@@ -157,6 +170,7 @@ def draw(rng):
         "close_after": float(rng.random() * 0.05),
         # Drawn last, so the schedules drawn before it stay as they were.
         "cpus": bool(rng.integers(2)),
+        "process": bool(rng.integers(4) == 0),
     }
 
 
@@ -179,12 +193,16 @@ def run_schedule(rng, plan, dry, where):
         loader_threads=plan["threads"],
         zero_copy=plan["zero_copy"],
         dry_run=dry,
+        process=plan["process"],
     )
     mask = os.sched_getaffinity(0)
     if plan["cpus"]:
         # The loaders (and `iter()`) on one CPU, whatever the fault: the caller's mask stays.
         kwargs["cpus"] = [max(mask)]
-    if plan["fault"] == "iter":
+    if plan["process"]:
+        # Nothing reaches the helper's copy of the source: no Ctrl-C timed to its stall.
+        plan["interrupt"] = False
+    if plan["fault"] == "iter" and not plan["process"]:
         with pytest.raises((TypeError, Fault)):
             pinstream.prefetch(src, **kwargs)
         assert os.sched_getaffinity(0) == mask, where
@@ -235,7 +253,7 @@ def run_schedule(rng, plan, dry, where):
                 error = e
                 break
             x, y = (item if plan["labels"] else (item, None))
-            want = reference(src.items[got], plan["nhwc"], plan["out_nhwc"], norm, plan["dtype"])
+            want = reference(src.pixels(got), plan["nhwc"], plan["out_nhwc"], norm, plan["dtype"])
             have = host(x).astype(np.float64)
             assert have.shape == want.shape, (where, have.shape, want.shape)
             assert np.abs(have - want).max() <= tol * max(1.0, np.abs(want).max()), f"{where}: batch {got} differs"
@@ -253,6 +271,9 @@ def run_schedule(rng, plan, dry, where):
         done.set()
         src.release.set()
     faulty = plan["fault"] in ("raise", "shape", "channels", "empty", "dtype", "junk")
+    if plan["fault"] == "iter":
+        # In the helper, `iter()` fails there: the error of batch 0.
+        faulty, plan["k"] = True, 0
     if error is not None:
         assert faulty and error.batch == plan["k"] == got, (where, error.batch, got, repr(error))
         assert f"batch {plan['k']}" in str(error), (where, str(error))
@@ -273,10 +294,13 @@ def settle(base, where):
     for _ in range(WATCHDOG * 25):  # polls, 20 ms apart (under the schedule watchdog)
         gc.collect()
         stats = pinstream.memory_stats()
-        if stats["prefetchers"] == 0 and stats["held_arrays"] == 0 and pinstream_threads() <= base:
+        helpers = [c for c in multiprocessing.active_children() if c.name == "pinstream-helper"]
+        if (stats["prefetchers"] == 0 and stats["held_arrays"] == 0 and pinstream_threads() <= base
+                and not helpers):
             return stats
         time.sleep(0.02)
-    raise AssertionError(f"{where}: left behind: {stats}, threads {pinstream_threads()} > {base}")
+    raise AssertionError(f"{where}: left behind: {stats}, threads {pinstream_threads()} > {base}, "
+                         f"helpers {helpers}")
 
 
 @pytest.mark.parametrize("dry", [pytest.param(True, id="dry_run"),
