@@ -506,24 +506,20 @@ fn take_after(
     take: &AfterTake,
 ) -> pinstream::Result<()> {
     let (len, kind) = host.bytes().map(|(b, k)| (b.len(), k))?;
-    if take.device && take.ring {
+    if take.device && (take.ring || kind != HostKind::Pageable) {
         take.stats.direct.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the view of a ring slot (`process=True`): its ring stays mapped and
-        // registered while the view lives (the view's finalizer holds the registration), and
-        // the helper writes the slot again only once the view is gone, which `Held` delays
-        // until the drop has waited for the DMA. Where the runtime does not confirm that both
-        // ends are page-locked, the upload stages the bytes instead.
-        batch.pixels = Pixels::Foreign(unsafe { ForeignBytes::page_locked(Held::new(host)) });
-        return Ok(());
-    }
-    if take.device && kind != HostKind::Pageable {
-        take.stats.direct.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: only a DLPack import is ever page-locked here (a buffer is always taken as
-        // pageable): one tensor, which lies in one allocation of its producer, page-locked as
-        // the runtime said (checked again at both ends before the DMA); the import keeps it
-        // allocated while `Held` lives, and nobody writes it then: the iterable yields a new
-        // array for every item (`fresh` or `zero_copy`, the caller's promise; a DataLoader's
-        // batches).
+        // SAFETY: nothing writes the bytes while `Held` lives, and they stay allocated:
+        // - a page-locked DLPack import (a buffer is always taken as pageable): one tensor, in
+        //   one allocation of its producer, page-locked as the runtime said (checked again at
+        //   both ends before the DMA), kept allocated by the import; the iterable yields a new
+        //   array for every item (`fresh` or `zero_copy`, the caller's promise; a DataLoader's
+        //   batches);
+        // - the view of a ring slot (`process=True`): the ring stays mapped and registered
+        //   while the view lives (its finalizer holds the registration), and the helper
+        //   writes the slot again only once the view is gone, which `Held` delays until the
+        //   drop has waited for the DMA.
+        // Where the runtime does not confirm that both ends are page-locked, the upload
+        // stages the bytes instead.
         batch.pixels = Pixels::Foreign(unsafe { ForeignBytes::page_locked(Held::new(host)) });
         return Ok(());
     }
