@@ -34,6 +34,31 @@ import pinstream.torch as pt
 
 DEV = torch.device("cuda:0")
 
+# The worker_ring readers made, to print how many batches came in the ring (weakly: a reader
+# keeps its ring mapped).
+_RING_READERS = []
+try:
+    import weakref
+
+    import pinstream.worker_ring as _wr
+
+    _ring_init = _wr.WorkerRingReader.__init__
+
+    def _record_ring_reader(self, *a, **k):
+        _ring_init(self, *a, **k)
+        _RING_READERS.append(weakref.ref(self))
+
+    _wr.WorkerRingReader.__init__ = _record_ring_reader
+except ImportError:  # an older pinstream
+    pass
+
+
+def ring_counts():
+    """``{"in_ring": k, "usual": m}`` of the newest worker_ring reader still alive, or ``{}``."""
+    r = _RING_READERS[-1]() if _RING_READERS else None
+    _RING_READERS.clear()
+    return {"in_ring": r.in_ring, "usual": r.usual} if r is not None else {}
+
 
 def median_ms(fn, reps, warmup=2):
     for _ in range(warmup):
@@ -291,6 +316,7 @@ def timed_rounds(make, cycles, check, rounds, n, warm):
         check(sums)
         if hasattr(it, "stats"):
             stats = it.stats()
+            stats.update(ring_counts())
         if hasattr(it, "close"):
             it.close()
         del it
@@ -299,7 +325,7 @@ def timed_rounds(make, cycles, check, rounds, n, warm):
     return statistics.median(walls), statistics.median(cpus), stats
 
 
-def bench_dataloader(quick, pick=None):
+def bench_dataloader(quick, pick=None, batches=None, warm_batches=None):
     """Issue 32: a DataLoader as pinstream's source at the speed of a generator."""
     print("\n## DataLoader as the source: 256 x 3x224x224 uint8 -> float32, 0.5 ms step (ms per batch, CPU ms per batch)")
     per_ms = spin_cycles_per_ms()
@@ -307,6 +333,8 @@ def bench_dataloader(quick, pick=None):
     cycles = int(step * per_ms)
     mean, std = pinstream.IMAGENET
     rounds, n, warm = (2, 30, 8) if quick else (3, 60, 10)
+    n = batches or n
+    warm = warm_batches if warm_batches is not None else warm
     total = warm + n + 4
     views, fresh = Synthetic(total), FreshBatches(total)
     want = [((views[i][0][:, :, :2, :2].double() - torch.tensor(mean).view(1, 3, 1, 1).double())
@@ -361,6 +389,11 @@ def bench_dataloader(quick, pick=None):
     configs["dl4_views_process"] = (ours(lambda: dl(views, 4), process=True), check)
     configs["dl8_views_process"] = (ours(lambda: dl(views, 8), process=True), check)
     configs["dl4_fresh_process"] = (ours(lambda: dl(fresh, 4), process=True), check)
+    configs["dl4_views_worker_ring"] = (ours(lambda: dl(views, 4), worker_ring=True), check)
+    configs["dl4_views_worker_ring_threads2"] = (ours(lambda: dl(views, 4), worker_ring=True, loader_threads=2), check)
+    configs["dl8_views_worker_ring"] = (ours(lambda: dl(views, 8), worker_ring=True), check)
+    configs["dl4_fresh_worker_ring"] = (ours(lambda: dl(fresh, 4), worker_ring=True), check)
+    configs["dl8_fresh_worker_ring"] = (ours(lambda: dl(fresh, 8), worker_ring=True), check)
     configs["dl4_views_process_threads4"] = (ours(lambda: dl(views, 4), process=True, loader_threads=4), check)
     for lt in (2, 4, 8, 12):
         configs[f"dl4_views_threads{lt}"] = (ours(lambda: dl(views, 4), loader_threads=lt), check)
@@ -383,6 +416,7 @@ def bench_dataloader(quick, pick=None):
                 "copies_per_item": round((st["copied_in_turn"] + st["copied_after"]) / k, 2),
                 "direct_per_item": round(st["direct"] / k, 2),
                 "staged_per_item": round(st["staged"] / k, 2),
+                **{k2: st[k2] for k2 in ("in_ring", "usual") if k2 in st},
             })
         print(f"  {name:<28} {wall:7.3f} ms  CPU {cpu:7.2f} ms  {results[name]}", flush=True)
     for w in (4, 8):
@@ -495,14 +529,16 @@ def bench_cifar(quick):
     print(f"    pinstream is x{a[0] / b[0]:.1f} (CPU x{a[1] / max(b[1], 1e-9):.1f} less)")
 
 
-def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, warm=None):
+def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, warm=None, rounds=1):
     """A real training step: torchvision ResNet-18 / ResNet-50, AMP (float16 autocast with a
     GradScaler), channels_last, batch 256, SGD; the input from DataLoader(pin_memory) + APEX
     prefetcher, from pinstream.torch.prefetch (float16, NHWC viewed as channels_last) over a
     generator and over DataLoaders (in this process with 1, 2, 6 or 12 loader threads, or
-    iterated in a helper process with ``process=True``), and the ideal: the same step on a
-    batch already on the GPU, measured first and last (each ratio is to the faster of the
-    two). ``pick``: only these sources (the ideal always)."""
+    iterated in a helper process with ``process=True``, or written into a ring by the workers with
+    ``worker_ring=True``), and the ideal: the same step on a batch already on the GPU. In
+    ``rounds`` rounds, the ideal and every source in turn, the ideal once more after each round;
+    each source's time is over the faster ideal beside it, and the median over the rounds is
+    reported. ``pick``: only these sources (the ideal always)."""
     import torchvision
 
     print("\n## training step: ResNet, AMP, channels_last, batch 256 (ms per batch, CPU ms per batch)")
@@ -559,6 +595,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             )
             assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
             st = batches.stats() if hasattr(batches, "stats") else None
+            ring = ring_counts()
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
@@ -566,7 +603,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 k = max(st["items"], 1)
                 st = {"turn_ms": round(st["pull_seconds"] / k * 1e3, 3),
                       "gil_wait_ms": round(st["gil_wait_seconds"] / k * 1e3, 3),
-                      "after_ms": round(st["after_seconds"] / k * 1e3, 3)}
+                      "after_ms": round(st["after_seconds"] / k * 1e3, 3), **ring}
             return wall / n * 1e3, cpu / n * 1e3, st
 
         resident = [(((gen_data[i][0].to(DEV).float() - torch.tensor(mean, device=DEV).view(1, 3, 1, 1))
@@ -614,23 +651,43 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                                            ours(dl(ds, 4), process=True, loader_threads=2)),
             "dl4_fresh_process": ("... 4 workers, process=True, a new shared tensor per batch",
                                   ours(dl(fresh_ds, 4), process=True)),
+            "dl4_views_worker_ring": ("... 4 workers, worker_ring=True (1 thread)",
+                                      ours(dl(ds, 4), worker_ring=True)),
+            "dl4_views_worker_ring_threads2": ("... 4 workers, worker_ring=True, 2 loader threads",
+                                               ours(dl(ds, 4), worker_ring=True, loader_threads=2)),
+            "dl8_views_worker_ring": ("... 8 workers, worker_ring=True", ours(dl(ds, 8), worker_ring=True)),
+            "dl4_fresh_worker_ring": ("... 4 workers, worker_ring=True, a new shared tensor per batch",
+                                      ours(dl(fresh_ds, 4), worker_ring=True)),
         }
         if pick:
             sources = {k: v for k, v in sources.items() if k in pick}
-        ideal0 = ideal()
-        results = {k: f() for k, (_, f) in sources.items()}
-        ideal1 = ideal()
-        base = min(ideal0[0], ideal1[0])
+        # Rounds of the ideal and every source in turn, each source's time over the faster of the
+        # ideals just before and after it, the median over the rounds: a machine whose speed
+        # drifts within a run (up to 10 % on these) moves both alike.
+        ideals = [ideal()]
+        per = {k: [] for k in sources}
+        for _ in range(rounds):
+            for k, (_, f) in sources.items():
+                per[k].append(f())
+            ideals.append(ideal())
+        ratios = {k: [r[0] / min(ideals[j][0], ideals[j + 1][0]) for j, r in enumerate(v)]
+                  for k, v in per.items()}
+        results = {k: v[sorted(range(len(v)), key=lambda j: ratios[k][j])[len(v) // 2]]
+                   for k, v in per.items()}
         assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
         print(f"- {name}")
-        print(f"    ideal (input already on the GPU), first / last:     {ideal0[0]:7.2f} / {ideal1[0]:.2f} ms, CPU {ideal0[1]:7.2f} ms")
+        print("    ideal (input already on the GPU), between the rounds: "
+              + " / ".join(f"{t[0]:.2f}" for t in ideals) + f" ms, CPU {ideals[0][1]:7.2f} ms")
         for k, (label, _) in sources.items():
             r = results[k]
-            print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {r[0] / base:.3f}  {r[2] or ''}")
+            print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {statistics.median(ratios[k]):.3f}"
+                  f"  rounds {' '.join(f'{x:.3f}' for x in ratios[k])}  {r[2] or ''}")
         summary[name] = {
-            "ideal_ms": [round(ideal0[0], 2), round(ideal1[0], 2)],
-            "of_ideal": {k: round(r[0] / base, 3) for k, r in results.items()},
-            "cpu_ms": {"ideal": round(ideal0[1], 1), **{k: round(r[1], 1) for k, r in results.items()}},
+            "ideal_ms": [round(t[0], 2) for t in ideals],
+            "rounds": rounds,
+            "of_ideal": {k: round(statistics.median(v), 3) for k, v in ratios.items()},
+            "of_ideal_rounds": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
+            "cpu_ms": {"ideal": round(ideals[0][1], 1), **{k: round(r[1], 1) for k, r in results.items()}},
         }
         del model, opt, resident
     print(json.dumps(summary), flush=True)
@@ -641,11 +698,15 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="upload,many,download,prefetch,dataloader,cifar,models")
     ap.add_argument("--configs", default="", help="dataloader: only these configurations (apex_dl4_pin always)")
+    ap.add_argument("--dl-batches", type=int, default=None, help="dataloader: timed batches per round (default 60)")
+    ap.add_argument("--dl-warm", type=int, default=None, help="dataloader: untimed batches per round first (default 10)")
     ap.add_argument("--sharing", default=None,
                     help="torch.multiprocessing's sharing strategy for every DataLoader (file_descriptor, file_system)")
     ap.add_argument("--models", default="resnet18,resnet50", help="models: which models")
     ap.add_argument("--model-steps", type=int, default=None, help="models: timed steps per source (default 30)")
     ap.add_argument("--model-sources", default="", help="models: only these sources (the ideal always)")
+    ap.add_argument("--model-rounds", type=int, default=1,
+                    help="models: rounds of the ideal and every source in turn (the median ratio is reported)")
     ap.add_argument("--model-warmup", type=int, default=None,
                     help="models: untimed steps per source first (default 6; a DataLoader's or a helper's "
                          "fork makes the training process copy its pages on first write for a while)")
@@ -661,14 +722,14 @@ def main():
     if "prefetch" in only:
         bench_prefetch(a.quick)
     if "dataloader" in only:
-        bench_dataloader(a.quick, [c for c in a.configs.split(",") if c])
+        bench_dataloader(a.quick, [c for c in a.configs.split(",") if c], a.dl_batches, a.dl_warm)
     if "download" in only:
         bench_download()
     if "cifar" in only:
         bench_cifar(a.quick)
     if "models" in only:
         bench_models(a.quick, a.models.split(","), a.model_steps, [c for c in a.model_sources.split(",") if c],
-                     a.model_warmup)
+                     a.model_warmup, a.model_rounds)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,10 @@ FRESH_LOADER_THREADS = 6
 #: (ResNet-18: 1.027 / 1.043 of the ideal with one, 1.028 / 1.105 with two; BENCHMARKS.md).
 PROCESS_LOADER_THREADS = 1
 
+#: Loader threads with ``worker_ring=True``: a turn receives a small message from a worker and
+#: hands the slot to the DMA.
+WORKER_RING_LOADER_THREADS = 1
+
 
 def _count(name, n):
     """A positive integer argument (a numpy integer too; never a bool, float or string)."""
@@ -290,6 +294,7 @@ def prefetch(
     keys=None,
     cpus=None,
     process=False,
+    worker_ring=False,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
@@ -342,12 +347,32 @@ def prefetch(
     ``DataLoader``'s ``pin_memory`` is turned off there); pass a ``DataLoader``, not an iterator
     already started here. Needs numpy.
 
+    ``worker_ring=True`` (a ``DataLoader`` with workers forked, ``persistent_workers=False``):
+    the loader's workers copy each batch's uint8 images into a page-locked ring of shared
+    memory, and the prefetcher DMAs them from there; this process neither maps nor copies them
+    (docs/python.md). The loader's ``collate_fn`` is wrapped for the workers of this iteration
+    only. Needs numpy.
+
     ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
     raise ``ForkedError`` (see docs/python.md for DataLoader workers and multiprocessing)."""
     mean, std = normalize if normalize is not None else (None, None)
     if not isinstance(process, bool):
         raise InvalidArgumentError(f"pinstream.prefetch: process={process!r}: True or False")
+    if not isinstance(worker_ring, bool):
+        raise InvalidArgumentError(f"pinstream.prefetch: worker_ring={worker_ring!r}: True or False")
+    if worker_ring:
+        from . import worker_ring as _worker_ring
+
+        if process:
+            raise InvalidArgumentError(
+                "pinstream.prefetch: process=True and worker_ring=True: choose one (the ring is "
+                "written by the DataLoader's workers in this process, or by the helper)"
+            )
+        _worker_ring.check_loader(iterable)
+        fresh = True
+        if loader_threads is None:
+            loader_threads = WORKER_RING_LOADER_THREADS
     if process:
         from . import process as _process
 
@@ -369,7 +394,7 @@ def prefetch(
     fresh = bool(fresh)
     if loader_threads is None:
         loader_threads = FRESH_LOADER_THREADS if fresh and not zero_copy else 2
-    if process:
+    if process or worker_ring:
         loader_threads = _count("loader_threads", loader_threads)
         depth = _count("depth", depth)
     if keys is not None:
@@ -390,7 +415,15 @@ def prefetch(
         iterable = _process.HelperReader(
             iterable, keys, loader_threads + depth + 2, None if dry_run else _device(device), ahead
         )
-    on_close = iterable.close if process else None
+    if worker_ring:
+        # Slots for the batches the loader's workers may have made ahead (their prefetch), those
+        # the loader threads hold and the prefetcher queues, and one in flight; a batch finding
+        # none free comes the usual way.
+        ahead = (getattr(iterable, "prefetch_factor", None) or 2) * iterable.num_workers
+        iterable = _worker_ring.WorkerRingReader(
+            iterable, keys, ahead + loader_threads + depth + 2, None if dry_run else _device(device)
+        )
+    on_close = iterable.close if process or worker_ring else None
     p = _native.prefetch(
         iterable,
         _device(device),
@@ -407,7 +440,7 @@ def prefetch(
         keys,
         _cpus("pinstream.prefetch", cpus),
         on_close,
-        bool(process),
+        bool(process or worker_ring),
     )
     _LIVE.add(p)
     return p

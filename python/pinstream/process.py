@@ -262,15 +262,17 @@ def _close_others(own):
                 pass  # a view of it is alive in this copy: left mapped
 
 
-def _copy(np, dst, src):
-    """``dst[:] = src`` (flat uint8), in ``COPY_THREADS`` parts at once for a large item (numpy
-    copies without the GIL); plain threads, which start in any state of the interpreter (a
-    ``ThreadPoolExecutor`` refuses once it is shutting down, as a fork of it may be)."""
+def _copy(np, dst, src, threads=None):
+    """``dst[:] = src`` (flat uint8), in ``threads`` (``COPY_THREADS``) parts at once for a
+    large item (numpy copies without the GIL); plain threads, which start in any state of the
+    interpreter (a ``ThreadPoolExecutor`` refuses once it is shutting down, as a fork of it may
+    be)."""
     n = src.size
-    if n < _PARALLEL_BYTES:
+    threads = COPY_THREADS if threads is None else threads
+    if n < _PARALLEL_BYTES or threads <= 1:
         np.copyto(dst, src)
         return
-    step = -(-n // COPY_THREADS)
+    step = -(-n // threads)
     bounds = [(a, min(a + step, n)) for a in range(step, n, step)]
     failed = []
 

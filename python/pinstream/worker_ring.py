@@ -1,0 +1,457 @@
+"""``pinstream.prefetch(loader, worker_ring=True)``: a DataLoader's workers write each batch's
+images into a page-locked ring, and the upload reads them from there with one DMA.
+
+A ``DataLoader`` hands each batch from a worker to this process through shared memory: the
+batch is pickled with a file descriptor, which this process receives, maps and faults in page
+by page before a byte can be copied to page-locked memory, all of it serial and part of it under
+the GIL. With ``worker_ring=True`` the loader's ``collate_fn`` is wrapped, for the workers this
+iteration forks, by one that collates as before and then copies the batch's uint8 images into a
+free slot of a ring of shared memory (a memfd the workers inherit). The batch comes here as the
+rest plus the slot's number, and the ring is page-locked here, so the prefetcher DMAs straight
+from the slot: no copy and no mapping in this process.
+
+A slot's number goes back to the workers (on a pipe they read without waiting) once nothing here
+refers to its images any more, which is after the DMA. The ring is made from the first batch (its
+images' size), so the first few batches, and any batch when no slot is free or its images do not
+fit, come the usual way; nothing is ever lost or waits for a slot. The loader itself is left as it
+was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
+"""
+
+import mmap
+import os
+import random
+import struct
+import threading
+import time
+import weakref
+
+from .errors import InvalidArgumentError, LoaderError
+from .process import (
+    _TOKEN,
+    _copy,
+    _images_place,
+    _numpy,
+    _register,
+    _ring_array,
+    _Slots,
+    _with_images,
+)
+
+OP = "pinstream.prefetch(worker_ring=True)"
+
+#: The slots' alignment: a huge page, so that where the kernel backs shared memory with huge
+#: pages (``MADV_HUGEPAGE``) a worker maps a slot with a few faults, not one per 4 KiB.
+_ALIGN = 2 << 20
+#: The ring's first ``_ALIGN`` bytes hold the slots' size and count (written here before any
+#: slot is handed out; only its first page is ever touched); the slots follow.
+_HEADER = _ALIGN
+_SIZE = struct.Struct("<Q")
+#: Linux's numbers for the advice an older Python's ``mmap`` does not name.
+_ADVICE = {"MADV_HUGEPAGE": 14, "MADV_POPULATE_WRITE": 23}
+
+#: The most bytes the ring may page-lock: fewer slots where the batches are larger (the batches
+#: beyond come the usual way).
+MAX_RING_BYTES = 4 << 30
+
+#: Threads a worker copies a batch's images into its slot with (numpy copies without the GIL).
+WORKER_COPY_THREADS = 2
+
+#: How long ``close()`` lets a loader thread's ``next()`` go on before the workers are ended.
+STUCK_SECONDS = 0.5
+
+#: Rest tensors at most this large travel pickled by value, not as shared memory of their own
+#: (a file descriptor passed and mapped for 2 KB of labels).
+_SMALL_REST = 1 << 16
+
+
+class InRing:
+    """A batch whose images are in slot ``slot`` of ring ``ring``, as a worker sends it: the
+    batch's rest (its images left out), where they go back (``place``), and their shape."""
+
+    __slots__ = ("ring", "slot", "shape", "place", "rest")
+
+    def __init__(self, ring, slot, shape, place, rest):
+        self.ring = ring
+        self.slot = slot
+        self.shape = shape
+        self.place = place
+        self.rest = rest
+
+    def __reduce__(self):
+        return (InRing, (self.ring, self.slot, self.shape, self.place, self.rest))
+
+
+class _Small:
+    """A small torch CPU tensor of a batch's rest, sent by value (its numpy array) and made a
+    tensor again here."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def __reduce__(self):
+        return (_Small, (self.array,))
+
+
+def _pack(value):
+    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+        try:
+            if (value.device.type == "cpu" and not value.requires_grad
+                    and value.numel() * value.element_size() <= _SMALL_REST):
+                return _Small(value.numpy())
+        except Exception:  # noqa: BLE001 - sent as it is
+            pass
+    return value
+
+
+def _unpack(value):
+    if isinstance(value, _Small):
+        import torch
+
+        return torch.from_numpy(value.array)
+    return value
+
+
+def _rest(item, place):
+    """The batch with its images left out (``None`` in their place), small tensors packed."""
+    kind, key = place
+    if kind == "seq":
+        parts = [None] + [_pack(v) for v in item[1:]]
+        return parts if isinstance(item, list) else tuple(parts)
+    if kind == "map":
+        return {k: (None if k == key else _pack(v)) for k, v in item.items()}
+    return None
+
+
+def _unpack_rest(rest, place):
+    kind, _ = place
+    if kind == "seq":
+        parts = [_unpack(v) for v in rest]
+        return parts if isinstance(rest, list) else tuple(parts)
+    if kind == "map":
+        return {k: _unpack(v) for k, v in rest.items()}
+    return rest
+
+
+class RingCollate:
+    """The loader's ``collate_fn`` in the workers of one iteration: the batch collated as
+    before, then its images copied into a free slot, if one is free and they fit; anything
+    that goes wrong here sends the batch the usual way. In this process (or any other than
+    those workers) it is the wrapped ``collate_fn`` and nothing else."""
+
+    def __init__(self, collate, keys, ring, ring_fd, free_r, free_w, owner):
+        self.collate = collate
+        self._keys = keys
+        self._ring_id = ring
+        self._ring_fd = ring_fd
+        self._free_r = free_r
+        self._free_w = free_w
+        self._owner = owner
+        self._map = None
+        self._slot_bytes = 0
+        self._slots = 0
+
+    def __call__(self, batch):
+        out = self.collate(batch)
+        if os.getpid() == self._owner:
+            return out
+        try:
+            return self._into_ring(out)
+        except Exception:  # noqa: BLE001 - the batch goes the usual way
+            return out
+
+    def _take(self):
+        try:
+            data = os.read(self._free_r, _TOKEN.size)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return None
+        if len(data) != _TOKEN.size:
+            return None
+        return _TOKEN.unpack(data)[0]
+
+    def _give_back(self, s):
+        try:
+            os.write(self._free_w, _TOKEN.pack(s))
+        except OSError:
+            pass
+
+    def _into_ring(self, out):
+        np = _numpy()
+        place = _images_place(out, self._keys)
+        if place is None:
+            return out
+        images = _ring_array(out[place[1]] if place[0] != "item" else out, np)
+        if images is None:
+            return out
+        s = self._take()
+        if s is None:
+            return out
+        try:
+            if self._map is None:
+                (slot_bytes,) = _SIZE.unpack(os.pread(self._ring_fd, _SIZE.size, 0))
+                (slots,) = _SIZE.unpack(os.pread(self._ring_fd, _SIZE.size, _SIZE.size))
+                size = os.fstat(self._ring_fd).st_size
+                if not slot_bytes or not slots or _HEADER + slot_bytes * slots > size:
+                    raise ValueError("the ring is not made yet")
+                self._map = mmap.mmap(self._ring_fd, _HEADER + slot_bytes * slots, mmap.MAP_SHARED,
+                                      mmap.PROT_READ | mmap.PROT_WRITE)
+                # Huge pages where the training process got them, and every slot's page
+                # table made at once rather than by a fault per page during the copies.
+                for advice in ("MADV_HUGEPAGE", "MADV_POPULATE_WRITE"):
+                    try:
+                        self._map.madvise(getattr(mmap, advice, _ADVICE[advice]), _HEADER)
+                    except (OSError, ValueError):
+                        pass
+                self._slot_bytes, self._slots = slot_bytes, slots
+            if not 0 <= s < self._slots or images.nbytes > self._slot_bytes:
+                raise ValueError("the images do not fit a slot")
+            dst = np.frombuffer(self._map, np.uint8, images.nbytes, _HEADER + s * self._slot_bytes)
+            _copy(np, dst, images.reshape(-1), WORKER_COPY_THREADS)
+            del dst
+            msg = InRing(self._ring_id, s, tuple(images.shape), place, _rest(out, place))
+        except BaseException:
+            self._give_back(s)
+            raise
+        return msg
+
+
+def check_loader(loader):
+    """Refuses a source the workers cannot write a ring for, with the reason."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    data = getattr(getattr(torch, "utils", None), "data", None)
+    if data is None or not isinstance(loader, data.DataLoader):
+        raise InvalidArgumentError(
+            f"{OP} takes a torch DataLoader (its workers write the ring), not "
+            f"{type(loader).__name__}"
+        )
+    if loader.num_workers < 1:
+        raise InvalidArgumentError(f"{OP}: the DataLoader has no workers (num_workers=0)")
+    if loader.persistent_workers:
+        raise InvalidArgumentError(
+            f"{OP}: the DataLoader has persistent_workers=True: its workers outlive one "
+            "iteration, and each iteration's ring; use persistent_workers=False"
+        )
+    ctx = loader.multiprocessing_context or torch.multiprocessing.get_context()
+    method = ctx.get_start_method()
+    if method != "fork":
+        raise InvalidArgumentError(
+            f"{OP}: the DataLoader starts its workers with {method!r}; the ring needs them "
+            "forked (multiprocessing_context='fork')"
+        )
+
+
+class WorkerRingReader:
+    """The iterable ``pinstream.prefetch`` pulls when ``worker_ring=True``: iterated once, it
+    makes the ring's descriptors and starts the loader's iterator (its workers fork then, with
+    the wrapped ``collate_fn``); each ``next()`` gives the next batch, its images a read-only
+    numpy view of their slot where they came in the ring."""
+
+    def __init__(self, loader, keys, slots, device=None):
+        if slots < 2:
+            raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
+        self._np = _numpy()
+        self._loader = loader
+        self._keys = keys
+        self._slots_n = slots
+        #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
+        self._device = device
+        self._started = False
+        self._done = False
+        self._it = None
+        self._ring_id = random.getrandbits(63)
+        self._ring_fd = None
+        self._ring = None
+        self._slot_bytes = 0
+        self._made = 0
+        self._tried = False
+        self._registration = None
+        self._slots = None
+        self._out = set()
+        #: Batches that came in a slot, and the usual way.
+        self.in_ring = 0
+        self.usual = 0
+        self._lock = threading.Lock()
+        self._finalizer = None
+        # A loader thread is in the loader's next() (and which).
+        self._pulling = False
+        self._puller = None
+
+    def __iter__(self):
+        if self._started:
+            return self
+        self._started = True
+        loader, self._loader = self._loader, None
+        fds = []
+        try:
+            ring_fd = os.memfd_create("pinstream-worker-ring", os.MFD_CLOEXEC)
+            fds.append(ring_fd)
+            free_r, free_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+            fds += [free_r, free_w]
+            wrapper = RingCollate(loader.collate_fn, self._keys, self._ring_id, ring_fd,
+                                  free_r, free_w, os.getpid())
+            loader.collate_fn = wrapper
+            try:
+                it = iter(loader)  # the workers fork here, with the wrapper
+            finally:
+                loader.collate_fn = wrapper.collate
+        except BaseException:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise
+        # The workers hold their own copies of the read end; this process only gives back.
+        os.close(free_r)
+        self._it = it
+        self._ring_fd = ring_fd
+        self._slots = _Slots(free_w)
+        self._finalizer = weakref.finalize(self, _stop, self._slots, ring_fd)
+        return self
+
+    def close(self):
+        """The iteration is over, or the prefetcher is being closed: the loader's iterator
+        goes (its workers end), and no slot goes back to them any more. A loader thread
+        waiting in the loader's ``next()`` for a worker that does not answer is not waited
+        for: after ``STUCK_SECONDS`` the workers are ended, and the loader's own check of
+        its workers (every 5 s) ends that ``next()`` with an error, which the closing
+        prefetcher drops."""
+        self._done = True
+        it, self._it = self._it, None
+        if it is not None and self._pulling and threading.get_ident() != self._puller:
+            deadline = time.monotonic() + STUCK_SECONDS
+            while self._pulling and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if self._pulling:
+                _end_workers(it)
+        del it
+        if self._slots is not None:
+            self._slots.close()
+
+    def __next__(self):
+        if self._done or not self._started or self._it is None:
+            raise StopIteration
+        it = self._it
+        self._puller = threading.get_ident()
+        self._pulling = True
+        try:
+            item = next(it)
+        except StopIteration:
+            self._pulling = False
+            self.close()
+            raise
+        finally:
+            self._pulling = False
+        if isinstance(item, InRing):
+            item = self._from_ring(item)
+            self.in_ring += 1
+            return item
+        self.usual += 1
+        if not self._tried:
+            self._tried = True
+            try:
+                self._make_ring(item)
+            except (OSError, ValueError, OverflowError) as e:
+                import warnings
+
+                warnings.warn(f"{OP}: no ring ({e}); every batch comes the usual way",
+                              RuntimeWarning, stacklevel=2)
+        return item
+
+    def _make_ring(self, item):
+        """The ring, sized for the first batch's images, and every slot handed to the
+        workers. A batch without ring-able images (they are not uint8, or not C-contiguous)
+        makes none: every batch then comes the usual way."""
+        np = self._np
+        place = _images_place(item, self._keys)
+        if place is None:
+            return
+        images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
+        if images is None:
+            return
+        slot_bytes = max(_ALIGN, -(-images.nbytes // _ALIGN) * _ALIGN)
+        slots = min(self._slots_n, MAX_RING_BYTES // slot_bytes)
+        if slots < 2:
+            return
+        size = _HEADER + slot_bytes * slots
+        os.ftruncate(self._ring_fd, size)
+        ring = mmap.mmap(self._ring_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            ring.madvise(mmap.MADV_HUGEPAGE)  # before the pages exist: they are made huge
+        except (AttributeError, OSError, ValueError):
+            pass  # no such advice here: 4 KiB pages
+        if self._device is not None:
+            # The slots only (the pages are made here, page-locked for the DMA).
+            self._registration = _register(memoryview(ring)[_HEADER:], self._device)
+        os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
+        self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
+        for s in range(slots):
+            self._slots.release(s)
+
+    def _from_ring(self, msg):
+        s, shape = msg.slot, msg.shape
+        try:
+            n = 1
+            for d in shape:
+                n *= int(d)
+        except (TypeError, ValueError):
+            n = -1
+        with self._lock:
+            ok = (msg.ring == self._ring_id and self._ring is not None
+                  and isinstance(s, int) and 0 <= s < self._made
+                  and 0 < n <= self._slot_bytes and s not in self._out)
+            if ok:
+                self._out.add(s)
+        if not ok:
+            self.close()
+            raise LoaderError(
+                f"{OP}: a worker sent slot {s!r} of shape {shape!r}, which does not lie in the "
+                "ring (or is in use)"
+            )
+        images = self._np.frombuffer(self._ring, self._np.uint8, n,
+                                     _HEADER + s * self._slot_bytes).reshape(shape)
+        # The slot goes back to the workers only once this view is gone (the prefetcher holds
+        # it until its DMA is over), and the ring stays registered until then: the finalizer
+        # holds the registration.
+        weakref.finalize(images, _release, self._slots, self._out, self._lock, s,
+                         self._registration).atexit = False
+        return _with_images(_unpack_rest(msg.rest, msg.place), msg.place, images)
+
+
+def _end_workers(it):
+    """Ends a DataLoader iterator's workers (SIGTERM), first telling torch's SIGCHLD handler
+    that they are not to be reported (as the iterator's own shutdown does)."""
+    try:
+        if getattr(it, "_worker_pids_set", False):
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
+    except Exception:  # noqa: BLE001 - another torch: its handler may report them
+        pass
+    for w in list(getattr(it, "_workers", ()) or ()):
+        try:
+            w.terminate()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+def _release(slots, out, lock, s, registration):
+    """A slot's view is gone: the slot goes back to the workers (``registration`` was only
+    kept alive until now)."""
+    with lock:
+        out.discard(s)
+    slots.release(s)
+
+
+def _stop(slots, ring_fd):
+    slots.close()
+    try:
+        os.close(ring_fd)
+    except OSError:
+        pass

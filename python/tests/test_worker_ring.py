@@ -1,0 +1,262 @@
+"""``pinstream.prefetch(loader, worker_ring=True)``: a DataLoader's workers copy each batch's
+images into a ring of shared slots (page-locked on a GPU, one DMA each).
+
+Checked here: order and content with one and several loader threads and a slow consumer (a slot
+written again while still in use would show another batch's bytes), how many batches came in the
+ring, the rest of a batch (tuples, dicts, torch tensors small and large) as it was, batches that
+do not fit the ring or have no uint8 images (the usual way, the usual errors), a worker's error,
+the loaders refused, the loader's ``collate_fn`` left as it was, a forged slot, closing early
+(no worker, descriptor or ring left behind). Every test runs as a dry run (CPU) and, where there
+is one, on a GPU. No test measures time; waits that could hang run in a child process with a
+limit.
+"""
+
+import gc
+import os
+import time
+
+import numpy as np
+import pytest
+
+import pinstream
+
+from conftest import needs_gpu
+from test_dataloader import host, labels, pixels
+from test_hostile import run_child
+
+torch = pytest.importorskip("torch")
+
+import pinstream.worker_ring as wr  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+MODES = [
+    pytest.param(True, id="dry_run"),
+    pytest.param(False, id="device", marks=needs_gpu),
+]
+
+
+class Batches(torch.utils.data.Dataset):
+    """Batch ``i`` (``batch_size=None``): its pixels and labels as torch tensors; ``big`` makes
+    batch ``big`` twice as many images, ``fail_at`` raises there."""
+
+    def __init__(self, n, big=None, fail_at=None, extra=False, dict_items=False):
+        self.n, self.big, self.fail_at, self.extra, self.dict_items = n, big, fail_at, extra, dict_items
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.fail_at:
+            raise KeyError(f"no sample {i}")
+        x = torch.from_numpy(pixels(i, n=6 if i == self.big else 3))
+        y = torch.from_numpy(labels(i, n=6 if i == self.big else 3))
+        if self.dict_items:
+            return {"image": x, "label": y, "name": f"b{i}", "mask": torch.full((300, 300), i % 256, dtype=torch.uint8)}
+        return (x, y, f"b{i}", torch.full((2,), i)) if self.extra else (x, y)
+
+
+def loader(ds, workers=2, **kw):
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+@pytest.fixture
+def readers(monkeypatch):
+    """Every ``WorkerRingReader`` made during the test, to count its batches."""
+    made = []
+    init = wr.WorkerRingReader.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(wr.WorkerRingReader, "__init__", record)
+    return made
+
+
+def workers_alive():
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if "Worker" in type(p).__name__ or p.name.startswith("Process")]
+
+
+@pytest.mark.parametrize("dry", MODES)
+@pytest.mark.parametrize("threads,slow", [(1, False), (3, False), (3, True)])
+def test_worker_ring_keeps_order_and_content(dry, threads, slow, readers):
+    n = 40
+    p = pinstream.prefetch(loader(Batches(n, extra=True)), dtype="uint8", worker_ring=True,
+                           loader_threads=threads, dry_run=dry)
+    got = 0
+    for i, (x, y, tag, extra) in enumerate(p):
+        if slow and i % 5 == 0:
+            time.sleep(0.05)  # the workers fill every free slot meanwhile
+        assert np.array_equal(host(x), pixels(i)), i
+        assert np.array_equal(host(y), labels(i)), i
+        assert tag == f"b{i}"
+        assert isinstance(extra, torch.Tensor) and extra.tolist() == [i, i]
+        got += 1
+    assert got == n
+    st = p.stats()
+    assert st["fresh"] is True and st["items"] == n
+    (r,) = readers
+    # The first batches were made before the ring (sized from the first one); after that,
+    # every batch came in a slot.
+    assert r.in_ring >= n - 10, (r.in_ring, r.usual)
+    assert r.in_ring + r.usual == n
+    if not dry:
+        assert st["direct"] == n and st["copied_after"] == 0
+    p.close()
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_dict_batches_keep_their_rest(dry, readers):
+    n = 16
+    p = pinstream.prefetch(loader(Batches(n, dict_items=True)), dtype="uint8", worker_ring=True,
+                           dry_run=dry)
+    for i, b in enumerate(p):
+        assert set(b) == {"image", "label", "name", "mask"}
+        assert np.array_equal(host(b["image"]), pixels(i)), i
+        assert b["name"] == f"b{i}"
+        # A rest tensor too large to travel by value comes as the worker made it.
+        assert isinstance(b["mask"], torch.Tensor) and b["mask"].shape == (300, 300)
+        assert int(b["mask"][7, 9]) == i % 256
+    assert readers[0].in_ring >= n - 10
+    p.close()
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_batch_bigger_than_the_slots_comes_the_usual_way(dry, readers):
+    n = 24
+    p = pinstream.prefetch(loader(Batches(n, big=17)), dtype="uint8", worker_ring=True, dry_run=dry)
+    for i, (x, y) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i, n=6 if i == 17 else 3)), i
+        assert np.array_equal(host(y), labels(i, n=6 if i == 17 else 3)), i
+    r = readers[0]
+    assert r.in_ring + r.usual == n and r.usual >= 1
+    p.close()
+
+
+def test_worker_ring_non_uint8_images_get_the_usual_error(readers):
+    class Floats(Batches):
+        def __getitem__(self, i):
+            return torch.rand(3, 3, 5, 7), torch.from_numpy(labels(i))
+
+    p = pinstream.prefetch(loader(Floats(6)), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.LoaderError, match="uint8") as e:
+        next(iter(p))
+    assert isinstance(e.value.__cause__, pinstream.InvalidArgumentError)
+    p.close()
+    assert readers[0].in_ring == 0
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_worker_error_is_a_loader_error(dry):
+    p = pinstream.prefetch(loader(Batches(20, fail_at=12)), dtype="uint8", worker_ring=True,
+                           dry_run=dry)
+    got = 0
+    with pytest.raises(pinstream.LoaderError) as e:
+        for i, (x, _) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i)), i
+            got += 1
+    assert got == 12
+    assert "no sample 12" in str(e.value) + str(e.value.__cause__)
+    p.close()
+
+
+def test_worker_ring_arguments_refused():
+    ds = Batches(4)
+    with pytest.raises(pinstream.InvalidArgumentError, match="DataLoader"):
+        pinstream.prefetch(iter([]), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="num_workers=0"):
+        pinstream.prefetch(loader(ds, workers=0), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="persistent_workers"):
+        pinstream.prefetch(loader(ds, persistent_workers=True), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="forked"):
+        pinstream.prefetch(loader(ds, multiprocessing_context="spawn"), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="choose one"):
+        pinstream.prefetch(loader(ds), worker_ring=True, process=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="True or False"):
+        pinstream.prefetch(loader(ds), worker_ring="yes", dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="DataLoader"):
+        pinstream.prefetch(iter(loader(ds)), worker_ring=True, dry_run=True)
+
+
+def test_worker_ring_leaves_the_loaders_collate_fn_and_the_loader_reusable():
+    def collate(b):
+        return b
+
+    dl = loader(Batches(8), collate_fn=collate)
+    for _ in range(2):
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+        assert dl.collate_fn is collate
+        for i, (x, _) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i))
+        p.close()
+        assert dl.collate_fn is collate
+    # The loader itself, iterated as usual afterwards: no ring.
+    for i, (x, _) in enumerate(dl):
+        assert isinstance(x, torch.Tensor) and np.array_equal(x.numpy(), pixels(i))
+
+
+def test_worker_ring_forged_slot_is_a_loader_error():
+    class Forged(Batches):
+        def __getitem__(self, i):
+            if i == 9:
+                return wr.InRing(12345, 999, (3, 3, 5, 7), ("seq", 0), (None, labels(i)))
+            return super().__getitem__(i)
+
+    p = pinstream.prefetch(loader(Forged(12)), dtype="uint8", worker_ring=True, dry_run=True)
+    got = 0
+    with pytest.raises(pinstream.LoaderError, match="does not lie in the ring"):
+        for i, (x, _) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i))
+            got += 1
+    assert got == 9
+    p.close()
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_early_exit_leaves_nothing_behind(dry):
+    before = _fds()
+    for _ in range(3):
+        p = pinstream.prefetch(loader(Batches(50)), dtype="uint8", worker_ring=True, dry_run=dry)
+        for i, (x, _) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i))
+            if i == 15:
+                break
+        p.close()
+        del p, x
+        gc.collect()
+    deadline = time.monotonic() + 30
+    while workers_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not workers_alive()
+    assert _fds() <= before
+
+
+def test_worker_ring_close_while_a_worker_is_slow_does_not_hang():
+    run_child(
+        """
+        import time, torch, numpy as np
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self): return 100
+            def __getitem__(self, i):
+                if i >= 6:
+                    time.sleep(3600)
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        dl = torch.utils.data.DataLoader(Slow(), batch_size=None, num_workers=2)
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+        it = iter(p)
+        for i in range(6):
+            x, _ = next(it)
+            assert int(x[0, 0, 0, 0]) == i
+        p.close()
+        del it, p
+        print("ok")
+        """,
+        timeout=120,
+    )
