@@ -33,7 +33,6 @@ from .process import (
     _numpy,
     _register,
     _ring_array,
-    _Slots,
     _with_images,
 )
 
@@ -62,6 +61,97 @@ STUCK_SECONDS = 0.5
 #: Rest tensors at most this large travel pickled by value, not as shared memory of their own
 #: (a file descriptor passed and mapped for 2 KB of labels).
 _SMALL_REST = 1 << 16
+
+
+#: The descriptors of every live reader's ring, by ring id, under ``_FDS_LOCK`` (held across
+#: every fork: a descriptor leaves the table before it is closed). A process forked meanwhile
+#: closes all of them but those of the ring its own fork is for (the workers of that ring's
+#: iteration), so that no other child keeps a ring's memory or its pipe.
+_FDS = {}
+#: Each live reader's mapping of its ring, by ring id (a fork's copy closes it too).
+_MAPS = {}
+_FDS_LOCK = threading.Lock()
+#: The ring whose workers this thread is forking (``iter()`` of the loader).
+_FORKING = threading.local()
+
+
+def _before_fork():
+    _FDS_LOCK.acquire()
+
+
+def _after_fork_in_parent():
+    _FDS_LOCK.release()
+
+
+def _after_fork_in_child():
+    global _FDS_LOCK
+    keep = getattr(_FORKING, "ring", None)
+    for ring, fds in list(_FDS.items()):
+        if ring == keep:
+            continue
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        # Its mapping holds a descriptor of its own (Python's mmap keeps a duplicate): closed
+        # with it, unless a view of it is alive in this copy (then both stay).
+        m = _MAPS.get(ring)
+        if m is not None:
+            try:
+                m.close()
+            except (BufferError, ValueError, OSError):
+                pass
+    # Nothing here is this process's to close any more (its workers' copies stay open).
+    _FDS.clear()
+    _MAPS.clear()
+    _FDS_LOCK = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
+
+
+def _close_fd(ring, fd):
+    """Closes one of ring ``ring``'s descriptors, leaving the table first."""
+    with _FDS_LOCK:
+        fds = _FDS.get(ring)
+        if fds is not None:
+            _FDS[ring] = tuple(f for f in fds if f != fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Free:
+    """This process's end of the pipe of free slots: a slot's number goes back to the workers
+    once its images are no longer referred to here; nothing after ``close`` (or in a fork)."""
+
+    def __init__(self, ring, fd):
+        self._ring = ring
+        self._fd = fd
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def release(self, s):
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                os.write(self._fd, _TOKEN.pack(s))
+            except OSError:
+                pass  # the workers are gone (or the pipe is full: the slot stays unused)
+
+    def close(self):
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            _close_fd(self._ring, fd)
 
 
 class InRing:
@@ -292,26 +382,30 @@ class WorkerRingReader:
             fds.append(ring_fd)
             free_r, free_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
             fds += [free_r, free_w]
+            with _FDS_LOCK:
+                _FDS[self._ring_id] = tuple(fds)
             wrapper = RingCollate(loader.collate_fn, self._keys, self._ring_id, ring_fd,
                                   free_r, free_w, os.getpid())
             loader.collate_fn = wrapper
+            _FORKING.ring = self._ring_id
             try:
                 it = iter(loader)  # the workers fork here, with the wrapper
             finally:
+                _FORKING.ring = None
                 loader.collate_fn = wrapper.collate
         except BaseException:
             for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                _close_fd(self._ring_id, fd)
+            with _FDS_LOCK:
+                _FDS.pop(self._ring_id, None)
             raise
         # The workers hold their own copies of the read end; this process only gives back.
-        os.close(free_r)
+        _close_fd(self._ring_id, free_r)
         self._it = it
         self._ring_fd = ring_fd
-        self._slots = _Slots(free_w)
-        self._finalizer = weakref.finalize(self, _stop, self._slots, ring_fd)
+        self._slots = _Free(self._ring_id, free_w)
+        self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._ring_id, self._slots,
+                                           ring_fd)
         return self
 
     def close(self):
@@ -390,6 +484,9 @@ class WorkerRingReader:
             self._registration = _register(memoryview(ring)[_HEADER:], self._device)
         os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
+        with _FDS_LOCK:
+            if self._ring_id in _FDS:
+                _MAPS[self._ring_id] = ring
         for s in range(slots):
             self._slots.release(s)
 
@@ -449,9 +546,12 @@ def _release(slots, out, lock, s, registration):
     slots.release(s)
 
 
-def _stop(slots, ring_fd):
+def _stop(pid, ring, slots, ring_fd):
+    """The reader is gone: its descriptors are closed (in the process that made them only)."""
+    if os.getpid() != pid:
+        return
     slots.close()
-    try:
-        os.close(ring_fd)
-    except OSError:
-        pass
+    _close_fd(ring, ring_fd)
+    with _FDS_LOCK:
+        _FDS.pop(ring, None)
+        _MAPS.pop(ring, None)

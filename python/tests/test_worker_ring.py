@@ -260,3 +260,42 @@ def test_worker_ring_close_while_a_worker_is_slow_does_not_hang():
         """,
         timeout=120,
     )
+
+
+def _ring_fds_in_child():
+    """The ring descriptors a process forked now holds (it reports through a pipe)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            names = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    names.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass
+            os.write(w, str(sum("pinstream-worker-ring" in n for n in names)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 100)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return int(got)
+
+
+def test_worker_ring_other_forks_keep_no_ring():
+    p = pinstream.prefetch(loader(Batches(30)), dtype="uint8", worker_ring=True, dry_run=True)
+    it = iter(p)
+    for i in range(12):
+        x, _ = next(it)
+        assert np.array_equal(host(x), pixels(i))
+    # This process holds the ring; a process forked now (another loader's worker, a helper)
+    # holds none of it, while the ring's own workers kept theirs (the batches above).
+    here = [n for n in (os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                        if os.path.exists(f"/proc/self/fd/{fd}")) if "pinstream-worker-ring" in n]
+    assert here
+    assert _ring_fds_in_child() == 0
+    for i, (x, _) in enumerate(it, 12):
+        assert np.array_equal(host(x), pixels(i))
+    p.close()
