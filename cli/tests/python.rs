@@ -4,7 +4,7 @@
 //! this test builds it (`cargo build -p pinstream-python`, same target dir and profile; the
 //! shared crates are already built by then). The extension (`lib_native.so`) and the package's
 //! Python sources are put together in a folder under the target dir and put on `PYTHONPATH`;
-//! pytest (and numpy) are installed there with pip when the interpreter lacks them. GPU tests
+//! pytest, numpy and pillow are installed there with pip when the interpreter lacks them. GPU tests
 //! are reported skipped, with the reason, without a GPU. `PINSTREAM_PYTHON` names the
 //! interpreter (default `python3`).
 
@@ -95,10 +95,12 @@ fn run() -> Result<bool, String> {
 
     let tools = profile.join("python-test-tools");
     let mut path = vec![site.clone()];
-    if !has_modules(&python, &[], &["pytest", "numpy"]) {
-        if !has_modules(&python, std::slice::from_ref(&tools), &["pytest", "numpy"]) {
+    // The tests' own needs: pytest, numpy, and pillow (the image tests write their JPEGs).
+    const MODULES: [&str; 3] = ["pytest", "numpy", "PIL"];
+    if !has_modules(&python, &[], &MODULES) {
+        if !has_modules(&python, std::slice::from_ref(&tools), &MODULES) {
             eprintln!(
-                "pytest: installing pytest and numpy into {}",
+                "pytest: installing pytest, numpy and pillow into {}",
                 tools.display()
             );
             let ok = Command::new(&python)
@@ -111,12 +113,12 @@ fn run() -> Result<bool, String> {
                 ])
                 .args(["--no-warn-script-location", "--target"])
                 .arg(&tools)
-                .args(["pytest", "numpy"])
+                .args(["pytest", "numpy", "pillow"])
                 .status()
                 .map_err(|e| format!("{python}: {e}"))?
                 .success();
             if !ok {
-                return Err("pip could not install pytest and numpy".into());
+                return Err("pip could not install pytest, numpy and pillow".into());
             }
         }
         path.push(tools);

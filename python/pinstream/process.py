@@ -487,7 +487,7 @@ class _Slots:
         self._fd = fd
         self._token = token
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection inside may release another slot
 
     def release(self, s):
         if os.getpid() != self._pid:

@@ -26,6 +26,7 @@ import time
 import weakref
 
 from .errors import InvalidArgumentError, LoaderError
+from .mapping import map_shared
 from .process import (
     _TOKEN,
     _copy,
@@ -68,9 +69,13 @@ _SMALL_REST = 1 << 16
 #: closes all of them but those of the ring its own fork is for (the workers of that ring's
 #: iteration), so that no other child keeps a ring's memory or its pipe.
 _FDS = {}
-#: Each live reader's mapping of its ring, by ring id (a fork's copy closes it too).
-_MAPS = {}
-_FDS_LOCK = threading.Lock()
+#: Reentrant: a collection that runs while it is held may free a reader, whose cleanup takes it.
+_FDS_LOCK = threading.RLock()
+#: In a worker forked for a ring (``iter()`` of its loader): that ring's id; ``None`` in any
+#: other process. A ``RingCollate`` acts only in the workers of its own ring.
+_MY_RING = None
+#: Held while a loader's ``collate_fn`` is swapped for the workers' fork and put back.
+_SWAP_LOCK = threading.Lock()
 #: The ring whose workers this thread is forking (``iter()`` of the loader).
 _FORKING = threading.local()
 
@@ -94,18 +99,12 @@ def _after_fork_in_child():
                 os.close(fd)
             except OSError:
                 pass
-        # Its mapping holds a descriptor of its own (Python's mmap keeps a duplicate): closed
-        # with it, unless a view of it is alive in this copy (then both stay).
-        m = _MAPS.get(ring)
-        if m is not None:
-            try:
-                m.close()
-            except (BufferError, ValueError, OSError):
-                pass
-    # Nothing here is this process's to close any more (its workers' copies stay open).
+    # Nothing here is this process's to close any more (its workers' copies stay open). The
+    # rings' mappings were never inherited (``MADV_DONTFORK``).
     _FDS.clear()
-    _MAPS.clear()
-    _FDS_LOCK = threading.Lock()
+    _FDS_LOCK = threading.RLock()
+    global _MY_RING
+    _MY_RING = keep
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
@@ -132,7 +131,7 @@ class _Free:
         self._ring = ring
         self._fd = fd
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection inside may release another slot
 
     def release(self, s):
         if os.getpid() != self._pid:
@@ -185,7 +184,8 @@ class _Small:
 
 
 def _pack(value):
-    if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
+    torch = _torch()
+    if torch is not None and type(value) is torch.Tensor:  # not a subclass: it keeps its type
         try:
             if (value.device.type == "cpu" and not value.requires_grad
                     and value.numel() * value.element_size() <= _SMALL_REST):
@@ -193,6 +193,12 @@ def _pack(value):
         except Exception:  # noqa: BLE001 - sent as it is
             pass
     return value
+
+
+def _torch():
+    import sys
+
+    return sys.modules.get("torch")
 
 
 def _unpack(value):
@@ -244,7 +250,9 @@ class RingCollate:
 
     def __call__(self, batch):
         out = self.collate(batch)
-        if os.getpid() == self._owner:
+        if _MY_RING != self._ring_id:
+            # Not a worker of this ring's iteration (this process, a worker of another, a
+            # wrapper left on a loader by a caller's own swap): its descriptors are not ours.
             return out
         try:
             return self._into_ring(out)
@@ -365,7 +373,7 @@ class WorkerRingReader:
         #: Batches that came in a slot, and the usual way.
         self.in_ring = 0
         self.usual = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a collection inside may release another slot
         self._finalizer = None
         # A loader thread is in the loader's next() (and which).
         self._pulling = False
@@ -384,15 +392,20 @@ class WorkerRingReader:
             fds += [free_r, free_w]
             with _FDS_LOCK:
                 _FDS[self._ring_id] = tuple(fds)
-            wrapper = RingCollate(loader.collate_fn, self._keys, self._ring_id, ring_fd,
-                                  free_r, free_w, os.getpid())
-            loader.collate_fn = wrapper
-            _FORKING.ring = self._ring_id
-            try:
-                it = iter(loader)  # the workers fork here, with the wrapper
-            finally:
-                _FORKING.ring = None
-                loader.collate_fn = wrapper.collate
+            with _SWAP_LOCK:
+                collate = loader.collate_fn
+                while isinstance(collate, RingCollate):
+                    collate = collate.collate  # another reader's, left by a caller's swap
+                wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
+                                      free_r, free_w, os.getpid())
+                loader.collate_fn = wrapper
+                _FORKING.ring = self._ring_id
+                try:
+                    it = iter(loader)  # the workers fork here, with the wrapper
+                finally:
+                    _FORKING.ring = None
+                    if loader.collate_fn is wrapper:
+                        loader.collate_fn = collate
         except BaseException:
             for fd in fds:
                 _close_fd(self._ring_id, fd)
@@ -423,6 +436,12 @@ class WorkerRingReader:
                 time.sleep(0.005)
             if self._pulling:
                 _end_workers(it)
+                # The loader's next() waits on its data queue in 5 s slices: a message it
+                # cannot take ends it now (an error the closing prefetcher drops).
+                try:
+                    it._data_queue.put(None)
+                except Exception:  # noqa: BLE001 - another torch: its own check ends it
+                    pass
         del it
         if self._slots is not None:
             self._slots.close()
@@ -474,19 +493,14 @@ class WorkerRingReader:
             return
         size = _HEADER + slot_bytes * slots
         os.ftruncate(self._ring_fd, size)
-        ring = mmap.mmap(self._ring_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            ring.madvise(mmap.MADV_HUGEPAGE)  # before the pages exist: they are made huge
-        except (AttributeError, OSError, ValueError):
-            pass  # no such advice here: 4 KiB pages
+        # Mapped here only: a process forked later (another loader's workers, a pool) does not
+        # inherit it, so it never keeps the ring's memory after this process let it go.
+        ring = map_shared(self._ring_fd, size)
         if self._device is not None:
             # The slots only (the pages are made here, page-locked for the DMA).
             self._registration = _register(memoryview(ring)[_HEADER:], self._device)
         os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
-        with _FDS_LOCK:
-            if self._ring_id in _FDS:
-                _MAPS[self._ring_id] = ring
         for s in range(slots):
             self._slots.release(s)
 
@@ -554,4 +568,3 @@ def _stop(pid, ring, slots, ring_fd):
     _close_fd(ring, ring_fd)
     with _FDS_LOCK:
         _FDS.pop(ring, None)
-        _MAPS.pop(ring, None)

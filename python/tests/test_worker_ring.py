@@ -299,3 +299,126 @@ def test_worker_ring_other_forks_keep_no_ring():
     for i, (x, _) in enumerate(it, 12):
         assert np.array_equal(host(x), pixels(i))
     p.close()
+
+
+# Findings of the hostile review (2026-11-27, seventh session), each fixed.
+
+
+def test_finding_prefetchers_started_at_once_leave_the_collate_fn_as_it_was():
+    """Two threads starting prefetchers on one loader at once: the second used to wrap the
+    first's wrapper and put it back for good, so that later workers wrote into another ring."""
+    import threading
+
+    class SlowSampler(torch.utils.data.Sampler):
+        def __init__(self, n):
+            self.n, self.calls = n, 0
+
+        def __len__(self):
+            return self.n
+
+        def __iter__(self):
+            self.calls += 1
+            time.sleep(0.3 if self.calls == 1 else 0.6 if self.calls == 2 else 0)
+            return iter(range(self.n))
+
+    def collate(b):
+        return b
+
+    dl = loader(Batches(12), sampler=SlowSampler(12), collate_fn=collate)
+    failed = []
+
+    def run():
+        try:
+            q = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+            for i, (x, _) in enumerate(q):
+                assert np.array_equal(host(x), pixels(i))
+            q.close()
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.1)
+    run()
+    t.join()
+    assert not failed, failed
+    assert dl.collate_fn is collate
+    run()  # a later prefetcher's workers write its own ring
+    assert not failed, failed
+
+
+def _maps_ring(pid="self"):
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("pinstream-worker-ring" in line for line in f)
+
+
+def test_finding_a_fork_while_a_slot_is_in_use_keeps_no_ring():
+    """A process forked while a view of a slot was alive kept the whole ring mapped."""
+    r = wr.WorkerRingReader(loader(Batches(30)), None, 12, None)
+    it = iter(r)
+    held = [next(it) for _ in range(15)]  # the later ones are views of their slots
+    assert r.in_ring > 0
+    assert _maps_ring() >= 1
+    rd, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.write(w, str(_maps_ring()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = int(os.read(rd, 100))
+    os.close(rd)
+    os.waitpid(pid, 0)
+    assert got == 0
+    for i, (x, _) in enumerate(held):
+        assert np.array_equal(np.asarray(x), pixels(i))
+    r.close()
+    del held, it, r, x, _
+    gc.collect()
+    assert _maps_ring() == 0  # unmapped once the last view is gone
+
+
+def test_finding_cleanup_inside_the_locks_does_not_deadlock():
+    """A collection that frees a reader (or a slot's view) while this thread holds the table's
+    or the free list's lock runs that cleanup on this thread: the locks are reentrant."""
+    run_child(
+        """
+        import torch, pinstream.worker_ring as wr
+        class B(torch.utils.data.Dataset):
+            def __len__(self): return 20
+            def __getitem__(self, i):
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        r = wr.WorkerRingReader(torch.utils.data.DataLoader(B(), batch_size=None, num_workers=2),
+                                None, 8, None)
+        it = iter(r)
+        held = [next(it) for _ in range(12)]
+        assert r.in_ring > 0
+        free = r._slots
+        with free._lock:
+            del held  # the views' finalizers give their slots back on this thread
+            gc.collect()
+        r.close()
+        with wr._FDS_LOCK:
+            del it, r  # the reader's cleanup closes its descriptors on this thread
+            gc.collect()
+        print("ok")
+        """,
+        timeout=120,
+    )
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass in a batch's rest (as torchvision's ``tv_tensors`` are)."""
+
+
+def test_finding_tensor_subclasses_in_the_rest_keep_their_type():
+    class WithTagged(Batches):
+        def __getitem__(self, i):
+            x, y = super().__getitem__(i)
+            return x, y, torch.full((2,), i).as_subclass(Tagged)
+
+    p = pinstream.prefetch(loader(WithTagged(16)), dtype="uint8", worker_ring=True, dry_run=True)
+    for i, (x, _, t) in enumerate(p):
+        assert type(t) is Tagged and t.tolist() == [i, i], i
+    p.close()
