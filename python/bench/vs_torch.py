@@ -53,6 +53,40 @@ except ImportError:  # an older pinstream
     pass
 
 
+#: ``--main-cpu``: the CPUs the sources run on (every CPU but the training thread's core), or
+#: ``None`` (no pinning).
+_OTHERS = [None]
+
+
+def pin_main(cpu):
+    """Pins this thread (the training thread, and the threads it starts later: the autograd
+    engine's) to CPU ``cpu``'s core (it and its SMT siblings) and returns the other CPUs, for the
+    sources."""
+    with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+        core = set()
+        for part in f.read().strip().split(","):
+            a, _, b = part.partition("-")
+            core.update(range(int(a), int(b or a) + 1))
+    others = sorted(os.sched_getaffinity(0) - core)
+    os.sched_setaffinity(0, core)
+    _OTHERS[0] = others
+    print(f"# training thread on CPUs {sorted(core)}, sources on {others}", flush=True)
+    return others
+
+
+def away(make):
+    """``make()`` run with this thread on the sources' CPUs, so that what it starts (a
+    DataLoader's workers and pin thread, a helper process) runs there; then back."""
+    if _OTHERS[0] is None:
+        return make()
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _OTHERS[0])
+    try:
+        return make()
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def ring_counts():
     """``{"in_ring": k, "usual": m}`` of the newest worker_ring reader still alive, or ``{}``."""
     r = _RING_READERS[-1]() if _RING_READERS else None
@@ -629,15 +663,17 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             return timed((resident[i % 4] for i in range(n_batches)), lambda x, y: (x, y))
 
         def ours(src, **kw):
-            return lambda: timed(pt.prefetch(src(), normalize=pinstream.IMAGENET, dtype=torch.float16,
-                                             layout="nhwc", **kw), nhwc)
+            if _OTHERS[0] is not None:
+                kw.setdefault("cpus", _OTHERS[0])
+            return lambda: timed(away(lambda: pt.prefetch(src(), normalize=pinstream.IMAGENET,
+                                                          dtype=torch.float16, layout="nhwc", **kw)), nhwc)
 
         def dl(dataset, workers):
             return lambda: torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
 
         sources = {
             "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
-                             lambda: timed(ApexPrefetcher(loader(), mean, std), cl)),
+                             lambda: timed(away(lambda: ApexPrefetcher(loader(), mean, std)), cl)),
             "generator": ("pinstream.torch.prefetch(generator), f16 NHWC", ours(generator)),
             "dl4_views": ("pinstream.torch.prefetch(DataLoader, 4 workers)", ours(dl(ds, 4))),
             "dl4_views_threads12": ("... 4 workers, 12 loader threads", ours(dl(ds, 4), loader_threads=12)),
@@ -705,6 +741,8 @@ def main():
     ap.add_argument("--models", default="resnet18,resnet50", help="models: which models")
     ap.add_argument("--model-steps", type=int, default=None, help="models: timed steps per source (default 30)")
     ap.add_argument("--model-sources", default="", help="models: only these sources (the ideal always)")
+    ap.add_argument("--main-cpu", type=int, default=None,
+                    help="models: the training thread on this CPU's core, every source on the other CPUs")
     ap.add_argument("--model-rounds", type=int, default=1,
                     help="models: rounds of the ideal and every source in turn (the median ratio is reported)")
     ap.add_argument("--model-warmup", type=int, default=None,
@@ -728,6 +766,8 @@ def main():
     if "cifar" in only:
         bench_cifar(a.quick)
     if "models" in only:
+        if a.main_cpu is not None:
+            pin_main(a.main_cpu)
         bench_models(a.quick, a.models.split(","), a.model_steps, [c for c in a.model_sources.split(",") if c],
                      a.model_warmup, a.model_rounds)
 
