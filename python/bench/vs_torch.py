@@ -734,6 +734,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="upload,many,download,prefetch,dataloader,cifar,models")
     ap.add_argument("--configs", default="", help="dataloader: only these configurations (apex_dl4_pin always)")
+    ap.add_argument("--worker-copy-threads", type=int, default=None,
+                    help="dataloader, models: pinstream.worker_ring.WORKER_COPY_THREADS (threads a worker copies with)")
     ap.add_argument("--dl-batches", type=int, default=None, help="dataloader: timed batches per round (default 60)")
     ap.add_argument("--dl-warm", type=int, default=None, help="dataloader: untimed batches per round first (default 10)")
     ap.add_argument("--sharing", default=None,
@@ -751,6 +753,10 @@ def main():
     a = ap.parse_args()
     if a.sharing:
         torch.multiprocessing.set_sharing_strategy(a.sharing)
+    if a.worker_copy_threads is not None:
+        from pinstream import worker_ring as ring_mod
+
+        ring_mod.WORKER_COPY_THREADS = a.worker_copy_threads
     print(f"# pinstream {pinstream.__version__} vs torch {torch.__version__} on {torch.cuda.get_device_name(0)}")
     only = a.only.split(",")
     if "upload" in only:

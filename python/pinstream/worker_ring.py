@@ -53,8 +53,22 @@ _ADVICE = {"MADV_HUGEPAGE": 14, "MADV_POPULATE_WRITE": 23}
 #: beyond come the usual way).
 MAX_RING_BYTES = 4 << 30
 
-#: Threads a worker copies a batch's images into its slot with (numpy copies without the GIL).
-WORKER_COPY_THREADS = 2
+#: Threads a worker copies a batch's images into its slot with (numpy copies without the GIL);
+#: ``None``: the CPUs this process may use over the loader's workers, 1 to 4 (the copy is the
+#: workers' limit: 4 workers with 1 / 2 / 4 threads took 2.34 / 1.48 / 1.19 ms per batch, 8
+#: workers with 2 / 4 threads 1.22 / 1.29 on 16 CPUs; BENCHMARKS.md, seventh session).
+WORKER_COPY_THREADS = None
+
+
+def copy_threads(workers):
+    """The threads each of ``workers`` workers copies with (``WORKER_COPY_THREADS``)."""
+    if WORKER_COPY_THREADS is not None:
+        return max(1, int(WORKER_COPY_THREADS))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus // max(1, workers)))
 
 #: How long ``close()`` lets a loader thread's ``next()`` go on before the workers are ended.
 STUCK_SECONDS = 0.5
@@ -236,8 +250,9 @@ class RingCollate:
     that goes wrong here sends the batch the usual way. In this process (or any other than
     those workers) it is the wrapped ``collate_fn`` and nothing else."""
 
-    def __init__(self, collate, keys, ring, ring_fd, free_r, free_w, owner):
+    def __init__(self, collate, keys, ring, ring_fd, free_r, free_w, owner, threads=1):
         self.collate = collate
+        self._threads = threads
         self._keys = keys
         self._ring_id = ring
         self._ring_fd = ring_fd
@@ -247,6 +262,8 @@ class RingCollate:
         self._map = None
         self._slot_bytes = 0
         self._slots = 0
+        #: The slots this worker has written (their page table made).
+        self._mapped = set()
 
     def __call__(self, batch):
         out = self.collate(batch)
@@ -296,18 +313,25 @@ class RingCollate:
                     raise ValueError("the ring is not made yet")
                 self._map = mmap.mmap(self._ring_fd, _HEADER + slot_bytes * slots, mmap.MAP_SHARED,
                                       mmap.PROT_READ | mmap.PROT_WRITE)
-                # Huge pages where the training process got them, and every slot's page
-                # table made at once rather than by a fault per page during the copies.
-                for advice in ("MADV_HUGEPAGE", "MADV_POPULATE_WRITE"):
-                    try:
-                        self._map.madvise(getattr(mmap, advice, _ADVICE[advice]), _HEADER)
-                    except (OSError, ValueError):
-                        pass
+                try:  # huge pages where the training process got them
+                    self._map.madvise(getattr(mmap, "MADV_HUGEPAGE", _ADVICE["MADV_HUGEPAGE"]), _HEADER)
+                except (OSError, ValueError):
+                    pass
                 self._slot_bytes, self._slots = slot_bytes, slots
             if not 0 <= s < self._slots or images.nbytes > self._slot_bytes:
                 raise ValueError("the images do not fit a slot")
+            if s not in self._mapped:
+                # The slot's page table made at once, the first time this worker writes it,
+                # rather than by a fault per page during the copy (nor the whole ring's at
+                # once, which would hold up this worker's first batch).
+                try:
+                    self._map.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _ADVICE["MADV_POPULATE_WRITE"]),
+                                      _HEADER + s * self._slot_bytes, self._slot_bytes)
+                except (OSError, ValueError):
+                    pass
+                self._mapped.add(s)
             dst = np.frombuffer(self._map, np.uint8, images.nbytes, _HEADER + s * self._slot_bytes)
-            _copy(np, dst, images.reshape(-1), WORKER_COPY_THREADS)
+            _copy(np, dst, images.reshape(-1), self._threads)
             del dst
             msg = InRing(self._ring_id, s, tuple(images.shape), place, _rest(out, place))
         except BaseException:
@@ -397,7 +421,8 @@ class WorkerRingReader:
                 while isinstance(collate, RingCollate):
                     collate = collate.collate  # another reader's, left by a caller's swap
                 wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
-                                      free_r, free_w, os.getpid())
+                                      free_r, free_w, os.getpid(),
+                                      copy_threads(loader.num_workers))
                 loader.collate_fn = wrapper
                 _FORKING.ring = self._ring_id
                 try:

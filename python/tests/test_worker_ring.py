@@ -422,3 +422,22 @@ def test_finding_tensor_subclasses_in_the_rest_keep_their_type():
     for i, (x, _, t) in enumerate(p):
         assert type(t) is Tagged and t.tolist() == [i, i], i
     p.close()
+
+
+@pytest.mark.parametrize("dry", MODES)
+@pytest.mark.parametrize("threads", [None, 3])
+def test_worker_ring_large_batches_copied_in_parts(dry, threads, readers, monkeypatch):
+    """Batches above a megabyte: each worker copies them into the slot on several threads."""
+    monkeypatch.setattr(wr, "WORKER_COPY_THREADS", threads)
+
+    class Large(Batches):
+        def __getitem__(self, i):
+            return torch.from_numpy(pixels(i, n=20000)), torch.from_numpy(labels(i, n=20000))
+
+    n = 12
+    p = pinstream.prefetch(loader(Large(n)), dtype="uint8", worker_ring=True, dry_run=dry)
+    for i, (x, y) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i, n=20000)), i
+        assert np.array_equal(host(y), labels(i, n=20000)), i
+    assert readers[0].in_ring >= n - 6
+    p.close()
