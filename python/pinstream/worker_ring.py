@@ -49,6 +49,10 @@ _SIZE = struct.Struct("<Q")
 #: Linux's numbers for the advice an older Python's ``mmap`` does not name.
 _ADVICE = {"MADV_HUGEPAGE": 14, "MADV_POPULATE_WRITE": 23}
 
+
+def _advice(name):
+    return getattr(mmap, name, _ADVICE[name])
+
 #: The most bytes the ring may page-lock: fewer slots where the batches are larger (the batches
 #: beyond come the usual way).
 MAX_RING_BYTES = 4 << 30
@@ -69,6 +73,7 @@ def copy_threads(workers):
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     return max(1, min(4, cpus // max(1, workers)))
+
 
 #: How long ``close()`` lets a loader thread's ``next()`` go on before the workers are ended.
 STUCK_SECONDS = 0.5
@@ -250,7 +255,7 @@ class RingCollate:
     that goes wrong here sends the batch the usual way. In this process (or any other than
     those workers) it is the wrapped ``collate_fn`` and nothing else."""
 
-    def __init__(self, collate, keys, ring, ring_fd, free_r, free_w, owner, threads=1):
+    def __init__(self, collate, keys, ring, ring_fd, free_r, free_w, threads=1):
         self.collate = collate
         self._threads = threads
         self._keys = keys
@@ -258,7 +263,6 @@ class RingCollate:
         self._ring_fd = ring_fd
         self._free_r = free_r
         self._free_w = free_w
-        self._owner = owner
         self._map = None
         self._slot_bytes = 0
         self._slots = 0
@@ -314,7 +318,7 @@ class RingCollate:
                 self._map = mmap.mmap(self._ring_fd, _HEADER + slot_bytes * slots, mmap.MAP_SHARED,
                                       mmap.PROT_READ | mmap.PROT_WRITE)
                 try:  # huge pages where the training process got them
-                    self._map.madvise(getattr(mmap, "MADV_HUGEPAGE", _ADVICE["MADV_HUGEPAGE"]), _HEADER)
+                    self._map.madvise(_advice("MADV_HUGEPAGE"), _HEADER)
                 except (OSError, ValueError):
                     pass
                 self._slot_bytes, self._slots = slot_bytes, slots
@@ -325,7 +329,7 @@ class RingCollate:
                 # rather than by a fault per page during the copy (nor the whole ring's at
                 # once, which would hold up this worker's first batch).
                 try:
-                    self._map.madvise(getattr(mmap, "MADV_POPULATE_WRITE", _ADVICE["MADV_POPULATE_WRITE"]),
+                    self._map.madvise(_advice("MADV_POPULATE_WRITE"),
                                       _HEADER + s * self._slot_bytes, self._slot_bytes)
                 except (OSError, ValueError):
                     pass
@@ -421,8 +425,7 @@ class WorkerRingReader:
                 while isinstance(collate, RingCollate):
                     collate = collate.collate  # another reader's, left by a caller's swap
                 wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
-                                      free_r, free_w, os.getpid(),
-                                      copy_threads(loader.num_workers))
+                                      free_r, free_w, copy_threads(loader.num_workers))
                 loader.collate_fn = wrapper
                 _FORKING.ring = self._ring_id
                 try:
@@ -450,8 +453,8 @@ class WorkerRingReader:
         """The iteration is over, or the prefetcher is being closed: the loader's iterator
         goes (its workers end), and no slot goes back to them any more. A loader thread
         waiting in the loader's ``next()`` for a worker that does not answer is not waited
-        for: after ``STUCK_SECONDS`` the workers are ended, and the loader's own check of
-        its workers (every 5 s) ends that ``next()`` with an error, which the closing
+        for: after ``STUCK_SECONDS`` the workers are ended, and a message the loader cannot
+        take, put on its data queue, ends that ``next()`` with an error, which the closing
         prefetcher drops."""
         self._done = True
         it, self._it = self._it, None
@@ -461,8 +464,8 @@ class WorkerRingReader:
                 time.sleep(0.005)
             if self._pulling:
                 _end_workers(it)
-                # The loader's next() waits on its data queue in 5 s slices: a message it
-                # cannot take ends it now (an error the closing prefetcher drops).
+                # The loader's next() waits on its data queue in 5 s slices (checking its
+                # workers between them): a message it cannot take ends it now.
                 try:
                     it._data_queue.put(None)
                 except Exception:  # noqa: BLE001 - another torch: its own check ends it
