@@ -36,6 +36,7 @@ import traceback
 import warnings
 import weakref
 
+from . import forklock
 from .errors import InvalidArgumentError, LoaderError
 
 #: The keys tried for a mapping item's images, in order: the native side's ``IMAGE_KEYS``.
@@ -61,28 +62,18 @@ _LENGTH = struct.Struct("<Q")
 
 #: The descriptors and rings of every reader alive in this process, by reader: a helper closes
 #: the others' (so that a closed prefetcher's pipes end, and its ring goes, with its own helper).
-#: Under ``_OWNED_LOCK``: a descriptor leaves it before it is closed, and helpers are forked
-#: holding the lock, so a helper never closes a number that was reused meanwhile.
+#: Under ``forklock.LOCK`` (held across every fork): a descriptor leaves it before it is
+#: closed, so a helper never closes a number that was reused meanwhile.
 _OWNED = {}
-_OWNED_LOCK = threading.Lock()
 
 #: How long a helper's cleanup may take (the iterator's ``finally``, a DataLoader's workers)
 #: once it was asked to end, before it is killed.
 CLEANUP_SECONDS = 5.0
 
 
-def _after_fork_in_child():
-    # Another thread may have held the lock at the fork; no thread of the child will free it.
-    global _OWNED_LOCK
-    _OWNED_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 def _close_owned(token, fd):
     """Closes one of reader ``token``'s descriptors, leaving the registry first."""
-    with _OWNED_LOCK:
+    with forklock.LOCK:
         entry = _OWNED.get(token)
         if entry is not None and fd in entry[0]:
             _OWNED[token] = (tuple(f for f in entry[0] if f != fd), entry[1])
@@ -534,7 +525,7 @@ def _stop(token, proc, slots, fds):
     if proc is None or proc._parent_pid != os.getpid():  # noqa: SLF001
         return
     _end_helper(proc, slots)
-    with _OWNED_LOCK:
+    with forklock.LOCK:
         _OWNED.pop(token, None)
         for fd in fds:
             fd.close()
@@ -609,7 +600,7 @@ class HelperReader:
             name="pinstream-helper",
         )
         try:
-            with _OWNED_LOCK, warnings.catch_warnings():
+            with forklock.LOCK, warnings.catch_warnings():
                 _OWNED[token] = ((ring_fd, ready_r, free_w), None)
                 # Python 3.12 warns of fork() in a process with threads; the helper only runs
                 # Python (and the DataLoader, which forks its workers the same way).
@@ -620,7 +611,7 @@ class HelperReader:
         except BaseException:
             fds[4] = _FdCloser(None)  # closed by `slots`
             slots.close()
-            with _OWNED_LOCK:
+            with forklock.LOCK:
                 _OWNED.pop(token, None)
                 for fd in fds:
                     fd.close()
@@ -704,7 +695,7 @@ class HelperReader:
                 size = self._slot_bytes * self._slots_n
                 self._ring = mmap.mmap(self._ring_fd, size, mmap.MAP_SHARED,
                                        mmap.PROT_READ | mmap.PROT_WRITE)
-                with _OWNED_LOCK:
+                with forklock.LOCK:
                     if self._token in _OWNED:
                         _OWNED[self._token] = (_OWNED[self._token][0], self._ring)
                 if self._device is not None:

@@ -17,7 +17,6 @@ fit, come the usual way; nothing is ever lost or waits for a slot. The loader it
 was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 """
 
-import mmap
 import os
 import random
 import struct
@@ -25,8 +24,9 @@ import threading
 import time
 import weakref
 
+from . import forklock
 from .errors import InvalidArgumentError, LoaderError
-from .mapping import map_shared
+from .mapping import map_shared, populate_write
 from .process import (
     _TOKEN,
     _copy,
@@ -46,12 +46,6 @@ _ALIGN = 2 << 20
 #: slot is handed out; only its first page is ever touched); the slots follow.
 _HEADER = _ALIGN
 _SIZE = struct.Struct("<Q")
-#: Linux's numbers for the advice an older Python's ``mmap`` does not name.
-_ADVICE = {"MADV_HUGEPAGE": 14, "MADV_POPULATE_WRITE": 23}
-
-
-def _advice(name):
-    return getattr(mmap, name, _ADVICE[name])
 
 #: The most bytes the ring may page-lock: fewer slots where the batches are larger (the batches
 #: beyond come the usual way).
@@ -83,33 +77,27 @@ STUCK_SECONDS = 0.5
 _SMALL_REST = 1 << 16
 
 
-#: The descriptors of every live reader's ring, by ring id, under ``_FDS_LOCK`` (held across
-#: every fork: a descriptor leaves the table before it is closed). A process forked meanwhile
-#: closes all of them but those of the ring its own fork is for (the workers of that ring's
-#: iteration), so that no other child keeps a ring's memory or its pipe.
+#: The descriptors of every live reader's ring, by ring id, under ``forklock.LOCK`` (held
+#: across every fork: a descriptor enters the table as it is made and leaves it before it is
+#: closed). A process forked meanwhile closes all of them but those of the ring its own fork is
+#: for (the workers of that ring's iteration), so that no other child keeps a ring's memory or
+#: its pipe; a worker keeps its own ring's in the table, so that its own forks close them.
 _FDS = {}
-#: Reentrant: a collection that runs while it is held may free a reader, whose cleanup takes it.
-_FDS_LOCK = threading.RLock()
 #: In a worker forked for a ring (``iter()`` of its loader): that ring's id; ``None`` in any
 #: other process. A ``RingCollate`` acts only in the workers of its own ring.
 _MY_RING = None
-#: Held while a loader's ``collate_fn`` is swapped for the workers' fork and put back.
-_SWAP_LOCK = threading.Lock()
+#: A lock per loader, held while its ``collate_fn`` is swapped for the workers' fork and put
+#: back (``_LOADER_LOCKS_LOCK`` only while the table is read or written).
+_LOADER_LOCKS = weakref.WeakKeyDictionary()
+_LOADER_LOCKS_LOCK = threading.Lock()
 #: The ring whose workers this thread is forking (``iter()`` of the loader).
 _FORKING = threading.local()
 
 
-def _before_fork():
-    _FDS_LOCK.acquire()
-
-
-def _after_fork_in_parent():
-    _FDS_LOCK.release()
-
-
 def _after_fork_in_child():
-    global _FDS_LOCK
+    global _FDS, _MY_RING
     keep = getattr(_FORKING, "ring", None)
+    _FORKING.ring = None  # this process's own forks are for no ring
     for ring, fds in list(_FDS.items()):
         if ring == keep:
             continue
@@ -118,21 +106,25 @@ def _after_fork_in_child():
                 os.close(fd)
             except OSError:
                 pass
-    # Nothing here is this process's to close any more (its workers' copies stay open). The
-    # rings' mappings were never inherited (``MADV_DONTFORK``).
-    _FDS.clear()
-    _FDS_LOCK = threading.RLock()
-    global _MY_RING
+    # The rings' mappings were never inherited (``MADV_DONTFORK``).
+    _FDS = {keep: _FDS[keep]} if keep in _FDS else {}
     _MY_RING = keep
 
 
-os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                    after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _loader_lock(loader):
+    with _LOADER_LOCKS_LOCK:
+        lock = _LOADER_LOCKS.get(loader)
+        if lock is None:
+            lock = _LOADER_LOCKS[loader] = threading.Lock()
+        return lock
 
 
 def _close_fd(ring, fd):
     """Closes one of ring ``ring``'s descriptors, leaving the table first."""
-    with _FDS_LOCK:
+    with forklock.LOCK:
         fds = _FDS.get(ring)
         if fds is not None:
             _FDS[ring] = tuple(f for f in fds if f != fd)
@@ -315,12 +307,8 @@ class RingCollate:
                 size = os.fstat(self._ring_fd).st_size
                 if not slot_bytes or not slots or _HEADER + slot_bytes * slots > size:
                     raise ValueError("the ring is not made yet")
-                self._map = mmap.mmap(self._ring_fd, _HEADER + slot_bytes * slots, mmap.MAP_SHARED,
-                                      mmap.PROT_READ | mmap.PROT_WRITE)
-                try:  # huge pages where the training process got them
-                    self._map.madvise(_advice("MADV_HUGEPAGE"), _HEADER)
-                except (OSError, ValueError):
-                    pass
+                # Mapped in this worker only (a process it forks keeps none of the ring).
+                self._map = map_shared(self._ring_fd, _HEADER + slot_bytes * slots)
                 self._slot_bytes, self._slots = slot_bytes, slots
             if not 0 <= s < self._slots or images.nbytes > self._slot_bytes:
                 raise ValueError("the images do not fit a slot")
@@ -328,11 +316,7 @@ class RingCollate:
                 # The slot's page table made at once, the first time this worker writes it,
                 # rather than by a fault per page during the copy (nor the whole ring's at
                 # once, which would hold up this worker's first batch).
-                try:
-                    self._map.madvise(_advice("MADV_POPULATE_WRITE"),
-                                      _HEADER + s * self._slot_bytes, self._slot_bytes)
-                except (OSError, ValueError):
-                    pass
+                populate_write(self._map, _HEADER + s * self._slot_bytes, self._slot_bytes)
                 self._mapped.add(s)
             dst = np.frombuffer(self._map, np.uint8, images.nbytes, _HEADER + s * self._slot_bytes)
             _copy(np, dst, images.reshape(-1), self._threads)
@@ -414,13 +398,16 @@ class WorkerRingReader:
         loader, self._loader = self._loader, None
         fds = []
         try:
-            ring_fd = os.memfd_create("pinstream-worker-ring", os.MFD_CLOEXEC)
-            fds.append(ring_fd)
-            free_r, free_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-            fds += [free_r, free_w]
-            with _FDS_LOCK:
-                _FDS[self._ring_id] = tuple(fds)
-            with _SWAP_LOCK:
+            # Made and entered in the table under the lock every fork takes: no fork between.
+            with forklock.LOCK:
+                try:
+                    ring_fd = os.memfd_create("pinstream-worker-ring", os.MFD_CLOEXEC)
+                    fds.append(ring_fd)
+                    free_r, free_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                    fds += [free_r, free_w]
+                finally:
+                    _FDS[self._ring_id] = tuple(fds)
+            with _loader_lock(loader):
                 collate = loader.collate_fn
                 while isinstance(collate, RingCollate):
                     collate = collate.collate  # another reader's, left by a caller's swap
@@ -437,7 +424,7 @@ class WorkerRingReader:
         except BaseException:
             for fd in fds:
                 _close_fd(self._ring_id, fd)
-            with _FDS_LOCK:
+            with forklock.LOCK:
                 _FDS.pop(self._ring_id, None)
             raise
         # The workers hold their own copies of the read end; this process only gives back.
@@ -458,18 +445,15 @@ class WorkerRingReader:
         prefetcher drops."""
         self._done = True
         it, self._it = self._it, None
-        if it is not None and self._pulling and threading.get_ident() != self._puller:
-            deadline = time.monotonic() + STUCK_SECONDS
-            while self._pulling and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if self._pulling:
-                _end_workers(it)
-                # The loader's next() waits on its data queue in 5 s slices (checking its
-                # workers between them): a message it cannot take ends it now.
-                try:
-                    it._data_queue.put(None)
-                except Exception:  # noqa: BLE001 - another torch: its own check ends it
-                    pass
+        if it is not None:
+            try:
+                if self._pulling and threading.get_ident() != self._puller:
+                    deadline = time.monotonic() + STUCK_SECONDS
+                    while self._pulling and time.monotonic() < deadline:
+                        time.sleep(0.005)
+            finally:
+                # Also when a second Ctrl-C ends the wait: the loader thread would wait forever.
+                _end_iteration(it, self._pulling)
         del it
         if self._slots is not None:
             self._slots.close()
@@ -562,6 +546,42 @@ class WorkerRingReader:
         return _with_images(_unpack_rest(msg.rest, msg.place), msg.place, images)
 
 
+def _end_iteration(it, pulling):
+    """Ends a DataLoader iterator's workers within ``STUCK_SECONDS``: asked to stop as torch's
+    own shutdown asks them (which then waits 5 s for each one that does not), SIGTERM for those
+    that did not; and a ``next()`` still waiting on its data queue woken."""
+    workers = [w for w in (getattr(it, "_workers", None) or ()) if _alive(w)]
+    if workers and not getattr(it, "_shutdown", True):
+        try:
+            it._workers_done_event.set()
+            for q in it._index_queues:
+                q.put(None)
+        except Exception:  # noqa: BLE001 - another torch: SIGTERM below
+            pass
+        deadline = time.monotonic() + STUCK_SECONDS
+        for w in workers:
+            try:
+                w.join(max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001
+                pass
+        if any(_alive(w) for w in workers):
+            _end_workers(it)
+    if pulling:
+        # The loader's next() waits on its data queue in 5 s slices (checking its workers
+        # between them): a message it cannot take ends it now.
+        try:
+            it._data_queue.put(None)
+        except Exception:  # noqa: BLE001 - another torch: its own check ends it
+            pass
+
+
+def _alive(w):
+    try:
+        return w.is_alive()
+    except Exception:  # noqa: BLE001 - not ours to ask (a fork's copy)
+        return False
+
+
 def _end_workers(it):
     """Ends a DataLoader iterator's workers (SIGTERM), first telling torch's SIGCHLD handler
     that they are not to be reported (as the iterator's own shutdown does)."""
@@ -594,5 +614,5 @@ def _stop(pid, ring, slots, ring_fd):
         return
     slots.close()
     _close_fd(ring, ring_fd)
-    with _FDS_LOCK:
+    with forklock.LOCK:
         _FDS.pop(ring, None)

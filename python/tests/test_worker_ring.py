@@ -26,6 +26,7 @@ from test_hostile import run_child
 
 torch = pytest.importorskip("torch")
 
+import pinstream.forklock as forklock  # noqa: E402
 import pinstream.worker_ring as wr  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
@@ -384,7 +385,7 @@ def test_finding_cleanup_inside_the_locks_does_not_deadlock():
     or the free list's lock runs that cleanup on this thread: the locks are reentrant."""
     run_child(
         """
-        import torch, pinstream.worker_ring as wr
+        import torch, pinstream.worker_ring as wr, pinstream.forklock as forklock
         class B(torch.utils.data.Dataset):
             def __len__(self): return 20
             def __getitem__(self, i):
@@ -399,7 +400,7 @@ def test_finding_cleanup_inside_the_locks_does_not_deadlock():
             del held  # the views' finalizers give their slots back on this thread
             gc.collect()
         r.close()
-        with wr._FDS_LOCK:
+        with forklock.LOCK:
             del it, r  # the reader's cleanup closes its descriptors on this thread
             gc.collect()
         print("ok")
@@ -441,3 +442,174 @@ def test_worker_ring_large_batches_copied_in_parts(dry, threads, readers, monkey
         assert np.array_equal(host(y), labels(i, n=20000)), i
     assert readers[0].in_ring >= n - 6
     p.close()
+
+
+# Findings of the second hostile review (the first review's fixes attacked), each fixed.
+
+
+def test_finding_a_second_ctrl_c_during_close_does_not_hang_it():
+    run_child(
+        """
+        import signal, torch
+        class Stuck(torch.utils.data.Dataset):
+            def __len__(self): return 100
+            def __getitem__(self, i):
+                if i >= 6:
+                    time.sleep(3600)
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        dl = torch.utils.data.DataLoader(Stuck(), batch_size=None, num_workers=2)
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+        it = iter(p)
+        for i in range(6):
+            next(it)
+        # Ctrl-C while close() waits for the loader thread stuck in the loader's next().
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            p.close()
+        except KeyboardInterrupt:
+            pass
+        print("ok")
+        """,
+        timeout=60,
+    )
+
+
+def test_finding_forks_from_another_thread_never_keep_a_new_ring():
+    import threading
+
+    stop = threading.Event()
+    kept = []
+
+    def forker():
+        while not stop.is_set():
+            kept.append(_ring_fds_in_child())
+
+    t = threading.Thread(target=forker)
+    t.start()
+    try:
+        for _ in range(25):
+            p = pinstream.prefetch(loader(Batches(3)), dtype="uint8", worker_ring=True, dry_run=True)
+            for _b in p:
+                pass
+            p.close()
+            del p
+            gc.collect()
+    finally:
+        stop.set()
+        t.join()
+    assert kept and max(kept) == 0, max(kept)
+
+
+def test_finding_the_two_tables_share_one_lock_no_deadlock():
+    """A cleanup of a process=True prefetcher run while this thread holds the fork lock (a
+    collection inside it), while another thread forks a helper: one reentrant lock, no cycle."""
+    run_child(
+        """
+        import pinstream.forklock as forklock
+        def gen():
+            for i in range(1000):
+                yield np.full((3, 3, 5, 7), i % 256, np.uint8), np.arange(3)
+        p1 = pinstream.prefetch(gen(), dtype="uint8", process=True, dry_run=True)
+        next(iter(p1))
+        done = []
+        def other():
+            p2 = pinstream.prefetch(gen(), dtype="uint8", process=True, dry_run=True)
+            next(iter(p2))  # forks its helper: waits for the lock this thread does not hold
+            p2.close()
+            done.append(1)
+        forklock.LOCK.acquire()
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.3)
+        p1.close()  # its cleanup takes the lock again, on this thread
+        del p1
+        gc.collect()
+        forklock.LOCK.release()
+        t.join(60)
+        assert done and not t.is_alive()
+        print("ok")
+        """,
+        timeout=120,
+    )
+
+
+def test_finding_a_workers_own_fork_keeps_no_ring(tmp_path):
+    out = str(tmp_path / "grandchild")
+
+    class Forks(Batches):
+        def __getitem__(self, i):
+            if i == 14:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        n = 0
+                        for fd in os.listdir("/proc/self/fd"):
+                            try:
+                                n += "pinstream-worker-ring" in os.readlink(f"/proc/self/fd/{fd}")
+                            except OSError:
+                                pass
+                        with open("/proc/self/maps") as f:
+                            n += sum("pinstream-worker-ring" in line for line in f)
+                        with open(out, "w") as f:
+                            f.write(str(n))
+                    finally:
+                        os._exit(0)
+                os.waitpid(pid, 0)
+            return super().__getitem__(i)
+
+    p = pinstream.prefetch(loader(Forks(20)), dtype="uint8", worker_ring=True, dry_run=True)
+    for i, (x, _) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i))
+    p.close()
+    with open(out) as f:
+        assert f.read() == "0"
+
+
+def test_finding_a_sampler_that_starts_another_ring_does_not_hang():
+    run_child(
+        """
+        import torch
+        class B(torch.utils.data.Dataset):
+            def __len__(self): return 8
+            def __getitem__(self, i):
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        probe = torch.utils.data.DataLoader(B(), batch_size=None, num_workers=1)
+        class Probing(torch.utils.data.Sampler):
+            def __len__(self): return 8
+            def __iter__(self):
+                q = pinstream.prefetch(probe, dtype="uint8", worker_ring=True, dry_run=True)
+                next(iter(q))
+                q.close()
+                return iter(range(8))
+        dl = torch.utils.data.DataLoader(B(), batch_size=None, num_workers=2, sampler=Probing())
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+        assert sum(1 for _ in p) == 8
+        p.close()
+        print("ok")
+        """,
+        timeout=120,
+    )
+
+
+def test_finding_close_with_workers_stuck_and_no_pull_ends_them():
+    """Workers stuck in the dataset while no next() waits (the consumer is behind): close()
+    ends them itself instead of torch's 5 s per worker (20 s here; the watchdog allows 15)."""
+    run_child(
+        """
+        import torch
+        class Stuck(torch.utils.data.Dataset):
+            def __len__(self): return 100
+            def __getitem__(self, i):
+                if i >= 12:
+                    time.sleep(3600)
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        dl = torch.utils.data.DataLoader(Stuck(), batch_size=None, num_workers=4)
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True, depth=8)
+        it = iter(p)
+        next(it)
+        time.sleep(1.0)  # the loader threads fill the queue; the workers hang on 12 and later
+        p.close()
+        print("ok")
+        """,
+        timeout=15,
+    )
