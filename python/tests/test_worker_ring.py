@@ -613,3 +613,107 @@ def test_finding_close_with_workers_stuck_and_no_pull_ends_them():
         """,
         timeout=15,
     )
+
+
+class FaultyBatches(torch.utils.data.Dataset):
+    """A schedule's dataset: batch ``i``'s pixels from the seed ``(seed, i)`` (the same in every
+    worker and here), and at batch ``k`` the fault drawn."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def __len__(self):
+        return self.plan["n"]
+
+    def __getitem__(self, i):
+        p = self.plan
+        if i == p["k"]:
+            if p["fault"] == "raise":
+                raise KeyError(f"no sample {i}")
+            if p["fault"] == "dtype":
+                return torch.rand(p["shape"]), torch.arange(p["shape"][0])
+            if p["fault"] == "shape":
+                return torch.zeros((2, 3, 4), dtype=torch.uint8), torch.arange(2)
+            if p["fault"] == "stall":
+                time.sleep(0.3)
+        return torch.from_numpy(fault_pixels(p, i)), torch.arange(p["shape"][0]) + 1000 * i
+
+
+def fault_pixels(plan, i):
+    return np.random.default_rng((plan["seed"], i)).integers(0, 256, plan["shape"], dtype=np.uint8)
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_random_fault_schedules(dry):
+    """Random schedules (a worker raising, a wrong dtype or shape, a stall, a close from another
+    thread; a consumer that breaks out early or holds its batches): every batch delivered is
+    the next one's, an error names its batch, and nothing is left behind (workers, descriptors,
+    rings). ``PINSTREAM_FAULT_SEED`` replays a run, as in test_faults.py."""
+    import faulthandler
+    import sys
+    import threading
+
+    seed = int(os.environ.get("PINSTREAM_FAULT_SEED", str(int.from_bytes(os.urandom(4), "little"))))
+    rng = np.random.default_rng(seed)
+    fds0 = _fds()
+    names0 = sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                    if os.path.exists(f"/proc/self/fd/{fd}"))
+    for s in range(int(os.environ.get("PINSTREAM_RING_FAULT_SCHEDULES", "24"))):
+        big = rng.integers(4) == 0
+        plan = {
+            "seed": int(rng.integers(1 << 32)),
+            "n": int(rng.integers(0, 13)),
+            "k": int(rng.integers(0, 13)),
+            "fault": str(rng.choice(["none", "none", "raise", "dtype", "shape", "stall", "close"])),
+            "shape": (int(rng.integers(1, 4)), 3, 5, 7) if not big else (4, 3, 300, 300),
+            "workers": int(rng.integers(1, 4)),
+            "threads": int(rng.integers(1, 4)),
+            "depth": int(rng.integers(1, 4)),
+            "break_at": int(rng.integers(0, 15)),
+            "hold": bool(rng.integers(2)),
+        }
+        where = f"seed {seed} schedule {s}: {plan}"
+        faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
+        try:
+            p = pinstream.prefetch(loader(FaultyBatches(plan), workers=plan["workers"]), dtype="uint8",
+                                   worker_ring=True, loader_threads=plan["threads"],
+                                   depth=plan["depth"], dry_run=dry)
+            timer = None
+            if plan["fault"] == "close":
+                timer = threading.Timer(0.01 * plan["k"], p.close)
+                timer.start()
+            got, error, held = 0, None, []
+            try:
+                for x, y in p:
+                    assert np.array_equal(host(x), fault_pixels(plan, got)), where
+                    assert np.array_equal(host(y), np.arange(plan["shape"][0]) + 1000 * got), where
+                    if plan["hold"]:
+                        held.append((x, y))
+                    got += 1
+                    if got == plan["break_at"]:
+                        break
+            except pinstream.LoaderError as e:
+                error = e
+            faulty = plan["fault"] in ("raise", "dtype", "shape") and plan["k"] < plan["n"]
+            if error is not None:
+                assert faulty and error.batch == plan["k"] == got, (where, repr(error))
+            elif plan["fault"] != "close" and got < plan["break_at"]:
+                assert got == (plan["k"] if faulty else plan["n"]), (where, got)
+            if timer is not None:
+                timer.join()
+            p.close()
+            del p, held
+            gc.collect()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    # Nothing left behind: bounded polls (a watchdog, not a speed bound).
+    for _ in range(1500):
+        gc.collect()
+        if not workers_alive() and _fds() <= fds0 and _maps_ring() == 0:
+            break
+        time.sleep(0.02)
+    names = sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+    assert not workers_alive(), (seed, workers_alive())
+    assert _fds() <= fds0, (seed, _fds(), fds0, names, names0)
+    assert _maps_ring() == 0, seed
