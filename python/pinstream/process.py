@@ -157,11 +157,16 @@ def _ring_array(x, np):
     return a
 
 
-def _pack(value):
-    """A rest value for pickling: torch CPU tensors as numpy (torch's own pickling is slow)."""
+def _pack(value, max_bytes=None, exact=False):
+    """A rest value for pickling: torch CPU tensors as numpy (torch's own pickling is slow);
+    with ``max_bytes``, only those at most that large, and with ``exact`` only a plain
+    ``torch.Tensor`` (a subclass is sent as it is, keeping its type)."""
     if type(value).__module__.startswith("torch") and hasattr(value, "numpy"):
         try:
-            if value.device.type == "cpu" and not value.requires_grad:
+            if exact and type(value) is not sys.modules["torch"].Tensor:
+                return value
+            if (value.device.type == "cpu" and not value.requires_grad
+                    and (max_bytes is None or value.numel() * value.element_size() <= max_bytes)):
                 return _TorchArray(value.numpy())
         except Exception:  # noqa: BLE001 - pickled as it is
             pass
@@ -176,14 +181,14 @@ def _unpack(value):
     return value
 
 
-def _without_images(item, place):
+def _without_images(item, place, pack=_pack):
     """The item with its images left out (``None`` in their place), the rest packed."""
     kind, key = place
     if kind == "seq":
-        parts = [None] + [_pack(v) for v in item[1:]]
+        parts = [None] + [pack(v) for v in item[1:]]
         return parts if isinstance(item, list) else tuple(parts)
     if kind == "map":
-        return {k: (None if k == key else _pack(v)) for k, v in item.items()}
+        return {k: (None if k == key else pack(v)) for k, v in item.items()}
     return None
 
 
@@ -474,9 +479,11 @@ class _Slots:
     """This process's side of the ring's free slots: a slot's number goes back to the helper
     once its images are no longer referred to here; nothing is sent after ``close``."""
 
-    def __init__(self, fd, token=None):
+    def __init__(self, fd, token=None, close_fd=None):
         self._fd = fd
         self._token = token
+        #: How its descriptor is closed (leaving its table first); ``_close_owned`` by default.
+        self._close_fd = close_fd
         self._pid = os.getpid()
         self._lock = threading.RLock()  # a collection inside may release another slot
 
@@ -497,7 +504,10 @@ class _Slots:
         with self._lock:
             fd, self._fd = self._fd, None
         if fd is not None:
-            _close_owned(self._token, fd)
+            if self._close_fd is not None:
+                self._close_fd(fd)
+            else:
+                _close_owned(self._token, fd)
 
 
 def _end_helper(proc, slots):

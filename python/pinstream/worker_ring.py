@@ -32,9 +32,12 @@ from .process import (
     _copy,
     _images_place,
     _numpy,
+    _pack,
     _register,
     _ring_array,
+    _Slots,
     _with_images,
+    _without_images,
 )
 
 OP = "pinstream.prefetch(worker_ring=True)"
@@ -134,36 +137,6 @@ def _close_fd(ring, fd):
             pass
 
 
-class _Free:
-    """This process's end of the pipe of free slots: a slot's number goes back to the workers
-    once its images are no longer referred to here; nothing after ``close`` (or in a fork)."""
-
-    def __init__(self, ring, fd):
-        self._ring = ring
-        self._fd = fd
-        self._pid = os.getpid()
-        self._lock = threading.RLock()  # a collection inside may release another slot
-
-    def release(self, s):
-        if os.getpid() != self._pid:
-            return
-        with self._lock:
-            if self._fd is None:
-                return
-            try:
-                os.write(self._fd, _TOKEN.pack(s))
-            except OSError:
-                pass  # the workers are gone (or the pipe is full: the slot stays unused)
-
-    def close(self):
-        if os.getpid() != self._pid:
-            return
-        with self._lock:
-            fd, self._fd = self._fd, None
-        if fd is not None:
-            _close_fd(self._ring, fd)
-
-
 class InRing:
     """A batch whose images are in slot ``slot`` of ring ``ring``, as a worker sends it: the
     batch's rest (its images left out), where they go back (``place``), and their shape."""
@@ -181,64 +154,10 @@ class InRing:
         return (InRing, (self.ring, self.slot, self.shape, self.place, self.rest))
 
 
-class _Small:
-    """A small torch CPU tensor of a batch's rest, sent by value (its numpy array) and made a
-    tensor again here."""
-
-    __slots__ = ("array",)
-
-    def __init__(self, array):
-        self.array = array
-
-    def __reduce__(self):
-        return (_Small, (self.array,))
-
-
-def _pack(value):
-    torch = _torch()
-    if torch is not None and type(value) is torch.Tensor:  # not a subclass: it keeps its type
-        try:
-            if (value.device.type == "cpu" and not value.requires_grad
-                    and value.numel() * value.element_size() <= _SMALL_REST):
-                return _Small(value.numpy())
-        except Exception:  # noqa: BLE001 - sent as it is
-            pass
-    return value
-
-
-def _torch():
-    import sys
-
-    return sys.modules.get("torch")
-
-
-def _unpack(value):
-    if isinstance(value, _Small):
-        import torch
-
-        return torch.from_numpy(value.array)
-    return value
-
-
 def _rest(item, place):
-    """The batch with its images left out (``None`` in their place), small tensors packed."""
-    kind, key = place
-    if kind == "seq":
-        parts = [None] + [_pack(v) for v in item[1:]]
-        return parts if isinstance(item, list) else tuple(parts)
-    if kind == "map":
-        return {k: (None if k == key else _pack(v)) for k, v in item.items()}
-    return None
-
-
-def _unpack_rest(rest, place):
-    kind, _ = place
-    if kind == "seq":
-        parts = [_unpack(v) for v in rest]
-        return parts if isinstance(rest, list) else tuple(parts)
-    if kind == "map":
-        return {k: _unpack(v) for k, v in rest.items()}
-    return rest
+    """The batch with its images left out (``None`` in their place); small plain tensors by
+    value (not a shared-memory file each for 2 KB of labels), subclasses as they are."""
+    return _without_images(item, place, lambda v: _pack(v, _SMALL_REST, exact=True))
 
 
 class RingCollate:
@@ -431,7 +350,8 @@ class WorkerRingReader:
         _close_fd(self._ring_id, free_r)
         self._it = it
         self._ring_fd = ring_fd
-        self._slots = _Free(self._ring_id, free_w)
+        ring = self._ring_id
+        self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
         self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._ring_id, self._slots,
                                            ring_fd)
         return self
@@ -543,7 +463,7 @@ class WorkerRingReader:
         # holds the registration.
         weakref.finalize(images, _release, self._slots, self._out, self._lock, s,
                          self._registration).atexit = False
-        return _with_images(_unpack_rest(msg.rest, msg.place), msg.place, images)
+        return _with_images(msg.rest, msg.place, images)
 
 
 def _end_iteration(it, pulling):
