@@ -375,8 +375,16 @@ class WorkerRingReader:
                 # Also when a second Ctrl-C ends the wait: the loader thread would wait forever.
                 _end_iteration(it, self._pulling)
         del it
-        if self._slots is not None:
-            self._slots.close()
+        # The ring's descriptors and this reader's hold on its mapping go now, not with the
+        # reader: an exception kept by the caller refers to the reader through its traceback.
+        # Views still out keep the mapping (and its registration) until they go.
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+            elif self._slots is not None:
+                self._slots.close()
+            self._ring = None
+            self._registration = None
 
     def __next__(self):
         if self._done or not self._started or self._it is None:
@@ -412,6 +420,11 @@ class WorkerRingReader:
         """The ring, sized for the first batch's images, and every slot handed to the
         workers. A batch without ring-able images (they are not uint8, or not C-contiguous)
         makes none: every batch then comes the usual way."""
+        with self._lock:
+            if not self._done:  # closed meanwhile: its descriptor is gone
+                self._make_ring_locked(item)
+
+    def _make_ring_locked(self, item):
         np = self._np
         place = _images_place(item, self._keys)
         if place is None:

@@ -702,7 +702,8 @@ def test_worker_ring_random_fault_schedules(dry):
             if timer is not None:
                 timer.join()
             p.close()
-            del p, held
+            # The error's traceback refers to the loader's own iterator (torch's queues).
+            del p, held, error
             gc.collect()
         finally:
             faulthandler.cancel_dump_traceback_later()
@@ -717,3 +718,25 @@ def test_worker_ring_random_fault_schedules(dry):
     assert not workers_alive(), (seed, workers_alive())
     assert _fds() <= fds0, (seed, _fds(), fds0, names, names0)
     assert _maps_ring() == 0, seed
+
+
+def test_worker_ring_an_error_kept_after_close_keeps_no_ring():
+    """A LoaderError the caller keeps refers to the reader through its traceback: close()
+    lets go of the ring's descriptors and mapping all the same."""
+    p = pinstream.prefetch(loader(Batches(20, fail_at=14)), dtype="uint8", worker_ring=True,
+                           dry_run=True)
+    kept = None
+    try:
+        for _ in p:
+            pass
+    except pinstream.LoaderError as e:
+        kept = e
+    assert kept is not None
+    p.close()
+    del p
+    gc.collect()
+    names = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+             if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not any("pinstream-worker-ring" in n for n in names)
+    assert _maps_ring() == 0
+    del kept
