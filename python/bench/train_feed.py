@@ -241,12 +241,15 @@ def run(name, batches, step, a, torch):
     with PIN.spawning():
         sampler = GpuSampler()
     c0, t0 = cpu_total(), time.perf_counter()
+    main0, waited = time.thread_time(), 0.0
     n = 0
     marks = []
     for _ in range(a.steps):
         if a.max_ahead and len(marks) >= a.max_ahead:
             marks.pop(0).synchronize()  # the host at most `max_ahead` steps ahead of the GPU
+        tw = time.perf_counter()
         x, y = next(batches)
+        waited += time.perf_counter() - tw
         step(x, y)
         if a.max_ahead:
             ev = torch.cuda.Event()
@@ -258,6 +261,8 @@ def run(name, batches, step, a, torch):
     secs, cpu = time.perf_counter() - t0, cpu_total() - c0
     r = {"pipeline": name, "images": n, "secs": round(secs, 4), "images_per_s": round(n / secs, 1),
          "step_ms": round(secs / a.steps * 1e3, 3), "cpu_s_per_image": round(cpu / n, 6),
+         "main_cpu_ms": round((time.thread_time() - main0) / a.steps * 1e3, 3),
+         "next_ms": round(waited / a.steps * 1e3, 3),
          "gpu": sampler.stop()}
     print(f"{name}: {n / secs:.0f} images/s, {secs / a.steps * 1e3:.2f} ms per step, "
           f"{cpu / n * 1e3:.3f} CPU ms per image", file=sys.stderr, flush=True)
@@ -485,6 +490,8 @@ def main():
                          "context of about this many SMs, the rest left to the feed (0: off)")
     ap.add_argument("--side-stream", action="store_true",
                     help="every pipeline's step on a stream of its own, not the legacy default stream")
+    ap.add_argument("--step-priority", type=int, default=None,
+                    help="the step on a stream of its own of this priority (0 least, negative greater)")
     ap.add_argument("--pin", type=int, default=None,
                     help="the training thread alone on this CPU, everything it starts off it and its sibling")
     a = ap.parse_args()
@@ -516,7 +523,9 @@ def main():
     y_res = torch.randint(0, 100, (a.batch,), device="cuda")
     torch.cuda.synchronize()
     spawn.__exit__(None, None, None)
-    if a.side_stream:
+    if a.step_priority is not None:
+        torch.cuda.stream(torch.cuda.Stream(priority=a.step_priority)).__enter__()
+    elif a.side_stream:
         # Work other code queues on the legacy default stream (stream 0) waits for everything
         # queued on it before, the training step's included, unless the step runs elsewhere.
         torch.cuda.stream(torch.cuda.Stream()).__enter__()

@@ -22,7 +22,9 @@ ResNet-18/50 over the ideal for each source.
 import argparse
 import json
 import os
+import resource
 import statistics
+import sys
 import threading
 import time
 
@@ -616,13 +618,37 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             torch.cuda.synchronize()
             cpu0, t0 = time.process_time(), time.perf_counter()
             ch0 = os.times()
+            # The training thread's own CPU time and its wait in next(): a step slower than the
+            # ideal with the same CPU time waited (for its batch, the GIL); one with more CPU time
+            # ran slower beside the source (caches, memory).
+            main0, waited, native = time.thread_time(), 0.0, 0.0
+            flt0 = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt,
+                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+            # pinstream.torch's prefetcher: its native next() and the DLPack conversion timed
+            # apart (the same conversion as its __next__, `pt._handed`).
+            inner = getattr(batches, "_inner", None)
             n = 0
-            for x, y in batches:
+            while True:
+                tw = time.perf_counter()
+                try:
+                    if inner is None:
+                        x, y = next(batches)
+                    else:
+                        item = next(inner)
+                        native += time.perf_counter() - tw
+                        streams = {}
+                        x, y = (pt._handed(v, streams) if isinstance(v, pinstream.Tensor) else v for v in item)
+                except StopIteration:
+                    break
+                waited += time.perf_counter() - tw
                 x, y = prep(x, y)
                 step(x, y)
                 n += 1
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+            main_cpu = time.thread_time() - main0
+            flt = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - flt0[0],
+                   resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0[1])
             ch1 = os.times()
             cpu = (time.process_time() - cpu0) + (ch1.children_user + ch1.children_system) - (
                 ch0.children_user + ch0.children_system
@@ -633,12 +659,17 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
+            main = {"main_cpu_ms": round(main_cpu / n * 1e3, 3), "next_ms": round(waited / n * 1e3, 3),
+                    # Minor page faults per step: the training thread's, the whole process's.
+                    "main_faults": round(flt[0] / n, 1), "faults": round(flt[1] / n, 1)}
+            if inner is not None:
+                main["native_next_ms"] = round(native / n * 1e3, 3)
             if st:
                 k = max(st["items"], 1)
                 st = {"turn_ms": round(st["pull_seconds"] / k * 1e3, 3),
                       "gil_wait_ms": round(st["gil_wait_seconds"] / k * 1e3, 3),
                       "after_ms": round(st["after_seconds"] / k * 1e3, 3), **ring}
-            return wall / n * 1e3, cpu / n * 1e3, st
+            return wall / n * 1e3, cpu / n * 1e3, {**main, **(st or {})}
 
         resident = [(((gen_data[i][0].to(DEV).float() - torch.tensor(mean, device=DEV).view(1, 3, 1, 1))
                       / torch.tensor(std, device=DEV).view(1, 3, 1, 1)).contiguous(memory_format=torch.channels_last),
@@ -668,6 +699,23 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             return lambda: timed(away(lambda: pt.prefetch(src(), normalize=pinstream.IMAGENET,
                                                           dtype=torch.float16, layout="nhwc", **kw)), nhwc)
 
+        def with_child(f):
+            # A forked child that only sleeps while `f` runs: the parent's pages are shared
+            # copy-on-write with it, as with a DataLoader's workers or a helper process, so each
+            # first write to one in the parent copies it.
+            def run():
+                pid = os.fork()
+                if pid == 0:
+                    time.sleep(600)
+                    os._exit(0)
+                try:
+                    return f()
+                finally:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+
+            return run
+
         def dl(dataset, workers):
             return lambda: torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
 
@@ -675,6 +723,9 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
                              lambda: timed(away(lambda: ApexPrefetcher(loader(), mean, std)), cl)),
             "generator": ("pinstream.torch.prefetch(generator), f16 NHWC", ours(generator)),
+            "ideal_fork": ("the ideal beside a forked child that sleeps", with_child(ideal)),
+            "generator_fork": ("... generator, beside a forked child that sleeps", with_child(ours(generator))),
+            "generator_process": ("... generator, process=True", ours(generator, process=True)),
             "dl4_views": ("pinstream.torch.prefetch(DataLoader, 4 workers)", ours(dl(ds, 4))),
             "dl4_views_threads12": ("... 4 workers, 12 loader threads", ours(dl(ds, 4), loader_threads=12)),
             "dl4_views_threads1": ("... 4 workers, 1 loader thread", ours(dl(ds, 4), loader_threads=1)),
@@ -713,7 +764,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         assert all(abs(f - want) <= 1e-2 * abs(want) + 2 for f in first), (first, want)
         print(f"- {name}")
         print("    ideal (input already on the GPU), between the rounds: "
-              + " / ".join(f"{t[0]:.2f}" for t in ideals) + f" ms, CPU {ideals[0][1]:7.2f} ms")
+              + " / ".join(f"{t[0]:.2f}" for t in ideals) + f" ms, CPU {ideals[0][1]:7.2f} ms, "
+              + " / ".join(f"{t[2]['main_cpu_ms']:.2f}" for t in ideals) + " training-thread CPU ms")
         for k, (label, _) in sources.items():
             r = results[k]
             print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {statistics.median(ratios[k]):.3f}"
@@ -750,7 +802,18 @@ def main():
     ap.add_argument("--model-warmup", type=int, default=None,
                     help="models: untimed steps per source first (default 6; a DataLoader's or a helper's "
                          "fork makes the training process copy its pages on first write for a while)")
+    ap.add_argument("--process-copy-threads", type=int, default=None,
+                    help="process=True: the helper's copy threads (pinstream.process.COPY_THREADS)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (seconds) for the whole run: how long a thread "
+                         "waiting for the GIL lets the holder run before asking for it")
     a = ap.parse_args()
+    if a.process_copy_threads is not None:
+        from pinstream import process as process_mod
+
+        process_mod.COPY_THREADS = a.process_copy_threads
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     if a.sharing:
         torch.multiprocessing.set_sharing_strategy(a.sharing)
     if a.worker_copy_threads is not None:

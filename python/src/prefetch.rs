@@ -764,6 +764,20 @@ impl Inner {
         }
     }
 
+    /// Whether `next` returns at once with what has arrived, without waiting to find out.
+    fn ready(&mut self) -> bool {
+        match &mut self.0 {
+            Kind::F32(p) => p.ready(),
+            Kind::F16(p) => p.ready(),
+            Kind::Bf16(p) => p.ready(),
+            Kind::U8(p) => p.ready(),
+            Kind::DryF32(p) => p.ready(),
+            Kind::DryF16(p) => p.ready(),
+            Kind::DryBf16(p) => p.ready(),
+            Kind::DryU8(p) => p.ready(),
+        }
+    }
+
     /// Waits up to `d` for `next` to have something to return at once.
     fn poll(&mut self, d: Duration) -> bool {
         match &mut self.0 {
@@ -934,22 +948,38 @@ impl PyPrefetcher {
         if pulling(self.id()) {
             return Err(reentered("__next__"));
         }
-        // Waits in slices, the GIL released, and checks for signals between them: Ctrl-C
-        // raises KeyboardInterrupt here and the batch still on its way comes with the next
-        // call. The lock is held for one slice at a time, so `close` from another thread
-        // gets it within a slice.
-        let got = loop {
-            let polled = py.detach(|| {
-                let mut g = lock(&self.inner);
-                match g.as_mut() {
-                    None => Some(None),
-                    Some(p) => p.poll(SLICE).then(|| p.next()),
+        // A batch that has already arrived is taken with the GIL held. Letting the GIL go
+        // here would hand it to a loader thread waiting for it, and taking it back would wait
+        // for that thread's turn: 0.2-0.3 ms a batch beside a training loop, at the moment
+        // its GPU has the least queued (BENCHMARKS.md, 2026-11-27, eighth session). Nothing
+        // here waits: `try_lock` and `ready` only look.
+        let fast = match self.inner.try_lock() {
+            Ok(mut g) => match g.as_mut() {
+                None => Some(None),
+                Some(p) => p.ready().then(|| p.next()),
+            },
+            Err(_) => None,
+        };
+        // Otherwise it waits in slices, the GIL released, and checks for signals between
+        // them: Ctrl-C raises KeyboardInterrupt here and the batch still on its way comes with
+        // the next call. The lock is held for one slice at a time, so `close` from another
+        // thread gets it within a slice.
+        let got = if let Some(got) = fast {
+            got
+        } else {
+            loop {
+                let polled = py.detach(|| {
+                    let mut g = lock(&self.inner);
+                    match g.as_mut() {
+                        None => Some(None),
+                        Some(p) => p.poll(SLICE).then(|| p.next()),
+                    }
+                });
+                if let Some(got) = polled {
+                    break got;
                 }
-            });
-            if let Some(got) = polled {
-                break got;
+                py.check_signals()?;
             }
-            py.check_signals()?;
         };
         let (i, out) = match got {
             None => {

@@ -215,7 +215,14 @@ impl Tensor {
             )
         })?;
         let versioned = max_version.is_some_and(|(major, _)| major >= 1);
-        let handed = py.detach(|| -> Result<Managed, Box<dlpack::Refused>> {
+        // A device tensor handed to a consumer's stream is only ordered on the GPU (the stream
+        // waits for an event): nothing here waits, and it runs with the GIL held. Letting the
+        // GIL go would hand it to a thread waiting for it (a prefetcher's loader) and taking
+        // it back would wait for that thread, twice a batch in a training loop. Every other
+        // handover may wait on the host (for the device, or for copies into host memory): the
+        // GIL is let go there.
+        let host_waits = !matches!((&how, &c), (ConsumerStream::Raw(_), Some(_)));
+        let hand = || -> Result<Managed, Box<dlpack::Refused>> {
             let consumer = match (how, c.as_ref()) {
                 (ConsumerStream::NoSync, _) | (_, None) => None,
                 (ConsumerStream::PerThread, Some(c)) => {
@@ -241,7 +248,8 @@ impl Tensor {
             } else {
                 t.into_legacy(consumer.as_ref()).map(Managed::Legacy)
             }
-        });
+        };
+        let handed = if host_waits { py.detach(hand) } else { hand() };
         match handed {
             Ok(m) => capsule::into_capsule(py, m),
             Err(refused) => {

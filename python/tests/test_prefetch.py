@@ -15,6 +15,15 @@ from conftest import needs_gpu
 
 pytestmark = needs_gpu
 RNG = np.random.default_rng()
+
+
+def _torch():
+    """torch, or the test skipped; and ``pinstream.torch`` imported (a submodule: importing
+    ``pinstream`` alone does not, so the test must not depend on another file having done so)."""
+    torch = pytest.importorskip("torch")
+    import pinstream.torch  # noqa: F401
+
+    return torch
 MEAN, STD = pinstream.IMAGENET
 
 
@@ -43,7 +52,7 @@ def reference(px, nhwc_in, nhwc_out, mean=MEAN, std=STD):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-3), ("bfloat16", 1e-2)])
 @pytest.mark.parametrize("lin,lout", [("nchw", "nchw"), ("nhwc", "nchw"), ("nhwc", "nhwc")])
 def test_normalize_matches_numpy_float64(dtype, tol, lin, lout):
-    torch = pytest.importorskip("torch")
+    torch = _torch()
     data = batches(5, nhwc=lin == "nhwc")
     p = pinstream.torch.prefetch(
         iter(data), normalize=pinstream.IMAGENET, dtype=dtype, layout=lout, input_layout=lin
@@ -60,7 +69,7 @@ def test_normalize_matches_numpy_float64(dtype, tol, lin, lout):
 
 
 def test_uint8_cast_and_pixels_only_items():
-    torch = pytest.importorskip("torch")
+    torch = _torch()
     data = batches(3, labels=False)
     got = list(pinstream.torch.prefetch(data, dtype=torch.uint8))
     assert len(got) == 3
@@ -122,7 +131,7 @@ def threads():
 
 
 def test_early_exit_ends_the_threads_and_frees_memory():
-    torch = pytest.importorskip("torch")
+    torch = _torch()
     big = batches(64, n=32, h=224, w=224)
 
     def run(stop_after):
@@ -150,7 +159,7 @@ def test_early_exit_ends_the_threads_and_frees_memory():
 
 
 def test_dataloader_without_pin_memory():
-    torch = pytest.importorskip("torch")
+    torch = _torch()
     from torch.utils.data import DataLoader, TensorDataset
 
     x = torch.randint(0, 256, (64, 3, 16, 16), dtype=torch.uint8)

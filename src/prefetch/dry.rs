@@ -210,6 +210,25 @@ impl<O: OutputElement, E: Pod + Send + 'static> DryRun<O, E> {
         }
     }
 
+    /// As [`Prefetcher::ready`](super::Prefetcher::ready): whether [`next`](Self::next) would
+    /// return at once, looking without waiting (a dry run's slots are host memory: giving the
+    /// last one back never waits).
+    pub fn ready(&mut self) -> bool {
+        if let Some(slot) = self.current.take() {
+            self.pipe.give_back(slot);
+        }
+        if self.early.is_some() || self.finished {
+            return true;
+        }
+        match self.pipe.recv_timeout(std::time::Duration::ZERO) {
+            Some(m) => {
+                self.early = Some(m);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// As [`Prefetcher::loader_stats`](super::Prefetcher::loader_stats).
     pub fn loader_stats(&self) -> LoaderStats {
         self.pipe.loader_stats()

@@ -325,6 +325,29 @@ impl<O: OutputElement, E: Pod + Send + 'static> Prefetcher<O, E> {
         }
     }
 
+    /// Whether [`next`](Self::next) would return at once with what has already arrived (a
+    /// batch, the end of the data, an error), looking without waiting for anything: not for
+    /// the loaders, not for the GPU, not for a lock the loaders hold. For a caller that must
+    /// not block (a Python binding holding the GIL, which the loaders may be waiting for): when
+    /// it says `true`, `next` does not wait either. A batch received is kept for `next`;
+    /// nothing is lost. `false` while the batch handed out last is still held by this
+    /// prefetcher (not exported): giving it back may wait for the device, which `next` does.
+    pub fn ready(&mut self) -> bool {
+        if self.current.is_some() {
+            return false;
+        }
+        if self.early.is_some() || self.pending.is_some() || self.finished {
+            return true;
+        }
+        match self.pipe.recv_timeout(std::time::Duration::ZERO) {
+            Some(m) => {
+                self.early = Some(m);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Records the release of the slot the consumer held and sends it back to the feeder.
     fn give_back(&mut self) {
         let Some(mut slot) = self.current.take() else {

@@ -104,7 +104,127 @@ pub fn trials() -> Vec<Trial> {
         "host/pixels_len_and_read",
         pixels_len_and_read,
     ));
+    trials.push(trial(
+        PREFIX,
+        "host/dry_ready_looks_without_waiting",
+        dry_ready_looks_without_waiting,
+    ));
+    trials.push(
+        trial(
+            PREFIX,
+            "next/ready_looks_without_waiting",
+            ready_looks_without_waiting,
+        )
+        .with_ignored_flag(no_gpu),
+    );
     trials
+}
+
+/// `n` batches of `fill_uniform` (2 images of 16x16) whose loaders wait until the gate opens
+/// (at most a minute, so that a failed trial's prefetcher still stops).
+fn gated_source(n: u64) -> (Source<i64>, Arc<std::sync::atomic::AtomicBool>) {
+    let gate = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let g = gate.clone();
+    let source = Source::new(move |i, b: &mut HostBatch<i64>| {
+        let t0 = Instant::now();
+        while !g.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(60) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if i >= n {
+            return Ok(false);
+        }
+        fill_uniform(i, b, 2, 16);
+        Ok(true)
+    });
+    (source, gate)
+}
+
+/// Asks `ready` until it says yes, at most 100 000 times 1 ms apart (a watchdog, not a
+/// clock: a loaded machine only makes it ask more often).
+fn until_ready(mut ready: impl FnMut() -> bool, what: &str) -> R {
+    for _ in 0..100_000 {
+        if ready() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Err(format!("{what}: never ready").into())
+}
+
+/// `Prefetcher::ready` looks without waiting: no while the loaders are held back (asked 200
+/// times, each returning while they still are), yes once a batch has arrived, and `next` then
+/// gives it, right and in order; no while the batch handed out last is still held by the
+/// prefetcher (a leaked guard, whose give-back may wait for the device); yes at the end, where
+/// `next` says `None`.
+fn ready_looks_without_waiting() -> R {
+    let dev = Device::get(0)?;
+    let stream = dev.stream()?;
+    let (source, gate) = gated_source(5);
+    let mut p = Prefetcher::<f32, i64>::new(&stream, source, config(2, 2))?;
+    for k in 0..200 {
+        ensure(!p.ready(), || {
+            format!("ready at ask {k}, before any batch was loaded")
+        })?;
+    }
+    gate.store(true, Ordering::Release);
+    for i in 0..5u64 {
+        if i != 3 {
+            until_ready(|| p.ready(), &format!("batch {i}"))?;
+        }
+        // (Batch 3 comes after the leaked guard of batch 2: `next` gives that back first.)
+        let b = p
+            .next()
+            .ok_or_else(|| Failed::from(format!("batch {i}: the end after ready")))??;
+        ensure(b.index() == i, || format!("batch {} for {i}", b.index()))?;
+        let mut want = HostBatch::default();
+        fill_uniform(i, &mut want, 2, 16);
+        check(
+            &stream,
+            &b.pixels()?,
+            &b.extras()?,
+            &want,
+            &format!("batch {i}"),
+        )?;
+        if i == 2 {
+            // A leaked guard leaves the slot with the prefetcher: not ready, whatever arrived.
+            std::mem::forget(b);
+            for k in 0..50 {
+                ensure(!p.ready(), || {
+                    format!("ready at ask {k} with a batch still held")
+                })?;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    until_ready(|| p.ready(), "the end")?;
+    ensure(p.next().is_none(), || "a batch after the fifth".into())?;
+    ensure(p.ready(), || "not ready once finished".into())
+}
+
+/// The same for a dry run, without a GPU: not ready while the loaders are held back, then every
+/// batch in order with its extras, then the end.
+fn dry_ready_looks_without_waiting() -> R {
+    let (source, gate) = gated_source(4);
+    let mut run = pinstream::prefetch::DryRun::<f32, i64>::new(source, config(2, 2))?;
+    for k in 0..200 {
+        ensure(!run.ready(), || {
+            format!("ready at ask {k}, before any batch was loaded")
+        })?;
+    }
+    gate.store(true, Ordering::Release);
+    for i in 0..4u64 {
+        until_ready(|| run.ready(), &format!("batch {i}"))?;
+        let b = run
+            .next()
+            .ok_or_else(|| Failed::from(format!("batch {i}: the end after ready")))??;
+        ensure(b.index() == i, || format!("batch {} for {i}", b.index()))?;
+        let want: Vec<i64> = (0..2).map(|k| i as i64 * 1000 + k).collect();
+        ensure(b.extras() == want.as_slice(), || {
+            format!("batch {i}: {:?}", b.extras())
+        })?;
+    }
+    until_ready(|| run.ready(), "the end")?;
+    ensure(run.next().is_none(), || "a batch after the fourth".into())
 }
 
 /// A run-wide seed (printed on failure) so every run draws fresh data.
