@@ -693,6 +693,54 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         def ideal():
             return timed((resident[i % 4] for i in range(n_batches)), lambda x, y: (x, y))
 
+        def ideal_host_copy():
+            # The ideal, plus the host memory traffic of a batch's copy (numpy, without the GIL)
+            # every 15 ms on another thread: what the host side of a source costs the step
+            # without its GIL, its GPU work or its data.
+            src = gen_data[0][0].numpy() if hasattr(gen_data[0][0], "numpy") else gen_data[0][0]
+            dst = np.empty_like(src)
+            stop = threading.Event()
+
+            def copier():
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    np.copyto(dst, src)
+                    stop.wait(max(0.0, 0.015 - (time.perf_counter() - t)))
+
+            th = threading.Thread(target=copier, daemon=True)
+            th.start()
+            try:
+                return ideal()
+            finally:
+                stop.set()
+                th.join()
+
+        def ideal_gpu_work():
+            # The ideal, plus the GPU work a prefetched batch brings, with none of the host's:
+            # each step a 256 x 3x224x224 uint8 copy from page-locked memory and its cast to
+            # float16 NHWC, on a side stream, the step's stream waiting for it (as for a batch).
+            side = torch.cuda.Stream()
+            src = gen_data[0][0].contiguous().pin_memory()
+            dst = torch.empty(src.shape, dtype=torch.uint8, device=DEV)
+            out = torch.empty(src.shape, dtype=torch.float16, device=DEV)
+
+            def batches():
+                # Two batches ahead, as the prefetcher's depth: the step waits for the copy and
+                # cast queued two steps before (the buffers are the step's to ignore).
+                evs = []
+                for i in range(n_batches):
+                    ev = torch.cuda.Event()
+                    with torch.cuda.stream(side):
+                        dst.copy_(src, non_blocking=True)
+                        out.copy_(dst)
+                        ev.record(side)
+                    evs.append(ev)
+                    if len(evs) > 2:
+                        torch.cuda.current_stream().wait_event(evs.pop(0))
+                    yield resident[i % 4]
+
+            return timed(batches(), lambda x, y: (x, y))
+
         def ours(src, **kw):
             if _OTHERS[0] is not None:
                 kw.setdefault("cpus", _OTHERS[0])
@@ -723,6 +771,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
                              lambda: timed(away(lambda: ApexPrefetcher(loader(), mean, std)), cl)),
             "generator": ("pinstream.torch.prefetch(generator), f16 NHWC", ours(generator)),
+            "ideal_host_copy": ("the ideal plus a thread copying a batch on the host each 15 ms", ideal_host_copy),
+            "ideal_gpu_work": ("the ideal plus a batch's copy and cast on a side stream", ideal_gpu_work),
             "ideal_fork": ("the ideal beside a forked child that sleeps", with_child(ideal)),
             "generator_fork": ("... generator, beside a forked child that sleeps", with_child(ours(generator))),
             "generator_process": ("... generator, process=True", ours(generator, process=True)),
