@@ -650,7 +650,12 @@ impl Iterator for Items {
                     None
                 }
                 Err(e) => {
-                    let message = describe(py, &e);
+                    // The error's `__str__` is the iterable's code too: a `next()` or `close()`
+                    // of this prefetcher from there is refused as from `__next__`, not waited for.
+                    let message = {
+                        let _pulling = Pulling::enter(self.id);
+                        describe(py, &e)
+                    };
                     lock(&self.side).causes.insert(i, Cause::Py(e));
                     self.done = true;
                     Some(Err(message.into()))
@@ -952,7 +957,11 @@ impl PyPrefetcher {
         // here would hand it to a loader thread waiting for it, and taking it back would wait
         // for that thread's turn: 0.2-0.3 ms a batch beside a training loop, at the moment
         // its GPU has the least queued (BENCHMARKS.md, 2026-11-27, eighth session). Nothing
-        // here waits: `try_lock` and `ready` only look.
+        // here waits: `try_lock` and `ready` only look, and a slot the export hands back to a
+        // feeder that has stopped is dropped by the background reaper, not here.
+        // A pending signal first (a flag test; Ctrl-C reaches a consumer written in C, such as
+        // `list(p)`, whose loop never runs bytecode), before anything is taken.
+        py.check_signals()?;
         let fast = match self.inner.try_lock() {
             Ok(mut g) => match g.as_mut() {
                 None => Some(None),

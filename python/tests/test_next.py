@@ -133,3 +133,131 @@ def test_close_from_another_thread_while_batches_are_ready():
     assert got == list(range(len(got))) and 6 <= len(got) <= n
     with pytest.raises(StopIteration):
         next(p)
+
+
+def _child(code, timeout=90):
+    """Runs ``code`` in a fresh interpreter (what it does to signals, threads or the GIL stays
+    there); a hang is a failure, not a hung test run."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                           timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the child hung: {e.stdout!r} {e.stderr!r}")
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_ctrl_c_reaches_a_consumer_written_in_c():
+    """``list(p)`` of an endless source never runs bytecode between batches, which are always
+    there: ``next()`` itself looks for a pending signal before it takes one."""
+    rc, out = _child("""
+        import os, signal, threading, time
+        import numpy as np
+        import pinstream
+
+        def endless():
+            i = 0
+            while True:
+                yield np.full((1, 3, 2, 2), i % 251, np.uint8), np.arange(1)
+                i += 1
+
+        p = pinstream.prefetch(endless(), dry_run=True, dtype="uint8", loader_threads=2, depth=2)
+        next(p)
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            import collections
+            collections.deque(p, maxlen=0)
+        except KeyboardInterrupt:
+            p.close()
+            print("INTERRUPTED")
+    """)
+    assert rc == 0 and "INTERRUPTED" in out, out
+
+
+@pytest.mark.parametrize("call", ["next", "close"])
+def test_an_errors_str_that_calls_next_or_close_does_not_hang(call):
+    """The text of the iterable's exception is made on the loader thread: its ``__str__`` is the
+    iterable's code, where ``next()`` and ``close()`` are refused rather than waited for."""
+    rc, out = _child(f"""
+        import numpy as np
+        import pinstream
+
+        holder = {{}}
+
+        class Boom(Exception):
+            def __str__(self):
+                try:
+                    {"next(holder['p'])" if call == "next" else "holder['p'].close()"}
+                except Exception as e:
+                    return "boom, and " + type(e).__name__
+                return "boom"
+
+        def src():
+            for i in range(6):
+                if i == 3:
+                    raise Boom()
+                yield np.full((1, 3, 2, 2), i, np.uint8), np.arange(1)
+
+        p = pinstream.prefetch(src(), dry_run=True, dtype="uint8", loader_threads=1, depth=1)
+        holder["p"] = p
+        n = 0
+        try:
+            for _ in p:
+                n += 1
+        except pinstream.LoaderError as e:
+            print("LOADER_ERROR", e.batch, n, isinstance(e.__cause__, Boom))
+        p.close()
+    """)
+    assert rc == 0 and "LOADER_ERROR 3 3 True" in out, out
+
+
+def test_the_end_of_the_data_waits_for_nothing_holding_the_gil():
+    """At the end of the data the feeder has stopped, and a spare slot an export hands back is
+    refused: its drop waits for its last users on the GPU. That drop must not happen in
+    ``next()``, which holds the GIL: a host function queued on torch's stream that needs the GIL
+    (what CuPy's ``launch_host_func`` does) would then never run (a deadlock)."""
+    from conftest import GPU_REASON
+
+    if GPU_REASON is not None:
+        pytest.skip(GPU_REASON)
+    pytest.importorskip("torch")
+    rc, out = _child("""
+        import ctypes, time
+        import numpy as np
+        import torch
+        import pinstream.torch as pt
+
+        n = 12
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); torch.cuda._sleep(int(2e7)); b.record(); b.synchronize()
+        long = int(2e7 / (a.elapsed_time(b) / 1e3))  # about 1 s of GPU time
+        cuda = ctypes.CDLL("libcuda.so.1")
+        HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        ran = []
+        cb = HOSTFN(lambda _: ran.append(1))  # ctypes takes the GIL to run it
+        cuda.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, HOSTFN, ctypes.c_void_p]
+        data = [(np.full((4, 3, 32, 32), i, np.uint8), np.arange(4) + 10 * i) for i in range(n)]
+        for back in (2, 3, 4, 5):
+            it = iter(pt.prefetch(iter(data), dtype=torch.uint8))
+            x, y = next(it)
+            sums = []
+            for i in range(1, n):
+                if i - 1 == n - back:
+                    torch.cuda._sleep(long)
+                    assert cuda.cuLaunchHostFunc(torch.cuda.current_stream().cuda_stream, cb, None) == 0
+                sums.append(x.float().sum())
+                time.sleep(0.3 if i == n - 1 else 0.02)  # the last batch there: the fast path
+                x, y = next(it)
+            sums.append(x.float().sum())
+            assert list(it) == []
+            torch.cuda.synchronize()
+            assert [int(s.item()) for s in sums] == [k * 4 * 3 * 32 * 32 for k in range(n)]
+        assert len(ran) == 4
+        print("NO_DEADLOCK")
+    """, timeout=120)
+    assert rc == 0 and "NO_DEADLOCK" in out, out

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use bytemuck::Pod;
 
-use super::pipeline::{give_back, Returner};
+use super::pipeline::{give_back_or, Returner};
 use super::slot::Slot;
 use crate::device::Device;
 use crate::error::Result;
@@ -188,8 +188,26 @@ impl<S: Leased> Drop for Lease<S> {
         slot.add_released(std::mem::take(&mut *lock(&self.also)));
         // The feeder waits for the releases before it refills the slot, parked or not.
         if let Some(slot) = self.exports.on_release(slot) {
-            give_back(&self.back, slot);
+            let device = self.device;
+            give_back_or(&self.back, slot, |s| drop_later(s, device));
         }
+    }
+}
+
+/// A slot the feeder no longer takes (it has stopped): dropped by the background reaper once
+/// `device` has finished what was queued, not here. Its drop waits for its last users on the
+/// device, and here may be a consumer's thread holding a lock the device's queued work needs
+/// (Python's GIL, for a host callback), which would never come back.
+pub(crate) fn drop_later<S: Send + 'static>(slot: S, device: Device) {
+    #[cfg(feature = "dlpack")]
+    crate::deferred::defer(
+        Box::new(move || drop(slot)),
+        crate::deferred::Scope::Device(device),
+    );
+    #[cfg(not(feature = "dlpack"))]
+    {
+        let _ = device;
+        drop(slot);
     }
 }
 

@@ -558,10 +558,13 @@ impl<O: OutputElement, E: Pod + Send + 'static> DeviceBatch<'_, O, E> {
             }
         };
         // A spare takes the slot's place in the feeder's circle while it is away.
+        // (Not dropped here if the feeder has stopped: this may be a thread that holds what
+        // the device's queued work waits for; see `export::drop_later`.)
+        let later = |s| export::drop_later(s, device);
         match p.exports.on_export() {
-            Stand::Parked(spare) => p.pipe.give_back(spare),
+            Stand::Parked(spare) => p.pipe.give_back_or(spare, later),
             Stand::New => match Slot::new(&device, p.device_bytes.clone()) {
-                Ok(spare) => p.pipe.give_back(Box::new(spare)),
+                Ok(spare) => p.pipe.give_back_or(Box::new(spare), later),
                 Err(e) => {
                     p.exports.spare_failed();
                     p.pending.get_or_insert(e);

@@ -132,6 +132,12 @@ impl<E, S> Pipeline<E, S> {
         give_back(&self.free, slot);
     }
 
+    /// As [`give_back`](Self::give_back), a slot refused (the feeder has stopped) going to
+    /// `refused`.
+    pub(crate) fn give_back_or(&self, slot: S, refused: impl FnOnce(S)) {
+        give_back_or(&self.free, slot, refused);
+    }
+
     /// The way back to the feeder, for slots that come back later from another thread.
     pub(crate) fn returner(&self) -> Returner<S> {
         self.free.clone()
@@ -168,11 +174,19 @@ pub(crate) type Returner<S> = Arc<Mutex<Option<Sender<S>>>>;
 /// Sends `slot` back to the feeder; once the pipeline has stopped, drops it here (after the
 /// lock is released: a slot's `Drop` may wait for the GPU).
 pub(crate) fn give_back<S>(r: &Returner<S>, slot: S) {
-    let refused = match lock(r).as_ref() {
+    give_back_or(r, slot, drop);
+}
+
+/// As [`give_back`], but a slot the feeder no longer takes (it has stopped) goes to `refused`
+/// instead of being dropped here: a slot's drop waits for its last users on the device.
+pub(crate) fn give_back_or<S>(r: &Returner<S>, slot: S, refused: impl FnOnce(S)) {
+    let back = match lock(r).as_ref() {
         Some(free) => free.send(slot).err().map(|e| e.0),
         None => Some(slot),
     };
-    drop(refused);
+    if let Some(slot) = back {
+        refused(slot);
+    }
 }
 
 /// The feeder's loop: takes local index 0, 1, 2, ... from the queue, fills a free slot with
