@@ -996,7 +996,19 @@ impl PyPrefetcher {
                 return Err(PyStopIteration::new_err(()));
             }
             Some(Err(e)) => {
-                self.close_inner(py, "__next__")?;
+                // Every slot lent out through DLPack and none released yet is not an end: the
+                // prefetcher goes on once the consumer releases a batch, as its message says
+                // (and as the Rust feed does). Any other error ends the iteration.
+                let lent_out = matches!(
+                    &e,
+                    Error::InvalidArgument {
+                        op: "Prefetcher::next",
+                        ..
+                    }
+                );
+                if !lent_out {
+                    self.close_inner(py, "__next__")?;
+                }
                 let cause = match &e {
                     Error::Loader { batch, .. } => lock(&self.side).causes.remove(batch),
                     _ => None,

@@ -261,3 +261,41 @@ def test_the_end_of_the_data_waits_for_nothing_holding_the_gil():
         print("NO_DEADLOCK")
     """, timeout=120)
     assert rc == 0 and "NO_DEADLOCK" in out, out
+
+
+def test_every_slot_kept_is_an_error_that_does_not_end_the_iteration():
+    """Keeping more batches than the prefetcher's slots (depth + export spares) is refused with
+    an error that says to release one and call ``next()`` again; doing so goes on with the next
+    batch, nothing lost (before, the error closed the prefetcher and the rest was gone)."""
+    from conftest import GPU_REASON
+
+    if GPU_REASON is not None:
+        pytest.skip(GPU_REASON)
+    torch = pytest.importorskip("torch")
+    import gc
+
+    import pinstream.torch as pt
+
+    data = [(RNG.integers(0, 256, (2, 3, 8, 8), dtype=np.uint8), np.arange(2) + 10 * i) for i in range(12)]
+    p = pt.prefetch(iter(data), dtype=torch.uint8, depth=2)
+    kept, seen = [], []
+    refused = 0
+    while len(seen) < len(data):
+        try:
+            x, y = next(p)
+        except pinstream.InvalidArgumentError as e:
+            assert "release one" in str(e)
+            refused += 1
+            assert refused < 100
+            del kept[0]  # one batch released: its slot goes back
+            gc.collect()
+            continue
+        except StopIteration:
+            break
+        i = len(seen)
+        assert torch.equal(x.cpu(), torch.from_numpy(data[i][0])), i
+        assert torch.equal(y.cpu(), torch.from_numpy(data[i][1])), i
+        seen.append(i)
+        kept.append((x, y))
+    assert seen == list(range(len(data))) and refused > 0
+    assert list(p) == []
