@@ -19,11 +19,19 @@ Pipelines, in the order `--only` names them, repeats allowed (each `--steps` tim
   replay     one batch of the feed, copied, replayed (the feed's tensors alone)
   ipc        an experiment: the feed in a helper process (its own CUDA context), each batch
              copied into a torch tensor there and handed over by CUDA IPC
+  ideal_spinN / ideal_memN   the ideal beside N processes spinning a CPU each / copying 64 MB
+             over and over (what busy neighbour CPUs cost the step)
+  ideal_kernproc   the ideal beside another process running a tiny kernel KERNPROC_HZ (1000)
+             times a second (what sharing the GPU by time slices costs)
+  ideal_decloop[yuv][@RATE]   the ideal beside `decode_loop` (vision/examples): nvJPEG decoding
+             alone in a process of its own at RATE images/s
   dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
 
-Reports per pipeline: images/s, ratio of the step time to the fastest ideal of the run, CPU
+Reports per pipeline: images/s, ratio of the step time to the fastest ideal of the run (biased
+upwards) and to the mean of the ideals just before and after it (`ratio_adjacent`, and an
+ADJACENT line per pipeline: alternate `ideal,X,ideal,X,ideal` for it), CPU
 seconds per image (this process and its worker processes over the timed steps), and the GPU's
 SM clock, power and temperature sampled while the timed steps ran. One JSON line per pipeline on
 stdout (TRAIN_JSON), progress on stderr.
@@ -218,6 +226,32 @@ class GpuSampler:
         med = lambda i: statistics.median(r[i] for r in rows)  # noqa: E731
         return {"samples": len(rows), "sm_mhz_median": med(0), "power_w_median": med(1),
                 "temp_c_max": max(r[2] for r in rows)}
+
+
+_BURN = {
+    "spin": "x = 0\nwhile True:\n    x = (x * 1103515245 + 12345) & 0xffffffff\n",
+    "mem": "import numpy as np\na = np.ones(64 << 20, np.uint8)\nb = np.empty_like(a)\nwhile True:\n    np.copyto(b, a)\n",
+}
+
+
+def burners(kind, n):
+    """A context: `n` processes burning a CPU each (`_BURN[kind]`), killed on leaving."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def cm():
+        with PIN.spawning():
+            ps = [subprocess.Popen([sys.executable, "-c", _BURN[kind]]) for _ in range(n)]
+        try:
+            time.sleep(0.5)
+            yield
+        finally:
+            for p in ps:
+                p.kill()
+                p.wait()
+
+    return cm()
 
 
 def endless(make_epoch):
@@ -580,19 +614,76 @@ def main():
         out.append(r)
 
     for name in a.only.split(","):
+        # Flags of a diagnostic build (`experiments/diag_decode.patch`), for one pipeline:
+        # `discard+yuv+nocrop` runs `discard` with PINSTREAM_DIAG_YUV and PINSTREAM_DIAG_NOCROP
+        # set (nvJPEG writes YUV; no resized crop); `+roi_all`: the engines decode only the
+        # crop's region of subsampled files too. `@N`: a rate, for `ideal_decloop`.
+        name, _, rate = name.partition("@")
+        name, *flags = name.split("+")
+        for fl in ("yuv", "nocrop", "roi_all"):
+            os.environ.pop(f"PINSTREAM_DIAG_{fl.upper()}", None)
+        for fl in flags:
+            os.environ[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
+        name_suffix = "".join(f"+{fl}" for fl in flags)
+        if name == "ideal_kernproc":
+            # The ideal beside another process (its own CUDA context) that runs a tiny kernel
+            # KERNPROC_HZ times a second: what sharing the GPU by time slices costs.
+            import subprocess
+            hz = os.environ.get("KERNPROC_HZ", "1000")
+            code = ("import torch, time\nx = torch.ones(1, device='cuda')\nwhile True:\n"
+                    f"    x.add_(1); torch.cuda.synchronize(); time.sleep(1.0 / {hz})\n")
+            with PIN.spawning():
+                p = subprocess.Popen([sys.executable, "-c", code])
+            try:
+                time.sleep(4)
+                measure(f"ideal_kernproc{hz}", resident())
+            finally:
+                p.kill()
+                p.wait()
+            continue
         if name == "ideal":
             measure("ideal", resident())
+        elif name.startswith("ideal_spin") or name.startswith("ideal_mem"):
+            # The ideal beside N other processes that keep a CPU each busy: `spin` on registers
+            # alone, `mem` copying 64 MB over and over (host memory and the shared cache): how
+            # much a step slows when its neighbours' CPUs are busy, with no GIL, GPU or data.
+            kind, k = ("spin", name[len("ideal_spin"):]) if name.startswith("ideal_spin") else ("mem", name[len("ideal_mem"):])
+            with burners(kind, int(k or 1)):
+                measure(name, resident())
         elif name == "ideal_green":
             on_green(lambda: measure("ideal_green", resident(), {"green_sms": a.green_step}))
+        elif name.startswith("ideal_decloop"):
+            # The ideal beside `vision/examples/decode_loop` (a diagnostic, not a pipeline): JPEG
+            # decoding on the engines in a process of its own, about the step's rate, nothing
+            # handed over. `ideal_decloopyuv`: nvJPEG writing YUV (a diagnostic build's
+            # PINSTREAM_DIAG_YUV), no colour conversion kernels.
+            import subprocess
+            binary = os.environ.get("PINSTREAM_DECODE_LOOP", ".gpu/bin/decode_loop")
+            env = dict(os.environ)
+            if name.endswith("yuv"):
+                env["PINSTREAM_DIAG_YUV"] = "1"
+            log = open(f"/tmp/{name}.log", "w")
+            with PIN.spawning():
+                p = subprocess.Popen([binary, a.root, str(a.threads or 2), rate or "17000"],
+                                     env=env, stderr=log)
+            try:
+                time.sleep(3)
+                measure(name + (f"@{rate}" if rate else ""), resident())
+            finally:
+                p.kill()
+                p.wait()
+                log.close()
+            rates = [ln.split()[1] for ln in open(f"/tmp/{name}.log") if ln.startswith("decode_loop: ") and ln.endswith("images/s\n")]
+            out[-1]["decode_loop_images_per_s"] = rates[-12:]
         elif name == "pinstream":
             f, b = feed()
-            on_green(lambda: measure(f"pinstream_{a.decode}", b, {"threads": f.threads,
+            on_green(lambda: measure(f"pinstream_{a.decode}{name_suffix}", b, {"threads": f.threads,
                                                                   "green_sms": a.green_step}))
             out[-1]["decoding"] = f.decoding
             f.close()
         elif name == "bare":
             f, b = feed()
-            measure(f"bare_{a.decode}", b, {"threads": f.threads}, bare=True)
+            measure(f"bare_{a.decode}{name_suffix}", b, {"threads": f.threads}, bare=True)
             f.close()
         elif name == "discard":
             # The feed runs, its batches are taken and dropped; the step trains on the resident
@@ -604,7 +695,7 @@ def main():
                     next(b)
                     yield x_res, y_res
 
-            measure(f"discard_{a.decode}", discard(), {"threads": f.threads})
+            measure(f"discard_{a.decode}{name_suffix}", discard(), {"threads": f.threads})
             f.close()
         elif name == "ipc":
             b, close = ipc_batches(a, torch)
@@ -662,14 +753,30 @@ def main():
 
     ideals = [r["step_ms"] for r in out if r["pipeline"] == "ideal"]
     ideal = {"step_ms": min(ideals)} if ideals else None
-    for r in out:
+    for i, r in enumerate(out):
         if ideal:
-            # To the fastest ideal of the run (the GPU's clocks drift as it warms).
+            # To the fastest ideal of the run (the GPU's clocks drift as it warms). Biased
+            # upwards: one sample against the least of several, so an ideal against the others
+            # comes out above 1.
             r["ratio_to_ideal"] = round(r["step_ms"] / ideal["step_ms"], 4)
+        # To the mean of the nearest ideal before it and the nearest after (either alone at an
+        # end): unbiased for a pipeline as fast as the ideal, and the drift of the machine
+        # moves both alike. Run `--only ideal,X,ideal,X,ideal,...` for it.
+        before = [q["step_ms"] for q in out[:i] if q["pipeline"] == "ideal"][-1:]
+        after = [q["step_ms"] for q in out[i + 1:] if q["pipeline"] == "ideal"][:1]
+        if before or after:
+            r["ratio_adjacent"] = round(r["step_ms"] / statistics.mean(before + after), 4)
         r.update(model=a.model, batch=a.batch, device=device, versions=versions, graph=a.graph,
                  side_stream=a.side_stream, max_ahead=a.max_ahead, sched=a.sched,
                  pin=a.pin)
         print("TRAIN_JSON " + json.dumps(r), flush=True)
+    by = {}
+    for r in out:
+        if r["pipeline"] != "ideal" and "ratio_adjacent" in r:
+            by.setdefault(r["pipeline"], []).append(r["ratio_adjacent"])
+    for k, v in by.items():
+        print(f"ADJACENT {k}: median {statistics.median(v):.4f} of {len(v)}: "
+              + " ".join(f"{x:.3f}" for x in v), flush=True)
 
 
 if __name__ == "__main__":
