@@ -658,7 +658,9 @@ def main():
             # handed over. `ideal_decloopyuv`: nvJPEG writing YUV (a diagnostic build's
             # PINSTREAM_DIAG_YUV), no colour conversion kernels.
             import subprocess
-            binary = os.environ.get("PINSTREAM_DECODE_LOOP", ".gpu/bin/decode_loop")
+            here = os.path.dirname(os.path.abspath(__file__))
+            binary = os.environ.get("PINSTREAM_DECODE_LOOP",
+                                    os.path.join(here, "..", "..", ".gpu", "bin", "decode_loop"))
             env = dict(os.environ)
             if name.endswith("yuv"):
                 env["PINSTREAM_DIAG_YUV"] = "1"
