@@ -45,6 +45,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ratios  # noqa: E402
 
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
 STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
@@ -764,10 +765,10 @@ def main():
         # To the mean of the nearest ideal before it and the nearest after (either alone at an
         # end): unbiased for a pipeline as fast as the ideal, and the drift of the machine
         # moves both alike. Run `--only ideal,X,ideal,X,ideal,...` for it.
-        before = [q["step_ms"] for q in out[:i] if q["pipeline"] == "ideal"][-1:]
-        after = [q["step_ms"] for q in out[i + 1:] if q["pipeline"] == "ideal"][:1]
-        if before or after:
-            r["ratio_adjacent"] = round(r["step_ms"] / statistics.mean(before + after), 4)
+        before = ([q["step_ms"] for q in out[:i] if q["pipeline"] == "ideal"] or [None])[-1]
+        after = ([q["step_ms"] for q in out[i + 1:] if q["pipeline"] == "ideal"] or [None])[0]
+        if before is not None or after is not None:
+            r["ratio_adjacent"] = round(ratios.adjacent(r["step_ms"], before, after), 4)
         r.update(model=a.model, batch=a.batch, device=device, versions=versions, graph=a.graph,
                  side_stream=a.side_stream, max_ahead=a.max_ahead, sched=a.sched,
                  pin=a.pin)
@@ -777,8 +778,9 @@ def main():
         if r["pipeline"] != "ideal" and "ratio_adjacent" in r:
             by.setdefault(r["pipeline"], []).append(r["ratio_adjacent"])
     for k, v in by.items():
+        lo, hi = ratios.interval(v)
         print(f"ADJACENT {k}: median {statistics.median(v):.4f} of {len(v)}: "
-              + " ".join(f"{x:.3f}" for x in v), flush=True)
+              + " ".join(f"{x:.3f}" for x in v) + f" (90 % interval {lo:.3f}–{hi:.3f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ import torch
 import pinstream
 import pinstream.torch as pt
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ratios as ratios_  # noqa: E402
+
 DEV = torch.device("cuda:0")
 
 # The worker_ring readers made, to print how many batches came in the ring (weakly: a reader
@@ -812,7 +815,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                   for k, v in per.items()}
         # Over the mean of the two ideals beside it: the faster of two is biased (one sample
         # against the least of two, so the ideal itself comes out above 1).
-        adjacent = {k: [r[0] / ((ideals[j][0] + ideals[j + 1][0]) / 2) for j, r in enumerate(v)]
+        adjacent = {k: [ratios_.adjacent(r[0], ideals[j][0], ideals[j + 1][0]) for j, r in enumerate(v)]
                     for k, v in per.items()}
         results = {k: v[sorted(range(len(v)), key=lambda j: ratios[k][j])[len(v) // 2]]
                    for k, v in per.items()}
@@ -824,7 +827,9 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         for k, (label, _) in sources.items():
             r = results[k]
             print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {statistics.median(ratios[k]):.3f}"
-                  f"  /adjacent {statistics.median(adjacent[k]):.3f} ({' '.join(f'{x:.3f}' for x in adjacent[k])})"
+                  f"  /adjacent {statistics.median(adjacent[k]):.3f}"
+                  f" [90 % {'–'.join(f'{x:.3f}' for x in ratios_.interval(adjacent[k]))}]"
+                  f" ({' '.join(f'{x:.3f}' for x in adjacent[k])})"
                   f"  rounds {' '.join(f'{x:.3f}' for x in ratios[k])}  {r[2] or ''}")
         summary[name] = {
             "ideal_ms": [round(t[0], 2) for t in ideals],
@@ -833,6 +838,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "of_ideal_rounds": {k: [round(x, 3) for x in v] for k, v in ratios.items()},
             "of_adjacent": {k: round(statistics.median(v), 3) for k, v in adjacent.items()},
             "of_adjacent_rounds": {k: [round(x, 3) for x in v] for k, v in adjacent.items()},
+            # The median's 90 % distribution-free interval (order statistics; ratios.py).
+            "of_adjacent_90": {k: [round(x, 3) for x in ratios_.interval(v)] for k, v in adjacent.items()},
             "cpu_ms": {"ideal": round(ideals[0][1], 1), **{k: round(r[1], 1) for k, r in results.items()}},
         }
         del model, opt, resident

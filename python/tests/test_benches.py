@@ -135,7 +135,7 @@ def adjacent(stdout):
     for line in stdout.splitlines():
         if line.startswith("ADJACENT "):
             name, _, rest = line[len("ADJACENT "):].partition(": median ")
-            got[name] = [float(x) for x in rest.split(": ", 1)[1].split()]
+            got[name] = [float(x) for x in rest.split(": ", 1)[1].split(" (")[0].split()]
     return got
 
 
