@@ -9,6 +9,8 @@
 # FEED_ROUNDS (image_feed runs between ideals, default 6), SOURCES (default: ideal_again,
 # dl4_views_worker_ring, dl4_views_process, generator, apex_dl4_pin), SET (default /tmp/set:
 # 5 000 JPEGs made by imagenet_feed.py make from ../shared/data/images).
+# One model per device call: about 4 minutes for ResNet-18 with the defaults, 7 for ResNet-50
+# (the run limit is 10).
 # Read a goal as met where the median is at most 1.05; the interval says how sure that is, and
 # `ideal_again` how far the machine itself spreads (BENCHMARKS.md, 2026-11-27 ninth session).
 set -u
