@@ -25,6 +25,8 @@ Pipelines, in the order `--only` names them, repeats allowed (each `--steps` tim
              times a second (what sharing the GPU by time slices costs)
   ideal_decloop[yuv][@RATE]   the ideal beside `decode_loop` (vision/examples): nvJPEG decoding
              alone in a process of its own at RATE images/s
+  ideal_smallops_{copies,kernels,both}[@RATE]   the ideal beside a thread queueing the feed's
+             pattern of small GPU operations (no nvJPEG) on 8 side streams
   dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
@@ -42,6 +44,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -253,6 +256,35 @@ def burners(kind, n):
                 p.wait()
 
     return cm()
+
+
+def small_ops(torch, kind, rate, stop):
+    """`ideal_smallops`'s thread: `kind` ("copies", "kernels", "both") on 8 non-blocking streams,
+    `rate` operations of each kind a second, in groups of 64 that it waits for (events)."""
+    streams = [torch.cuda.Stream() for _ in range(8)]
+    src = torch.ones(110_000, dtype=torch.uint8).pin_memory()
+    dsts = [torch.empty(110_000, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    imgs = [torch.ones(500 * 375 * 3, dtype=torch.uint8, device="cuda") for _ in range(8)]
+    t0, n = time.perf_counter(), 0
+    while not stop.is_set():
+        evs = []
+        for k in range(64):
+            s = streams[k % 8]
+            with torch.cuda.stream(s):
+                if kind in ("copies", "both"):
+                    dsts[k % 8].copy_(src, non_blocking=True)
+                if kind in ("kernels", "both"):
+                    imgs[k % 8].add_(1)
+                if k >= 56:
+                    ev = torch.cuda.Event()
+                    ev.record(s)
+                    evs.append(ev)
+        for ev in evs:
+            ev.synchronize()
+        n += 64
+        wait = n / rate - (time.perf_counter() - t0)
+        if wait > 0:
+            stop.wait(wait)
 
 
 def endless(make_epoch):
@@ -644,6 +676,22 @@ def main():
             continue
         if name == "ideal":
             measure("ideal", resident())
+        elif name.startswith("ideal_smallops"):
+            # The ideal beside the pattern of GPU work the feed's decoding brings, without
+            # nvJPEG or its engines: a thread queues 110 kB page-locked-to-device copies
+            # (`_copies`), kernels over 560 kB (`_kernels`, as a colour conversion of one image)
+            # or both (`_both`) on 8 side streams, RATE (`@RATE`, default 13 000) a second,
+            # waiting for each group of 64. Is it the engines, or the many small operations?
+            kind = name[len("ideal_smallops"):].lstrip("_") or "both"
+            stop = threading.Event()
+            th = threading.Thread(target=small_ops, args=(torch, kind, int(rate or 13000), stop), daemon=True)
+            th.start()
+            try:
+                time.sleep(1)
+                measure(f"ideal_smallops_{kind}" + (f"@{rate}" if rate else ""), resident())
+            finally:
+                stop.set()
+                th.join()
         elif name.startswith("ideal_spin") or name.startswith("ideal_mem"):
             # The ideal beside N other processes that keep a CPU each busy: `spin` on registers
             # alone, `mem` copying 64 MB over and over (host memory and the shared cache): how

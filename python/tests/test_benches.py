@@ -142,7 +142,7 @@ def adjacent(stdout):
 @needs_gpu
 def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
     """The ninth session's pipelines (the ideal beside CPU burners, beside another process's
-    tiny kernels, beside ``discard``) run, and each non-ideal pipeline gets its ratio over the
+    tiny kernels, beside a thread's small GPU operations, beside ``discard``) run, and each non-ideal pipeline gets its ratio over the
     mean of the ideals beside it: a pipeline between two ideals over their mean, one at an end
     over its one neighbour."""
     pytest.importorskip("torch")
@@ -155,11 +155,12 @@ def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
     image_folder(str(root))
     out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
                     "--steps", "3", "--warmup", "1", "--threads", "2",
-                    "--only", "ideal,ideal_spin1,ideal,ideal_mem1,ideal,ideal_kernproc,ideal,discard")
+                    "--only", "ideal,ideal_spin1,ideal,ideal_mem1,ideal,ideal_kernproc,ideal,"
+                    "ideal_smallops_both@2000,ideal,discard")
     got = lines(out, "TRAIN_JSON")
     names = [r["pipeline"] for r in got]
     assert names == ["ideal", "ideal_spin1", "ideal", "ideal_mem1", "ideal", "ideal_kernproc1000",
-                     "ideal", "discard_auto"], names
+                     "ideal", "ideal_smallops_both@2000", "ideal", "discard_auto"], names
     for i, r in enumerate(got):
         assert r["images"] == 3 * 8 and r["images_per_s"] > 0, r
         ideals = [got[j]["step_ms"] for j in (i - 1, i + 1) if 0 <= j < len(got) and got[j]["pipeline"] == "ideal"]
@@ -167,7 +168,8 @@ def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
             want = r["step_ms"] / (sum(ideals) / len(ideals))
             assert abs(r["ratio_adjacent"] - want) <= 1e-3 * want + 1e-4, (r, ideals)
     adj = adjacent(out)
-    assert set(adj) == {"ideal_spin1", "ideal_mem1", "ideal_kernproc1000", "discard_auto"}, adj
+    assert set(adj) == {"ideal_spin1", "ideal_mem1", "ideal_kernproc1000", "ideal_smallops_both@2000",
+                        "discard_auto"}, adj
     assert all(len(v) == 1 and v[0] > 0 for v in adj.values()), adj
 
 
