@@ -5,6 +5,11 @@ two: over the faster of them, a source exactly as fast as the ideal reads above 
 sample is compared with the least of two. ``interval`` is the distribution-free confidence
 interval of a median. It uses order statistics and assumes nothing about how the rounds
 spread, so a verdict such as "at most 1.05" can be read off a handful of rounds.
+
+The interval assumes independent rounds. Neighbouring rounds share the ideal measured between
+them, so their ratios are correlated. Where the ideal's own noise dominates, the interval
+covers the median less often than it says: 89 % instead of 96–97 % in a simulation with 6 and
+12 rounds. Read it as approximate.
 """
 
 import math

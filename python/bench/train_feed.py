@@ -25,8 +25,9 @@ Pipelines, in the order `--only` names them, repeats allowed (each `--steps` tim
              times a second (what sharing the GPU by time slices costs)
   ideal_decloop[yuv][@RATE]   the ideal beside `decode_loop` (vision/examples): nvJPEG decoding
              alone in a process of its own at RATE images/s
-  ideal_smallops_{copies,kernels,both}[@RATE]   the ideal beside a thread queueing the feed's
-             pattern of small GPU operations (no nvJPEG) on 8 side streams
+  ideal_smallops_{copies,kernels,both,none}[@RATE]   the ideal beside a thread queueing the
+             feed's pattern of small GPU operations (no nvJPEG) on 8 side streams (`none`: the
+             thread's own Python, no GPU work)
   dali       NVIDIA DALI, if importable (decode_peers.py's pipeline: mixed decoder with the
              hardware decoder, resize, crop_mirror_normalize to float16 HWC, viewed as
              channels_last NCHW), copied into torch tensors on torch's stream
@@ -245,11 +246,15 @@ def burners(kind, n):
 
     @contextlib.contextmanager
     def cm():
-        with PIN.spawning():
-            ps = [subprocess.Popen([sys.executable, "-c", _BURN[kind]]) for _ in range(n)]
+        ps = []
         try:
+            with PIN.spawning():
+                for _ in range(n):
+                    ps.append(subprocess.Popen([sys.executable, "-c", _BURN[kind]]))
             time.sleep(0.5)
             yield
+            for p in ps:
+                alive(p, f"a {kind} burner")
         finally:
             for p in ps:
                 p.kill()
@@ -258,9 +263,32 @@ def burners(kind, n):
     return cm()
 
 
-def small_ops(torch, kind, rate, stop):
-    """`ideal_smallops`'s thread: `kind` ("copies", "kernels", "both") on 8 non-blocking streams,
-    `rate` operations of each kind a second, in groups of 64 that it waits for (events)."""
+#: The switches of the diagnostic build (`experiments/diag_decode.patch`) a pipeline name may
+#: carry (`discard+yuv+nocrop`), and their values when the run started.
+DIAG_FLAGS = ("yuv", "nocrop", "roi_all")
+DIAG_ENV = {f"PINSTREAM_DIAG_{fl.upper()}": os.environ[f"PINSTREAM_DIAG_{fl.upper()}"]
+            for fl in DIAG_FLAGS if f"PINSTREAM_DIAG_{fl.upper()}" in os.environ}
+
+
+def alive(p, what):
+    """Raises unless the helper process `p` is still running (a measurement beside a helper
+    that died would be the plain ideal under another name)."""
+    if p.poll() is not None:
+        raise RuntimeError(f"{what} exited with {p.returncode} before the measurement ended")
+
+
+def small_ops(torch, kind, rate, stop, done):
+    """`ideal_smallops`'s thread: `kind` ("copies", "kernels", "both"; "none": the same loop
+    with no GPU work, the control for its own Python) on 8 non-blocking streams, `rate`
+    operations of each kind a second, in groups of 64 that it waits for (events). Puts the rate
+    reached, or the exception, in `done`."""
+    try:
+        _small_ops(torch, kind, rate, stop, done)
+    except BaseException as e:  # noqa: BLE001 - re-raised by the measuring thread
+        done["error"] = e
+
+
+def _small_ops(torch, kind, rate, stop, done):
     streams = [torch.cuda.Stream() for _ in range(8)]
     src = torch.ones(110_000, dtype=torch.uint8).pin_memory()
     dsts = [torch.empty(110_000, dtype=torch.uint8, device="cuda") for _ in range(8)]
@@ -275,13 +303,14 @@ def small_ops(torch, kind, rate, stop):
                     dsts[k % 8].copy_(src, non_blocking=True)
                 if kind in ("kernels", "both"):
                     imgs[k % 8].add_(1)
-                if k >= 56:
+                if k >= 56 and kind != "none":
                     ev = torch.cuda.Event()
                     ev.record(s)
                     evs.append(ev)
         for ev in evs:
             ev.synchronize()
         n += 64
+        done["rate"] = round(n / (time.perf_counter() - t0))
         wait = n / rate - (time.perf_counter() - t0)
         if wait > 0:
             stop.wait(wait)
@@ -653,8 +682,16 @@ def main():
         # crop's region of subsampled files too. `@N`: a rate, for `ideal_decloop`.
         name, _, rate = name.partition("@")
         name, *flags = name.split("+")
-        for fl in ("yuv", "nocrop", "roi_all"):
-            os.environ.pop(f"PINSTREAM_DIAG_{fl.upper()}", None)
+        unknown = set(flags) - set(DIAG_FLAGS)
+        if unknown:
+            raise SystemExit(f"unknown pipeline flag(s) {sorted(unknown)}: {', '.join(DIAG_FLAGS)}")
+        # Each pipeline sees the environment the run started with, plus its own flags.
+        for fl in DIAG_FLAGS:
+            var = f"PINSTREAM_DIAG_{fl.upper()}"
+            if var in DIAG_ENV:
+                os.environ[var] = DIAG_ENV[var]
+            else:
+                os.environ.pop(var, None)
         for fl in flags:
             os.environ[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
         name_suffix = "".join(f"+{fl}" for fl in flags)
@@ -669,7 +706,9 @@ def main():
                 p = subprocess.Popen([sys.executable, "-c", code])
             try:
                 time.sleep(4)
+                alive(p, "the tiny-kernel process")
                 measure(f"ideal_kernproc{hz}", resident())
+                alive(p, "the tiny-kernel process")
             finally:
                 p.kill()
                 p.wait()
@@ -683,15 +722,22 @@ def main():
             # or both (`_both`) on 8 side streams, RATE (`@RATE`, default 13 000) a second,
             # waiting for each group of 64. Is it the engines, or the many small operations?
             kind = name[len("ideal_smallops"):].lstrip("_") or "both"
-            stop = threading.Event()
-            th = threading.Thread(target=small_ops, args=(torch, kind, int(rate or 13000), stop), daemon=True)
-            th.start()
+            if kind not in ("copies", "kernels", "both", "none"):
+                raise SystemExit(f"ideal_smallops_{kind}: copies, kernels, both or none")
+            stop, done = threading.Event(), {}
+            th = threading.Thread(target=small_ops, args=(torch, kind, int(rate or 13000), stop, done),
+                                  daemon=True)
+            with PIN.spawning():  # the thread off the training thread's CPU under --pin
+                th.start()
             try:
                 time.sleep(1)
                 measure(f"ideal_smallops_{kind}" + (f"@{rate}" if rate else ""), resident())
             finally:
                 stop.set()
                 th.join()
+            if "error" in done:
+                raise RuntimeError("ideal_smallops' thread failed") from done["error"]
+            out[-1]["small_ops_per_s"] = done.get("rate")
         elif name.startswith("ideal_spin") or name.startswith("ideal_mem"):
             # The ideal beside N other processes that keep a CPU each busy: `spin` on registers
             # alone, `mem` copying 64 MB over and over (host memory and the shared cache): how
@@ -719,7 +765,9 @@ def main():
                                      env=env, stderr=log)
             try:
                 time.sleep(3)
+                alive(p, "decode_loop")
                 measure(name + (f"@{rate}" if rate else ""), resident())
+                alive(p, "decode_loop")
             finally:
                 p.kill()
                 p.wait()
@@ -828,7 +876,7 @@ def main():
     for k, v in by.items():
         lo, hi = ratios.interval(v)
         print(f"ADJACENT {k}: median {statistics.median(v):.4f} of {len(v)}: "
-              + " ".join(f"{x:.3f}" for x in v) + f" (90 % interval {lo:.3f}–{hi:.3f})", flush=True)
+              + " ".join(f"{x:.3f}" for x in v) + f" (≈90 % interval {lo:.3f}–{hi:.3f})", flush=True)
 
 
 if __name__ == "__main__":

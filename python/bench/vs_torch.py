@@ -828,7 +828,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             r = results[k]
             print(f"    {label + ':':<52} {r[0]:7.2f} ms, CPU {r[1]:7.2f} ms  /ideal {statistics.median(ratios[k]):.3f}"
                   f"  /adjacent {statistics.median(adjacent[k]):.3f}"
-                  f" [90 % {'–'.join(f'{x:.3f}' for x in ratios_.interval(adjacent[k]))}]"
+                  f" [≈90 % {'–'.join(f'{x:.3f}' for x in ratios_.interval(adjacent[k]))}]"
                   f" ({' '.join(f'{x:.3f}' for x in adjacent[k])})"
                   f"  rounds {' '.join(f'{x:.3f}' for x in ratios[k])}  {r[2] or ''}")
         summary[name] = {

@@ -8,7 +8,8 @@
 //!
 //! Each thread has its own decoder and decodes batches of whole images into its own device arena
 //! (no crop, no colour work of its own), sleeping between batches to hold the rate. Every second
-//! it prints the images decoded so far to stderr.
+//! it prints the images decoded in that second to stderr. It reads at most the first
+//! `MAX_FILES` JPEGs of the folder into memory, and exits with status 1 if a thread fails.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,6 +18,9 @@ use std::time::{Duration, Instant};
 use pinstream::memory::DeviceBuffer;
 use pinstream::{Device, Stream};
 use pinstream_vision::nvjpeg::{Item, Nvjpeg, Route};
+
+/// The most files read into memory (a few GB of ImageNet-sized JPEGs).
+const MAX_FILES: usize = 20_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -42,6 +46,7 @@ fn main() {
         }
     }
     paths.sort();
+    paths.truncate(MAX_FILES);
     let files: Arc<Vec<Vec<u8>>> =
         Arc::new(paths.iter().filter_map(|p| std::fs::read(p).ok()).collect());
     assert!(!files.is_empty(), "{dir}: no JPEG files");
@@ -54,9 +59,10 @@ fn main() {
     );
     let done = Arc::new(AtomicU64::new(0));
     let per_thread = rate as f64 / threads as f64;
+    let mut workers = Vec::with_capacity(threads);
     for t in 0..threads {
         let (files, nv, done) = (files.clone(), nv.clone(), done.clone());
-        std::thread::spawn(move || {
+        workers.push(std::thread::spawn(move || {
             let mut dec = nv.decoder().expect("decoder");
             let stream = Stream::new(&device).expect("stream");
             let mut arena: Option<DeviceBuffer<u8>> = None;
@@ -83,6 +89,11 @@ fn main() {
                     });
                     offset += plan.region.rgb_len();
                 }
+                if items.is_empty() {
+                    // Nothing the GPU decodes in this batch: wait, not spin on the headers.
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
                 if arena.as_ref().is_none_or(|a| a.len() < offset) {
                     arena = Some(DeviceBuffer::new_async(&stream, offset * 2).expect("arena"));
                     stream.synchronize().expect("sync");
@@ -96,11 +107,15 @@ fn main() {
                     std::thread::sleep(wait);
                 }
             }
-        });
+        }));
     }
     let mut last = 0;
     loop {
         std::thread::sleep(Duration::from_secs(1));
+        if workers.iter().any(|w| w.is_finished()) {
+            eprintln!("decode_loop: a decoding thread failed");
+            std::process::exit(1);
+        }
         let now = done.load(Ordering::Relaxed);
         eprintln!("decode_loop: {} images/s", now - last);
         last = now;
