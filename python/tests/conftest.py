@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import pinstream
@@ -55,3 +60,32 @@ def _sigint_raises_keyboard_interrupt():
     finally:
         if old is not signal.default_int_handler and old is not None:
             signal.signal(signal.SIGINT, old)
+
+
+def spawn(src, timeout):
+    """Runs ``src`` in a fresh interpreter with this one's module path and unbuffered output (a
+    deadlock, a signal handler or a GIL state there cannot touch the test run). A hang fails the
+    test with what the child printed, after ``timeout`` seconds. Returns the
+    ``CompletedProcess``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), PYTHONUNBUFFERED="1")
+    try:
+        return subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"HUNG: no exit within {timeout} s\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}")
+
+
+def run_child(code, timeout=60, prelude=""):
+    """``prelude`` and ``code`` (dedented) in :func:`spawn`. Fails on a crash (a signal), a
+    non-zero exit, or a child that did not print ``ok`` at its end; a ``skip: why`` line makes
+    the test skip."""
+    r = spawn(prelude + textwrap.dedent(code), timeout)
+    for line in r.stdout.splitlines():
+        if line.startswith("skip:"):
+            pytest.skip(line[5:].strip())
+    if r.returncode != 0 or "ok" not in r.stdout.split():
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        pytest.fail(f"child failed ({how})\nstdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-3000:]}")
+    return r

@@ -15,10 +15,7 @@ import array
 import ctypes
 import gc
 import os
-import subprocess
-import sys
 import tempfile
-import textwrap
 import threading
 import time
 
@@ -27,33 +24,13 @@ import pytest
 
 import pinstream
 
-from conftest import GPU_REASON, needs_gpu
+from conftest import run_child as _run_child, GPU_REASON, needs_gpu
 
 
 def run_child(code, timeout=60):
-    """Runs ``PRELUDE`` and ``code`` in a fresh interpreter with this one's path; fails on a hang
-    (killed after ``timeout`` seconds), a crash (a signal) or a non-zero exit, and returns its
-    output. The child prints ``ok`` when it got to its end."""
-    code = PRELUDE + textwrap.dedent(code)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"HUNG: no exit within {timeout} s\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}")
-    if r.returncode != 0 or "ok" not in r.stdout.split():
-        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
-        pytest.fail(f"child failed ({how})\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}")
-    return r
+    """``PRELUDE`` and ``code`` in a fresh interpreter (conftest's ``run_child``): a hang, a
+    crash or a non-zero exit fails; the child prints ``ok`` at its end."""
+    return _run_child(code, timeout, prelude=PRELUDE)
 
 
 PRELUDE = """

@@ -14,10 +14,6 @@ package as of 6646de0 (the docstring names the cause).
 import array
 import ctypes
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import numpy as np
@@ -26,7 +22,7 @@ import pytest
 import pinstream
 from pinstream import _native
 
-from conftest import needs_gpu
+from conftest import run_child as _run_child, needs_gpu
 
 pytestmark = needs_gpu
 
@@ -34,32 +30,9 @@ RNG = np.random.default_rng(1234)
 
 
 def run_child(code, timeout=60):
-    """Runs ``PRELUDE`` and ``code`` in a fresh interpreter with this one's path; fails on a hang
-    (killed after ``timeout`` seconds), a crash (a signal) or a non-zero exit. The child prints
-    ``ok`` when it got to its end; ``skip: why`` makes the test skip."""
-    code = PRELUDE + textwrap.dedent(code)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"HUNG: no exit within {timeout} s\nstdout: {out[-2000:]}\nstderr: {err[-2000:]}")
-    for line in r.stdout.splitlines():
-        if line.startswith("skip:"):
-            pytest.skip(line[5:].strip())
-    if r.returncode != 0 or "ok" not in r.stdout.split():
-        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
-        pytest.fail(f"child failed ({how})\nstdout: {r.stdout[-3000:]}\nstderr: {r.stderr[-3000:]}")
-    return r
+    """``PRELUDE`` and ``code`` in a fresh interpreter (conftest's ``run_child``): a hang, a
+    crash or a non-zero exit fails; the child prints ``ok`` at its end."""
+    return _run_child(code, timeout, prelude=PRELUDE)
 
 
 PRELUDE = """

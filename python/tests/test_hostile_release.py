@@ -11,26 +11,17 @@ Each trial runs in a fresh interpreter with a watchdog (a hang there cannot hang
 
 Skipped without a GPU or without CuPy."""
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import needs_gpu
+from conftest import spawn, needs_gpu
 
 pytestmark = needs_gpu
 
 
 def _child(code, timeout=180):
-    src = textwrap.dedent(code)
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", src], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the child hung: {e.stdout!r} {e.stderr!r}")
-    return r
+    return spawn(textwrap.dedent(code), timeout)
 
 
 def test_prefetch_loop_with_lent_stream_consumer_never_told_unreleased():

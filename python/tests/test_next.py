@@ -4,6 +4,7 @@ thread's turn, in a training loop at the moment its GPU has the least queued); w
 it lets the GIL go as before. Dry runs: no GPU needed, the same `__next__`."""
 
 import itertools
+import textwrap
 import threading
 import time
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import pinstream
+from conftest import spawn
 
 RNG = np.random.default_rng()
 MEAN, STD = pinstream.IMAGENET
@@ -138,17 +140,7 @@ def test_close_from_another_thread_while_batches_are_ready():
 def _child(code, timeout=90):
     """Runs ``code`` in a fresh interpreter (what it does to signals, threads or the GIL stays
     there); a hang is a failure, not a hung test run."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    try:
-        r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                           timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the child hung: {e.stdout!r} {e.stderr!r}")
+    r = spawn(textwrap.dedent(code), timeout)
     return r.returncode, r.stdout + r.stderr
 
 

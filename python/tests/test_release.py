@@ -10,8 +10,6 @@ releases.
 
 Skipped without a GPU or without CuPy (the consumer here)."""
 
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 
 import pinstream
 
-from conftest import needs_gpu
+from conftest import spawn, needs_gpu
 
 pytestmark = needs_gpu
 
@@ -49,13 +47,7 @@ def hold(cycles):
 
 def _child(code, timeout=300):
     """Runs `code` in a fresh interpreter (a deadlock there cannot hang pytest)."""
-    src = SPIN + "\n" + textwrap.dedent(code)
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", src], capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the child hung (deadlock?): {e.stdout!r} {e.stderr!r}")
+    r = spawn(SPIN + "\n" + textwrap.dedent(code), timeout)
     if r.returncode == 77:
         pytest.skip(r.stdout.strip() or "child skipped")
     assert r.returncode == 0, f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
