@@ -239,8 +239,11 @@ _BURN = {
 }
 
 
-def burners(kind, n):
-    """A context: `n` processes burning a CPU each (`_BURN[kind]`), killed on leaving."""
+def beside(what, cmds, settle, **popen):
+    """A context: the processes `cmds` (argument lists) started off the training thread's CPU,
+    `settle` seconds to get going, checked to be still running before and after the body (a
+    measurement beside a helper that died would be the plain ideal under another name), and
+    killed on leaving, whatever happened."""
     import contextlib
     import subprocess
 
@@ -249,12 +252,14 @@ def burners(kind, n):
         ps = []
         try:
             with PIN.spawning():
-                for _ in range(n):
-                    ps.append(subprocess.Popen([sys.executable, "-c", _BURN[kind]]))
-            time.sleep(0.5)
+                for cmd in cmds:
+                    ps.append(subprocess.Popen(cmd, **popen))
+            time.sleep(settle)
+            for p in ps:
+                alive(p, what)
             yield
             for p in ps:
-                alive(p, f"a {kind} burner")
+                alive(p, what)
         finally:
             for p in ps:
                 p.kill()
@@ -695,26 +700,16 @@ def main():
         for fl in flags:
             os.environ[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
         name_suffix = "".join(f"+{fl}" for fl in flags)
-        if name == "ideal_kernproc":
+        if name == "ideal":
+            measure("ideal", resident())
+        elif name == "ideal_kernproc":
             # The ideal beside another process (its own CUDA context) that runs a tiny kernel
             # KERNPROC_HZ times a second: what sharing the GPU by time slices costs.
-            import subprocess
             hz = os.environ.get("KERNPROC_HZ", "1000")
             code = ("import torch, time\nx = torch.ones(1, device='cuda')\nwhile True:\n"
                     f"    x.add_(1); torch.cuda.synchronize(); time.sleep(1.0 / {hz})\n")
-            with PIN.spawning():
-                p = subprocess.Popen([sys.executable, "-c", code])
-            try:
-                time.sleep(4)
-                alive(p, "the tiny-kernel process")
+            with beside("the tiny-kernel process", [[sys.executable, "-c", code]], 4):
                 measure(f"ideal_kernproc{hz}", resident())
-                alive(p, "the tiny-kernel process")
-            finally:
-                p.kill()
-                p.wait()
-            continue
-        if name == "ideal":
-            measure("ideal", resident())
         elif name.startswith("ideal_smallops"):
             # The ideal beside the pattern of GPU work the feed's decoding brings, without
             # nvJPEG or its engines: a thread queues 110 kB page-locked-to-device copies
@@ -743,7 +738,7 @@ def main():
             # alone, `mem` copying 64 MB over and over (host memory and the shared cache): how
             # much a step slows when its neighbours' CPUs are busy, with no GIL, GPU or data.
             kind, k = ("spin", name[len("ideal_spin"):]) if name.startswith("ideal_spin") else ("mem", name[len("ideal_mem"):])
-            with burners(kind, int(k or 1)):
+            with beside(f"a {kind} burner", [[sys.executable, "-c", _BURN[kind]]] * int(k or 1), 0.5):
                 measure(name, resident())
         elif name == "ideal_green":
             on_green(lambda: measure("ideal_green", resident(), {"green_sms": a.green_step}))
@@ -752,26 +747,16 @@ def main():
             # decoding on the engines in a process of its own, about the step's rate, nothing
             # handed over. `ideal_decloopyuv`: nvJPEG writing YUV (a diagnostic build's
             # PINSTREAM_DIAG_YUV), no colour conversion kernels.
-            import subprocess
             here = os.path.dirname(os.path.abspath(__file__))
             binary = os.environ.get("PINSTREAM_DECODE_LOOP",
                                     os.path.join(here, "..", "..", ".gpu", "bin", "decode_loop"))
             env = dict(os.environ)
             if name.endswith("yuv"):
                 env["PINSTREAM_DIAG_YUV"] = "1"
-            log = open(f"/tmp/{name}.log", "w")
-            with PIN.spawning():
-                p = subprocess.Popen([binary, a.root, str(a.threads or 2), rate or "17000"],
-                                     env=env, stderr=log)
-            try:
-                time.sleep(3)
-                alive(p, "decode_loop")
+            with open(f"/tmp/{name}.log", "w") as log, \
+                    beside("decode_loop", [[binary, a.root, str(a.threads or 2), rate or "17000"]], 3,
+                           env=env, stderr=log):
                 measure(name + (f"@{rate}" if rate else ""), resident())
-                alive(p, "decode_loop")
-            finally:
-                p.kill()
-                p.wait()
-                log.close()
             rates = [ln.split()[1] for ln in open(f"/tmp/{name}.log") if ln.startswith("decode_loop: ") and ln.endswith("images/s\n")]
             out[-1]["decode_loop_images_per_s"] = rates[-12:]
         elif name == "pinstream":
