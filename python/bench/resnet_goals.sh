@@ -7,6 +7,7 @@
 #   python/bench/resnet_goals.sh [MODEL...]        (default: resnet18)
 # Env: ROUNDS (DataLoader rounds, default 12), STEPS (timed steps per round, default 40),
 # FEED_ROUNDS (image_feed runs between ideals, default 6), SOURCES (default: ideal_again,
+# ideal_dl4_discard (the DataLoader alone beside the ideal, its batches dropped),
 # dl4_views_worker_ring, dl4_views_process, generator, apex_dl4_pin), SET (default /tmp/set:
 # 5 000 JPEGs made by imagenet_feed.py make from PINSTREAM_SHARED_IMAGES, by default the
 # packed copy .gpu/shared/data/images). Exits non-zero if a benchmark fails.
@@ -19,7 +20,7 @@ here=$(dirname "$0")
 rounds=${ROUNDS:-12}
 steps=${STEPS:-40}
 feed_rounds=${FEED_ROUNDS:-6}
-sources=${SOURCES:-ideal_again,dl4_views_worker_ring,dl4_views_process,generator,apex_dl4_pin}
+sources=${SOURCES:-ideal_again,ideal_dl4_discard,dl4_views_worker_ring,dl4_views_process,generator,apex_dl4_pin}
 set_dir=${SET:-/tmp/set}
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(resnet18)

@@ -43,6 +43,7 @@ stdout (TRAIN_JSON), progress on stderr.
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -270,9 +271,31 @@ def beside(what, cmds, settle, **popen):
 
 #: The switches of the diagnostic build (`experiments/diag_decode.patch`) a pipeline name may
 #: carry (`discard+yuv+nocrop`), and their values when the run started.
-DIAG_FLAGS = ("yuv", "nocrop", "roi_all")
+#: `cpuNN` (valued): PINSTREAM_DIAG_CPU_SHARE=0.NN, that share of the engines' images decoded on
+#: the CPU instead. `tN` (not a switch): the feed's threads for this pipeline.
+DIAG_FLAGS = ("yuv", "nocrop", "roi_all", "cpu_share")
 DIAG_ENV = {f"PINSTREAM_DIAG_{fl.upper()}": os.environ[f"PINSTREAM_DIAG_{fl.upper()}"]
             for fl in DIAG_FLAGS if f"PINSTREAM_DIAG_{fl.upper()}" in os.environ}
+
+
+def pipeline_flags(flags):
+    """`(env, threads)` for a pipeline's name flags: `env` maps the PINSTREAM_DIAG_* variables to
+    set, `threads` is the `tN` flag's N or None. Refuses an unknown or malformed flag."""
+    env, threads = {}, None
+    for fl in flags:
+        if m := re.fullmatch(r"cpu(\d{1,3})", fl):
+            if int(m[1]) > 100:
+                raise SystemExit(f"pipeline flag {fl}: a share of at most 100 (per cent)")
+            env["PINSTREAM_DIAG_CPU_SHARE"] = str(int(m[1]) / 100)
+        elif m := re.fullmatch(r"t(\d{1,3})", fl):
+            if int(m[1]) < 1:
+                raise SystemExit(f"pipeline flag {fl}: at least one thread")
+            threads = int(m[1])
+        elif fl in DIAG_FLAGS and fl != "cpu_share":
+            env[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
+        else:
+            raise SystemExit(f"unknown pipeline flag {fl!r}: yuv, nocrop, roi_all, cpuNN, tN")
+    return env, threads
 
 
 def alive(p, what):
@@ -588,7 +611,8 @@ def main():
                     help="the CUDA context's scheduling flag (default: the driver's choice)")
     ap.add_argument("--green-step", type=int, default=0,
                     help="the pinstream pipeline's step (and an 'ideal_green' pipeline) on a green "
-                         "context of about this many SMs, the rest left to the feed (0: off)")
+                         "context of about this many SMs, the rest left to the feed (0: off); with "
+                         "--graph only (cuDNN's eager kernels fail on a green-context stream)")
     ap.add_argument("--side-stream", action="store_true",
                     help="every pipeline's step on a stream of its own, not the legacy default stream")
     ap.add_argument("--step-priority", type=int, default=None,
@@ -596,6 +620,9 @@ def main():
     ap.add_argument("--pin", type=int, default=None,
                     help="the training thread alone on this CPU, everything it starts off it and its sibling")
     a = ap.parse_args()
+    if a.green_step and not a.graph:
+        # BENCHMARKS.md, sixth session: CUDNN_STATUS_EXECUTION_FAILED_CUDART, eager, every size.
+        ap.error("--green-step needs --graph: cuDNN's eager kernels fail on a green-context stream")
     global PIN
     PIN = Pinning(a.pin)
     if a.sched:
@@ -680,16 +707,17 @@ def main():
                 print(f"TIMELINE_JSON {json.dumps({'pipeline': name, 'error': repr(e)})}", flush=True)
         out.append(r)
 
+    threads0 = a.threads
     for name in a.only.split(","):
         # Flags of a diagnostic build (`experiments/diag_decode.patch`), for one pipeline:
         # `discard+yuv+nocrop` runs `discard` with PINSTREAM_DIAG_YUV and PINSTREAM_DIAG_NOCROP
         # set (nvJPEG writes YUV; no resized crop); `+roi_all`: the engines decode only the
-        # crop's region of subsampled files too. `@N`: a rate, for `ideal_decloop`.
+        # crop's region of subsampled files too; `+cpu50`: half the engines' images decoded on
+        # the CPU; `+t8`: 8 feed threads for this pipeline. `@N`: a rate, for `ideal_decloop`.
         name, _, rate = name.partition("@")
         name, *flags = name.split("+")
-        unknown = set(flags) - set(DIAG_FLAGS)
-        if unknown:
-            raise SystemExit(f"unknown pipeline flag(s) {sorted(unknown)}: {', '.join(DIAG_FLAGS)}")
+        flag_env, flag_threads = pipeline_flags(flags)
+        a.threads = threads0 if flag_threads is None else flag_threads
         # Each pipeline sees the environment the run started with, plus its own flags.
         for fl in DIAG_FLAGS:
             var = f"PINSTREAM_DIAG_{fl.upper()}"
@@ -697,8 +725,7 @@ def main():
                 os.environ[var] = DIAG_ENV[var]
             else:
                 os.environ.pop(var, None)
-        for fl in flags:
-            os.environ[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
+        os.environ.update(flag_env)
         name_suffix = "".join(f"+{fl}" for fl in flags)
         if name == "ideal":
             measure("ideal", resident())

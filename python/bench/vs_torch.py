@@ -744,6 +744,134 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
 
             return timed(batches(), lambda x, y: (x, y))
 
+        def ideal_beside(make_loader):
+            # The ideal beside a DataLoader whose batches a thread takes and drops at the step's
+            # pace (at most two ahead, as the prefetcher's depth): what the user's DataLoader
+            # itself costs the step (its workers' CPUs and memory traffic, its batches' IPC under
+            # this process's GIL), with nothing of pinstream. train_feed's `discard`, for a
+            # DataLoader: a source's ratio can be no lower than this one's.
+            def run():
+                room, stop, err = threading.Semaphore(2), threading.Event(), []
+
+                def drain():
+                    try:
+                        for _ in make_loader():
+                            while not room.acquire(timeout=0.1):
+                                if stop.is_set():
+                                    return
+                            if stop.is_set():
+                                return
+                    except BaseException as e:  # reported by the training thread
+                        err.append(e)
+
+                th = threading.Thread(target=drain, daemon=True)
+                th.start()
+
+                def batches():
+                    for i in range(n_batches):
+                        if err:
+                            raise RuntimeError("the DataLoader beside the ideal failed") from err[0]
+                        room.release()
+                        yield resident[i % 4]
+
+                try:
+                    return timed(batches(), lambda x, y: (x, y))
+                finally:
+                    stop.set()
+                    th.join()
+
+            return run
+
+        def ideal_beside_child(make_loader):
+            # `ideal_beside`, the DataLoader iterated in a forked child instead (as
+            # `process=True` does): the workers' own cost, without this process's share of the
+            # iteration (its GIL, unpickling, mapping). The child takes a batch per byte on a
+            # pipe, at most two ahead; the pipe's end (EOF) ends it.
+            def run():
+                r, w = os.pipe()
+                cr, cw = os.pipe()  # the child's report: batches taken, or its error
+                pid = os.fork()
+                if pid == 0:
+                    code, said = 0, b""
+                    try:
+                        os.close(w)
+                        os.close(cr)
+                        it = iter(make_loader())
+                        taken = 0
+                        for _ in it:
+                            taken += 1
+                            if not os.read(r, 1):
+                                break
+                        del it  # the workers shut down
+                        said = b"%d" % taken
+                    except BaseException as e:  # noqa: BLE001 - reported through the pipe
+                        code, said = 1, repr(e).encode()[:2000]
+                    try:
+                        os.write(cw, said)
+                    finally:
+                        os._exit(code)
+                os.close(r)
+                os.close(cw)
+                os.write(w, b"xx")
+
+                status = []  # the child's exit status, once reaped
+
+                def reap(flags):
+                    if not status:
+                        done, st = os.waitpid(pid, flags)
+                        if done:
+                            status.append(st)
+                    return bool(status)
+
+                def report():
+                    return os.read(cr, 4096).decode(errors="replace") if status else "(killed)"
+
+                def batches():
+                    for i in range(n_batches):
+                        if reap(os.WNOHANG) and status[0]:
+                            raise RuntimeError(f"the DataLoader beside the ideal failed in its child: {report()}")
+                        try:
+                            os.write(w, b"x")
+                        except BrokenPipeError:
+                            pass
+                        yield resident[i % 4]
+
+                try:
+                    ms, cpu, extra = timed(batches(), lambda x, y: (x, y))
+                finally:
+                    os.close(w)
+                    for _ in range(100):
+                        if reap(os.WNOHANG):
+                            break
+                        time.sleep(0.05)
+                    else:
+                        os.kill(pid, 9)
+                        reap(0)
+                    said = report()
+                    os.close(cr)
+                # The batches the child took (about the steps), else what it said: a child that
+                # took none measured the plain ideal.
+                extra["child_took"] = said
+                if not said.isdigit() or int(said) < n_batches // 2:
+                    raise RuntimeError(f"the DataLoader's child took too few batches: {said}")
+                return ms, cpu, extra
+
+            return run
+
+        def worker_copy_threads(k, f):
+            # `f` with each worker copying into the ring with `k` threads (read at `iter()`).
+            def run():
+                import pinstream.worker_ring as ring_mod
+
+                old = ring_mod.WORKER_COPY_THREADS
+                ring_mod.WORKER_COPY_THREADS = k
+                try:
+                    return f()
+                finally:
+                    ring_mod.WORKER_COPY_THREADS = old
+
+            return run
+
         def ours(src, **kw):
             if _OTHERS[0] is not None:
                 kw.setdefault("cpus", _OTHERS[0])
@@ -778,6 +906,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "ideal_gpu_work": ("the ideal plus a batch's copy and cast on a side stream", ideal_gpu_work),
             "ideal_fork": ("the ideal beside a forked child that sleeps", with_child(ideal)),
             "ideal_again": ("the ideal as a source (the method's own spread)", ideal),
+            "ideal_dl4_discard": ("the ideal beside DataLoader(4 workers), its batches dropped",
+                                  ideal_beside(dl(ds, 4))),
             "generator_fork": ("... generator, beside a forked child that sleeps", with_child(ours(generator))),
             "generator_process": ("... generator, process=True", ours(generator, process=True)),
             "dl4_views": ("pinstream.torch.prefetch(DataLoader, 4 workers)", ours(dl(ds, 4))),
@@ -796,6 +926,10 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                                       ours(dl(ds, 4), worker_ring=True)),
             "dl4_views_worker_ring_threads2": ("... 4 workers, worker_ring=True, 2 loader threads",
                                                ours(dl(ds, 4), worker_ring=True, loader_threads=2)),
+            "ideal_dl4_discard_child": ("the same, the DataLoader iterated in a forked child",
+                                        ideal_beside_child(dl(ds, 4))),
+            "dl4_views_worker_ring_copy1": ("... 4 workers, worker_ring=True, 1 copy thread a worker",
+                                            worker_copy_threads(1, ours(dl(ds, 4), worker_ring=True))),
             "dl8_views_worker_ring": ("... 8 workers, worker_ring=True", ours(dl(ds, 8), worker_ring=True)),
             "dl4_fresh_worker_ring": ("... 4 workers, worker_ring=True, a new shared tensor per batch",
                                       ours(dl(fresh_ds, 4), worker_ring=True)),

@@ -100,7 +100,7 @@ def test_train_feed_with_the_step_on_a_green_context(tmp_path):
     root = tmp_path / "set"
     image_folder(str(root))
     out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
-                    "--steps", "3", "--warmup", "1", "--green-step", "64",
+                    "--steps", "3", "--warmup", "1", "--green-step", "64", "--graph",
                     "--only", "ideal,ideal_green,pinstream")
     got = lines(out, "TRAIN_JSON")
     assert [r["pipeline"] for r in got] == ["ideal", "ideal_green", "pinstream_auto"], got
@@ -108,6 +108,14 @@ def test_train_feed_with_the_step_on_a_green_context(tmp_path):
         assert r["images"] == 3 * 8 and r["images_per_s"] > 0 and r["ratio_to_ideal"] > 0, r
     assert got[1]["green_sms"] == 64 and got[2]["green_sms"] == 64
     assert any(line.startswith("GREEN step on ") for line in out.splitlines())
+
+
+def test_train_feed_refuses_a_green_eager_step():
+    """``--green-step`` without ``--graph`` is refused before anything runs (no GPU needed): the
+    eager step's cuDNN kernels fail on a green-context stream."""
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "train_feed.py"), "--root", "/nonexistent",
+                        "--green-step", "64"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--green-step needs --graph" in r.stderr, (r.returncode, r.stderr[-2000:])
 
 
 @needs_gpu
@@ -156,11 +164,14 @@ def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
     out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
                     "--steps", "3", "--warmup", "1", "--threads", "2",
                     "--only", "ideal,ideal_spin1,ideal,ideal_mem1,ideal,ideal_kernproc,ideal,"
-                    "ideal_smallops_both@2000,ideal,discard")
+                    "ideal_smallops_both@2000,ideal,discard,ideal,discard+t1")
     got = lines(out, "TRAIN_JSON")
     names = [r["pipeline"] for r in got]
     assert names == ["ideal", "ideal_spin1", "ideal", "ideal_mem1", "ideal", "ideal_kernproc1000",
-                     "ideal", "ideal_smallops_both@2000", "ideal", "discard_auto"], names
+                     "ideal", "ideal_smallops_both@2000", "ideal", "discard_auto", "ideal",
+                     "discard_auto+t1"], names
+    # `+t1`: that pipeline's feed with one thread, the others with --threads.
+    assert got[9]["threads"] == 2 and got[11]["threads"] == 1, (got[9], got[11])
     for i, r in enumerate(got):
         assert r["images"] == 3 * 8 and r["images_per_s"] > 0, r
         ideals = [got[j]["step_ms"] for j in (i - 1, i + 1) if 0 <= j < len(got) and got[j]["pipeline"] == "ideal"]
@@ -170,7 +181,7 @@ def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
     assert got[7]["small_ops_per_s"] > 0, got[7]
     adj = adjacent(out)
     assert set(adj) == {"ideal_spin1", "ideal_mem1", "ideal_kernproc1000", "ideal_smallops_both@2000",
-                        "discard_auto"}, adj
+                        "discard_auto", "discard_auto+t1"}, adj
     assert all(len(v) == 1 and v[0] > 0 for v in adj.values()), adj
 
 
@@ -208,11 +219,32 @@ def test_vs_torch_models_with_the_ideal_as_its_own_control():
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
+    controls = ["ideal_again", "ideal_dl4_discard", "ideal_dl4_discard_child", "dl4_views_worker_ring_copy1"]
     out = run_bench("vs_torch.py", "--only", "models", "--quick", "--models", "resnet18",
-                    "--model-sources", "ideal_again", "--model-rounds", "2", "--model-steps", "2",
+                    "--model-sources", ",".join(controls), "--model-rounds", "2", "--model-steps", "2",
                     "--model-warmup", "1")
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    rounds = r["resnet18"]["of_ideal_rounds"]["ideal_again"]
-    adj = r["resnet18"]["of_adjacent_rounds"]["ideal_again"]
-    assert len(rounds) == len(adj) == 2, r
-    assert all(0 < a <= b + 1e-3 for a, b in zip(adj, rounds)), (adj, rounds)
+    # The tenth session's controls ran too (the child's raises unless it took the batches).
+    assert set(r["resnet18"]["of_adjacent_rounds"]) == set(controls), r
+    for name in controls:
+        rounds = r["resnet18"]["of_ideal_rounds"][name]
+        adj = r["resnet18"]["of_adjacent_rounds"][name]
+        assert len(rounds) == len(adj) == 2, r
+        assert all(0 < a <= b + 1e-3 for a, b in zip(adj, rounds)), (name, adj, rounds)
+    assert "child_took" in out, out[-3000:]
+
+
+def test_train_feed_pipeline_flags():
+    """A pipeline name's flags (no GPU): switches of the diagnostic build as PINSTREAM_DIAG_*
+    variables, ``cpuNN`` as a share, ``tN`` as the feed's threads; anything else refused."""
+    sys.path.insert(0, BENCH)
+    try:
+        import train_feed
+    finally:
+        sys.path.remove(BENCH)
+    env, threads = train_feed.pipeline_flags(["yuv", "cpu25", "t8"])
+    assert env == {"PINSTREAM_DIAG_YUV": "1", "PINSTREAM_DIAG_CPU_SHARE": "0.25"} and threads == 8
+    assert train_feed.pipeline_flags([]) == ({}, None)
+    for bad in (["cpu101"], ["t0"], ["cpu_share"], ["tx"], ["YUV"], ["cpu"], ["t1234"]):
+        with pytest.raises(SystemExit):
+            train_feed.pipeline_flags(bad)
