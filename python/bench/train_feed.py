@@ -272,16 +272,18 @@ def beside(what, cmds, settle, **popen):
 #: The switches of the diagnostic build (`experiments/diag_decode.patch`) a pipeline name may
 #: carry (`discard+yuv+nocrop`), and their values when the run started.
 #: `cpuNN` (valued): PINSTREAM_DIAG_CPU_SHARE=0.NN, that share of the engines' images decoded on
-#: the CPU instead. `tN` (not a switch): the feed's threads for this pipeline.
+#: the CPU instead. Not switches: `tN`, the feed's threads for this pipeline; `cacheN`, its
+#: `cache_bytes` (N GiB), one epoch drained first so that the timed steps find it filled.
 DIAG_FLAGS = ("yuv", "nocrop", "roi_all", "cpu_share")
 DIAG_ENV = {f"PINSTREAM_DIAG_{fl.upper()}": os.environ[f"PINSTREAM_DIAG_{fl.upper()}"]
             for fl in DIAG_FLAGS if f"PINSTREAM_DIAG_{fl.upper()}" in os.environ}
 
 
 def pipeline_flags(flags):
-    """`(env, threads)` for a pipeline's name flags: `env` maps the PINSTREAM_DIAG_* variables to
-    set, `threads` is the `tN` flag's N or None. Refuses an unknown or malformed flag."""
-    env, threads = {}, None
+    """`(env, opts)` for a pipeline's name flags: `env` maps the PINSTREAM_DIAG_* variables to
+    set; `opts["threads"]` is the `tN` flag's N or None, `opts["cache_gib"]` the `cacheN`
+    flag's N or 0. Refuses an unknown or malformed flag."""
+    env, threads, cache = {}, None, 0
     for fl in flags:
         if m := re.fullmatch(r"cpu(\d{1,3})", fl):
             if int(m[1]) > 100:
@@ -291,11 +293,15 @@ def pipeline_flags(flags):
             if int(m[1]) < 1:
                 raise SystemExit(f"pipeline flag {fl}: at least one thread")
             threads = int(m[1])
+        elif m := re.fullmatch(r"cache(\d{1,4})", fl):
+            if int(m[1]) < 1:
+                raise SystemExit(f"pipeline flag {fl}: at least 1 GiB")
+            cache = int(m[1])
         elif fl in DIAG_FLAGS and fl != "cpu_share":
             env[f"PINSTREAM_DIAG_{fl.upper()}"] = "1"
         else:
-            raise SystemExit(f"unknown pipeline flag {fl!r}: yuv, nocrop, roi_all, cpuNN, tN")
-    return env, threads
+            raise SystemExit(f"unknown pipeline flag {fl!r}: yuv, nocrop, roi_all, cpuNN, tN, cacheN")
+    return env, {"threads": threads, "cache_gib": cache}
 
 
 def alive(p, what):
@@ -682,8 +688,11 @@ def main():
         # cudnn.benchmark would tune for in the timed steps.
         # With --pin, the feed's own `cpus=` keeps its threads off the training thread's CPU.
         f = pt.image_feed(a.root, a.batch, threads=a.threads, layout="NHWC", dtype=torch.float16,
-                          decodes_at_once=a.decodes_at_once,
+                          decodes_at_once=a.decodes_at_once, cache_bytes=cache_bytes,
                           rank=0, world_size=1, drop_last=True, decode=a.decode, cpus=PIN.others())
+        if cache_bytes:
+            for _ in f:  # one epoch: every image decoded once and kept
+                pass
 
         def batches():
             for x, y in endless(lambda: iter(f)):
@@ -716,8 +725,9 @@ def main():
         # the CPU; `+t8`: 8 feed threads for this pipeline. `@N`: a rate, for `ideal_decloop`.
         name, _, rate = name.partition("@")
         name, *flags = name.split("+")
-        flag_env, flag_threads = pipeline_flags(flags)
-        a.threads = threads0 if flag_threads is None else flag_threads
+        flag_env, opts = pipeline_flags(flags)
+        a.threads = threads0 if opts["threads"] is None else opts["threads"]
+        cache_bytes = opts["cache_gib"] << 30
         # Each pipeline sees the environment the run started with, plus its own flags.
         for fl in DIAG_FLAGS:
             var = f"PINSTREAM_DIAG_{fl.upper()}"
@@ -791,6 +801,8 @@ def main():
             on_green(lambda: measure(f"pinstream_{a.decode}{name_suffix}", b, {"threads": f.threads,
                                                                   "green_sms": a.green_step}))
             out[-1]["decoding"] = f.decoding
+            if cache_bytes:
+                out[-1]["cache"] = {k: v for k, v in f.stats().items() if k.startswith("cache")}
             f.close()
         elif name == "bare":
             f, b = feed()

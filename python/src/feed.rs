@@ -111,7 +111,8 @@ impl PyImageFeed {
     #[pyo3(signature = (
         root, items, *, device, batch_size, train, size, resize, scale, ratio, flip,
         mean, std, dtype, layout, seed, shuffle, drop_last, decode, threads, depth,
-        decodes_at_once, rank, world_size, bad_files, start_epoch, start_batch, cpus = None
+        decodes_at_once, rank, world_size, bad_files, start_epoch, start_batch, cpus = None,
+        cache_bytes = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -143,6 +144,7 @@ impl PyImageFeed {
         start_epoch: u64,
         start_batch: usize,
         cpus: Option<Bound<'_, PyAny>>,
+        cache_bytes: usize,
     ) -> PyResult<Self> {
         let layout = match layout {
             "NCHW" | "nchw" => Layout::Nchw,
@@ -195,6 +197,7 @@ impl PyImageFeed {
             start: (start_epoch, start_batch),
             decoding,
             gpu_decodes_at_once: decodes_at_once,
+            gpu_cache_bytes: cache_bytes,
             ..ImageFeedConfig::default()
         };
         config.prefetch.loader_threads = threads;
@@ -372,13 +375,17 @@ impl PyImageFeed {
         let f = g
             .as_ref()
             .ok_or_else(|| invalid(OP, "the feed was closed"))?;
-        let (routes, skipped) = each!(f, f => (f.routes(), f.skipped()));
+        let (routes, skipped, cache) = each!(f, f => (f.routes(), f.skipped(), f.gpu_cache()));
         let d = PyDict::new(py);
         d.set_item("hardware", routes.hardware)?;
         d.set_item("cuda", routes.cuda)?;
         d.set_item("cpu", routes.cpu)?;
         d.set_item("skipped", skipped.count)?;
         d.set_item("skipped_files", skipped.first)?;
+        d.set_item("cache_budget", cache.budget)?;
+        d.set_item("cache_used", cache.used)?;
+        d.set_item("cache_images", cache.images)?;
+        d.set_item("cache_hits", cache.hits)?;
         Ok(d)
     }
 

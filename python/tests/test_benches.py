@@ -186,6 +186,29 @@ def test_train_feed_beside_busy_neighbours_with_the_adjacent_ratio(tmp_path):
 
 
 @needs_gpu
+def test_train_feed_with_the_cache(tmp_path):
+    """``pinstream+cache1``: the feed with a 1 GiB cache of decoded images, filled by one epoch
+    before the timed steps, which then decode nothing; the cache's stats in the JSON."""
+    pytest.importorskip("torch")
+    pytest.importorskip("torchvision")
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    root = tmp_path / "set"
+    image_folder(str(root))
+    out = run_bench("train_feed.py", "--root", str(root), "--model", "resnet18", "--batch", "8",
+                    "--steps", "3", "--warmup", "1", "--threads", "2",
+                    "--only", "ideal,pinstream+cache1,ideal")
+    got = lines(out, "TRAIN_JSON")
+    assert [r["pipeline"] for r in got] == ["ideal", "pinstream_auto+cache1", "ideal"], got
+    c = got[1].get("cache")
+    if got[1].get("decoding") != "gpu":
+        pytest.skip("the feed decodes on the CPU here")
+    assert c["cache_budget"] == 1 << 30 and c["cache_images"] > 0 and c["cache_hits"] > 0, c
+
+
+@needs_gpu
 def test_train_feed_beside_decode_loop(tmp_path):
     """``ideal_decloop@RATE``: the ideal beside `vision/examples/decode_loop` (the packed
     program), which decodes at about RATE images/s and says so."""
@@ -242,9 +265,11 @@ def test_train_feed_pipeline_flags():
         import train_feed
     finally:
         sys.path.remove(BENCH)
-    env, threads = train_feed.pipeline_flags(["yuv", "cpu25", "t8"])
-    assert env == {"PINSTREAM_DIAG_YUV": "1", "PINSTREAM_DIAG_CPU_SHARE": "0.25"} and threads == 8
-    assert train_feed.pipeline_flags([]) == ({}, None)
-    for bad in (["cpu101"], ["t0"], ["cpu_share"], ["tx"], ["YUV"], ["cpu"], ["t1234"]):
+    env, opts = train_feed.pipeline_flags(["yuv", "cpu25", "t8", "cache3"])
+    assert env == {"PINSTREAM_DIAG_YUV": "1", "PINSTREAM_DIAG_CPU_SHARE": "0.25"}
+    assert opts == {"threads": 8, "cache_gib": 3}
+    assert train_feed.pipeline_flags([]) == ({}, {"threads": None, "cache_gib": 0})
+    for bad in (["cpu101"], ["t0"], ["cpu_share"], ["tx"], ["YUV"], ["cpu"], ["t1234"], ["cache0"],
+                ["cache"], ["cache12345"]):
         with pytest.raises(SystemExit):
             train_feed.pipeline_flags(bad)

@@ -86,6 +86,9 @@ def test_bad_arguments_are_typed_before_any_gpu(tmp_path, monkeypatch):
         (dict(threads="2"), pinstream.InvalidArgumentError),
         (dict(depth=np.float64(2)), pinstream.InvalidArgumentError),
         (dict(threads=np.int64(-1)), pinstream.InvalidArgumentError),
+        (dict(cache_bytes=-1), pinstream.InvalidArgumentError),
+        (dict(cache_bytes=2.5e9), pinstream.InvalidArgumentError),
+        (dict(cache_bytes=1 << 20, decode="cpu"), pinstream.InvalidArgumentError),
     ]:
         with pytest.raises(kind):
             pinstream.ImageFeed(items, **{"batch_size": 4, **kwargs})
@@ -205,6 +208,43 @@ def test_resume_twice_in_one_epoch_replays_the_same_batches(tmp_path):
     assert [y for y, _ in got] == [y for y, _ in want]
     for (_, x), (_, w) in zip(got, want):
         np.testing.assert_array_equal(x, w)
+
+
+@needs_gpu
+def test_cache_gives_the_same_batches_and_decodes_once(tmp_path):
+    """``cache_bytes``: three epochs equal to a feed without the cache, the third decoding
+    nothing; a jump (``set_epoch``) starts over with an empty cache and the same batches."""
+    items = make_jpegs(tmp_path, 40, seed=9)
+    kw = dict(size=40, seed=3, dtype="float32", rank=0, world_size=1)
+    with pinstream.ImageFeed(items, 8, **kw) as plain:
+        if plain.decoding != "gpu":
+            pytest.skip("nvJPEG or a JPEG engine is missing here")
+        want = [batches(plain) for _ in range(3)]
+    with pinstream.ImageFeed(items, 8, cache_bytes=64 << 20, **kw) as feed:
+        decoded = []
+        for e in range(3):
+            got = batches(feed)
+            assert [y for y, _ in got] == [y for y, _ in want[e]]
+            for (_, x), (_, w) in zip(got, want[e]):
+                np.testing.assert_array_equal(x, w)
+            st = feed.stats()
+            decoded.append(st["hardware"] + st["cuda"] + st["cpu"])
+        assert st["cache_budget"] == 64 << 20 and st["cache_images"] == 40, st
+        assert 0 < st["cache_used"] <= 64 << 20 and st["cache_hits"] >= 40, st
+        # The loaders run ahead of the consumer: epoch 2 may decode a few again, epoch 3 none.
+        assert decoded[2] == decoded[1] < 80, decoded
+        feed.set_epoch(0)  # a new native feed, its cache made again
+        again = batches(feed)
+        assert [y for y, _ in again] == [y for y, _ in want[0]]
+        for (_, x), (_, w) in zip(again, want[0]):
+            np.testing.assert_array_equal(x, w)
+
+
+@needs_gpu
+def test_cache_larger_than_the_device_is_refused(tmp_path):
+    items = make_jpegs(tmp_path, 4, seed=9)
+    with pytest.raises(pinstream.InvalidArgumentError, match="gpu_cache_bytes"):
+        pinstream.ImageFeed(items, 2, cache_bytes=1 << 50, decode="gpu", rank=0, world_size=1)
 
 
 @needs_gpu

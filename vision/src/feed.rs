@@ -240,6 +240,17 @@ impl<O: OutputElement> ImageFeed<O> {
         }
     }
 
+    /// What the cache of decoded images (`ImageFeedConfig::gpu_cache_bytes`) holds, and how
+    /// many images it served instead of decoding them (all zero without a cache, and on the
+    /// CPU path).
+    pub fn gpu_cache(&self) -> crate::GpuCacheStats {
+        match &self.engine {
+            #[cfg(feature = "nvjpeg")]
+            Engine::Gpu(g) => g.gpu_cache(),
+            Engine::Cpu(_) => crate::GpuCacheStats::default(),
+        }
+    }
+
     /// The GPU's JPEG engines the feed decodes with (0 on the CPU path).
     pub fn hardware_engines(&self) -> u32 {
         match &self.engine {

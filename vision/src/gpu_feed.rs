@@ -16,6 +16,8 @@ use pinstream::kernels::{self, CropBox, Layout, OutputElement, ResizeSpec};
 use pinstream::memory::{DeviceBuffer, DeviceView, HostAlloc, PinnedBuffer};
 use pinstream::{Error, Event, Result, Stream};
 
+use crate::decode::{Format, ImageInfo};
+use crate::gpu_cache::{GpuCache, GpuCacheStats, Kept};
 use crate::nvjpeg::{GpuDecoder, Item, Nvjpeg, Plan, Region, Route};
 use crate::source::{
     checked_info, file_error, read_file_ended, BadFiles, ImageSource, RouteCounts,
@@ -110,6 +112,8 @@ struct Shared<O: pinstream::Pod> {
     nv: Nvjpeg,
     /// Batches decoded ahead of the consumer, at most.
     ahead: usize,
+    /// Decoded images kept between epochs (`ImageFeedConfig::gpu_cache_bytes`).
+    cache: Option<GpuCache>,
 }
 
 /// `ImageFeedConfig::gpu_decodes_at_once` resolved for `loaders` loader threads: 0 for no
@@ -186,6 +190,11 @@ impl<O: OutputElement> GpuFeed<O> {
         let cfg = source.config();
         let threads = cfg.loader_threads(true).max(1);
         let ahead = cfg.prefetch.depth.max(1) + threads;
+        // Before any thread: an error here leaves nothing running.
+        let cache = match cfg.gpu_cache_bytes {
+            0 => None,
+            n => Some(GpuCache::new(consumer, n)?),
+        };
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 next: 0,
@@ -203,6 +212,7 @@ impl<O: OutputElement> GpuFeed<O> {
             source,
             nv,
             ahead,
+            cache,
         });
         let mut feed = GpuFeed {
             shared: shared.clone(),
@@ -285,6 +295,15 @@ impl<O: OutputElement> GpuFeed<O> {
     /// Images decoded per route so far.
     pub(crate) fn routes(&self) -> RouteCounts {
         lock(&self.shared.state).routes
+    }
+
+    /// What the cache of decoded images holds (all zero without one).
+    pub(crate) fn gpu_cache(&self) -> GpuCacheStats {
+        self.shared
+            .cache
+            .as_ref()
+            .map(GpuCache::stats)
+            .unwrap_or_default()
     }
 
     /// The nvJPEG the loaders decode with.
@@ -496,12 +515,17 @@ struct Work {
 
 /// One file of a batch: read (its bytes, or `None` to read again), its crop and plan.
 struct File {
+    /// Its index in the dataset's list.
+    item: usize,
     path: PathBuf,
     label: usize,
     bytes: Option<Vec<u8>>,
     crop: CropBox,
     plan: Plan,
     offset: usize,
+    /// Where the cache keeps it (then it is neither read nor decoded: `plan` is the whole
+    /// image).
+    kept: Option<Kept>,
 }
 
 impl Work {
@@ -591,7 +615,42 @@ impl Work {
         // draws them).
         let mut files: Vec<File> = Vec::with_capacity(list.len());
         let (mut offset, mut held) = (0usize, 0usize);
-        for (path, label) in list {
+        let cache = sh.cache.as_ref();
+        for (item, (path, label)) in list {
+            if let Some(k) = cache.and_then(|c| c.get(item)) {
+                // Kept: the crop drawn as for the file (the same draws), from the kept pixels.
+                let info = ImageInfo {
+                    height: k.height,
+                    width: k.width,
+                    format: Format::Jpeg,
+                };
+                let crop = match src.crop(OP, &path, &info, &mut rng, &mut probe) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        bad(&path, e)?;
+                        continue;
+                    }
+                };
+                files.push(File {
+                    item,
+                    path,
+                    label,
+                    bytes: None,
+                    crop,
+                    plan: Plan {
+                        route: Route::Hardware,
+                        height: k.height,
+                        width: k.width,
+                        region: Region::full(k.height, k.width),
+                    },
+                    offset,
+                    kept: Some(k),
+                });
+                offset = offset.checked_add(k.len()).ok_or_else(|| {
+                    Error::invalid(OP, "the batch's decoded size overflows usize")
+                })?;
+                continue;
+            }
             let read = read_file_ended(OP, &path)
                 .and_then(|(b, ended)| checked_info(&path, &b).map(|i| (b, i, ended)));
             let (bytes, info, ended) = match read {
@@ -609,7 +668,9 @@ impl Work {
                     continue;
                 }
             };
-            let (region, crop) = match Self::region(&crop, h, w) {
+            // To be kept, an image is decoded whole (not only its crop's region).
+            let whole = cache.is_some_and(|c| c.has_room(info.rgb_len()));
+            let (region, crop) = match Self::region(&crop, h, w).filter(|_| !whole) {
                 Some((r, c)) => (Some(r), c),
                 None => (None, crop),
             };
@@ -641,12 +702,14 @@ impl Work {
             };
             let len = plan.region.rgb_len();
             files.push(File {
+                item,
                 path,
                 label,
                 bytes: kept,
                 crop,
                 plan,
                 offset,
+                kept: None,
             });
             offset = offset
                 .checked_add(len)
@@ -667,7 +730,8 @@ impl Work {
         }
         let arena = self.arena.as_mut().expect("made above");
         // Decode in groups of at most `held_bytes` of files (files not kept are read again).
-        let mut ok = vec![false; files.len()];
+        // Kept images are ready; the rest are decoded.
+        let mut ok: Vec<bool> = files.iter().map(|f| f.kept.is_some()).collect();
         let mut counts = RouteCounts::default();
         let mut start = 0;
         while start < files.len() {
@@ -675,6 +739,12 @@ impl Work {
             let mut bytes: Vec<Vec<u8>> = Vec::new();
             let mut total = 0usize;
             while end < files.len() {
+                if files[end].kept.is_some() {
+                    // Not read, not decoded (an empty entry is left out below).
+                    bytes.push(Vec::new());
+                    end += 1;
+                    continue;
+                }
                 let b = match files[end].bytes.take() {
                     Some(b) => b,
                     None => match read_again(&files[end].path) {
@@ -697,6 +767,11 @@ impl Work {
             let idx: Vec<usize> = (start..end)
                 .filter(|&i| !bytes[i - start].is_empty())
                 .collect();
+            if idx.is_empty() {
+                // Nothing to decode (kept images, files that could not be read again).
+                start = end;
+                continue;
+            }
             let datas: Vec<&[u8]> = idx.iter().map(|&i| &bytes[i - start][..]).collect();
             let staged = Self::stage_into(&mut self.bitstreams, self.decoder.stream(), &datas);
             let items: Vec<Item<'_>> = idx
@@ -735,11 +810,42 @@ impl Work {
             }
             start = end;
         }
+        let stream = self.decoder.stream().clone();
+        // Every image of the batch kept: cropped straight from the cache. Else the kept ones
+        // are copied beside the decoded ones, and cropped from the arena with them.
+        let from_cache = cache.filter(|_| files.iter().all(|f| f.kept.is_some()));
+        if let Some(c) = cache {
+            let hits: Vec<(Kept, usize)> = files
+                .iter()
+                .filter_map(|f| f.kept.map(|k| (k, f.offset)))
+                .collect();
+            c.served(hits.len());
+            if from_cache.is_none() && !hits.is_empty() {
+                c.copy_out(&stream, arena, &hits)?;
+            }
+            // Keep what was decoded whole, while it fits.
+            let whole: Vec<(usize, usize, usize, usize)> = files
+                .iter()
+                .zip(&ok)
+                .filter(|(f, &ok)| {
+                    ok && f.kept.is_none()
+                        && f.plan.region == Region::full(f.plan.height, f.plan.width)
+                })
+                .map(|(f, _)| (f.item, f.plan.height, f.plan.width, f.offset))
+                .collect();
+            if !whole.is_empty() {
+                c.keep(&stream, arena, &whole)?;
+            }
+        }
         let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
             .layouts(Layout::Nhwc, cfg.layout);
         let mut labels = Vec::with_capacity(files.len());
         for (f, _) in files.iter().zip(&ok).filter(|(_, &ok)| ok) {
-            spec.push(f.offset, f.plan.region.height, f.plan.region.width, f.crop);
+            let at = match (from_cache, f.kept) {
+                (Some(_), Some(k)) => k.offset,
+                _ => f.offset,
+            };
+            spec.push(at, f.plan.region.height, f.plan.region.width, f.crop);
             labels.push(f.label as i64);
         }
         if labels.is_empty() {
@@ -763,9 +869,14 @@ impl Work {
             _ => [n, c, h, w],
         };
         out.n = n;
-        let stream = self.decoder.stream().clone();
         let len = spec.output_len()?;
-        kernels::resized_crop(&stream, &*arena, &spec, &mut out.pixels.slice_mut(..len)?)?;
+        let mut pixels = out.pixels.slice_mut(..len)?;
+        match from_cache {
+            Some(c) => {
+                c.with_buffer(|buf| kernels::resized_crop(&stream, buf, &spec, &mut pixels))?
+            }
+            None => kernels::resized_crop(&stream, &*arena, &spec, &mut pixels)?,
+        }
         if self.labels_host.as_ref().is_none_or(|h| h.len() < n) {
             let most = src.largest_batch().max(n);
             self.labels_host = Some(PinnedBuffer::new(

@@ -41,6 +41,7 @@ pub mod augment;
 pub mod dataset;
 pub mod decode;
 mod feed;
+mod gpu_cache;
 #[cfg(feature = "nvjpeg")]
 mod gpu_feed;
 pub mod sampler;
@@ -48,6 +49,7 @@ mod source;
 mod util;
 
 pub use feed::{FeedBatch, ImageFeed};
+pub use gpu_cache::GpuCacheStats;
 #[cfg(feature = "nvjpeg")]
 pub use gpu_feed::GpuBatch;
 pub use source::{

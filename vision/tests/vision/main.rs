@@ -22,6 +22,7 @@ fn main() {
     args.test_threads.get_or_insert(1);
     let mut trials = Vec::new();
     trials.extend(feed::trials());
+    trials.extend(feed::cache::trials());
     trials.extend(feed::cpus::trials());
     trials.extend(feed::hostile::trials());
     trials.extend(feed::hostile2::trials());

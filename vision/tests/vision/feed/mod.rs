@@ -28,6 +28,7 @@ use crate::common::trial;
 /// Prefix of this module's trial names (its path in the binary).
 const PREFIX: &str = "feed/";
 
+pub mod cache;
 pub mod cpus;
 pub mod hostile;
 pub mod hostile2;

@@ -1,0 +1,212 @@
+//! `ImageFeedConfig::gpu_cache_bytes`: decoded images kept in GPU memory between epochs. A
+//! feed with the cache gives the same batches as one without, epoch after epoch, with a budget
+//! for every image and with one for part of them; what it kept is served instead of decoded
+//! (its stats and the decoders' counts say so); a budget the device cannot give is an error
+//! before anything starts, and CPU decoding refuses a cache.
+
+#[cfg(feature = "nvjpeg")]
+use crate::common::within;
+use crate::common::{ensure, trial, R};
+use libtest_mimic::Trial;
+use pinstream::Error;
+use pinstream_vision::{Decoding, ImageFeedConfig};
+
+const PREFIX: &str = "feed/cache/";
+
+pub fn trials() -> Vec<Trial> {
+    #[allow(unused_mut)]
+    let mut v = vec![trial(PREFIX, "refused_with_cpu_decoding", refused_on_cpu)];
+    #[cfg(feature = "nvjpeg")]
+    {
+        let no_gpu = !pinstream::available();
+        let watchdog = std::time::Duration::from_secs(600);
+        v.extend([
+            trial(PREFIX, "gpu/every_image_kept_same_batches", move || {
+                within("feed cache whole", watchdog, || gpu::same_batches(None))
+            })
+            .with_ignored_flag(no_gpu),
+            trial(PREFIX, "gpu/part_kept_same_batches", move || {
+                within("feed cache part", watchdog, || gpu::same_batches(Some(3)))
+            })
+            .with_ignored_flag(no_gpu),
+            trial(PREFIX, "gpu/budget_too_large_is_an_error", gpu::too_large)
+                .with_ignored_flag(no_gpu),
+        ]);
+    }
+    v
+}
+
+/// `Decoding::Cpu` with a cache: `InvalidArgument` from `validate` (no device needed).
+fn refused_on_cpu() -> R {
+    let cfg = ImageFeedConfig {
+        decoding: Decoding::Cpu,
+        gpu_cache_bytes: 1 << 20,
+        ..ImageFeedConfig::default()
+    };
+    let r = cfg.validate();
+    ensure(
+        matches!(&r, Err(Error::InvalidArgument { .. }))
+            && r
+                .as_ref()
+                .unwrap_err()
+                .to_string()
+                .contains("gpu_cache_bytes"),
+        || format!("{r:?}"),
+    )?;
+    // Auto may decode on the CPU where the GPU cannot: accepted (the cache then does nothing).
+    let auto = ImageFeedConfig {
+        gpu_cache_bytes: 1 << 20,
+        ..ImageFeedConfig::default()
+    };
+    auto.validate()?;
+    Ok(())
+}
+
+#[cfg(feature = "nvjpeg")]
+mod gpu {
+    use super::super::{config, list};
+    use crate::common::{ensure, R};
+    use pinstream::{Device, Error};
+    use pinstream_vision::{Decoding, ImageFeed, ImageFeedConfig};
+
+    /// The decoded size of the dataset's images, and how many there are (bad files left out).
+    fn decoded() -> Result<(usize, usize), Box<dyn std::error::Error>> {
+        let mut total = 0usize;
+        let mut n = 0usize;
+        for (path, _) in list().items() {
+            let bytes = std::fs::read(path)?;
+            if let Ok(info) = pinstream_vision::decode::info(&bytes) {
+                total += info.height * info.width * 3;
+                n += 1;
+            }
+        }
+        Ok((total, n))
+    }
+
+    /// Three epochs of a feed with the cache (a budget for every image, or for about
+    /// `1/part` of the decoded bytes) against the same feed without: every batch's pixels and
+    /// labels equal. With every image kept, the third epoch decodes nothing.
+    pub fn same_batches(part: Option<usize>) -> R {
+        let dev = Device::get(0)?;
+        let stream = dev.stream()?;
+        let (total, n) = decoded()?;
+        let budget = match part {
+            None => total + (1 << 20),
+            Some(p) => total / p,
+        };
+        let base = ImageFeedConfig {
+            decoding: Decoding::Gpu,
+            ..config(5)
+        };
+        let cached = ImageFeedConfig {
+            gpu_cache_bytes: budget,
+            ..base.clone()
+        };
+        let mut plain = ImageFeed::<f32>::new(&stream, list(), base)?;
+        let mut feed = ImageFeed::<f32>::new(&stream, list(), cached)?;
+        ensure(feed.gpu_cache().budget == budget, || {
+            format!("{:?}", feed.gpu_cache())
+        })?;
+        let per = feed.batches_per_epoch();
+        let mut decoded_by_epoch = Vec::new();
+        for epoch in 0..3u64 {
+            let mut seen = 0;
+            loop {
+                let (a, b) = (plain.next(), feed.next());
+                let (a, b) = match (a, b) {
+                    (None, None) => break,
+                    (Some(a), Some(b)) => (a?, b?),
+                    (a, b) => {
+                        return Err(format!(
+                            "epoch {epoch} batch {seen}: one feed ended ({} / {})",
+                            a.is_some(),
+                            b.is_some()
+                        )
+                        .into())
+                    }
+                };
+                ensure(a.dims() == b.dims(), || {
+                    format!("{:?} vs {:?}", a.dims(), b.dims())
+                })?;
+                let (pa, pb) = (a.pixels()?, b.pixels()?);
+                // Poisoned first: a batch that wrote nothing cannot pass as equal.
+                let mut ga = vec![f32::NAN; pa.len()];
+                let mut gb = vec![-1e30f32; pb.len()];
+                stream.copy_d2h(&pa, &mut ga[..])?.wait()?;
+                stream.copy_d2h(&pb, &mut gb[..])?.wait()?;
+                let worst = ga
+                    .iter()
+                    .zip(&gb)
+                    .map(|(x, y)| (*x as f64 - *y as f64).abs())
+                    .fold(0.0f64, f64::max);
+                ensure(
+                    ga.iter().all(|v| v.is_finite()) && worst <= 1e-4,
+                    || format!("epoch {epoch} batch {seen}: pixels differ by up to {worst}"),
+                )?;
+                let mut la = vec![-1i64; a.dims()[0]];
+                let mut lb = vec![-2i64; b.dims()[0]];
+                stream.copy_d2h(&a.extras()?, &mut la[..])?.wait()?;
+                stream.copy_d2h(&b.extras()?, &mut lb[..])?.wait()?;
+                ensure(la == lb, || format!("labels {la:?} vs {lb:?}"))?;
+                seen += 1;
+            }
+            ensure(seen == per, || {
+                format!("epoch {epoch}: {seen} batches, want {per}")
+            })?;
+            let r = feed.routes();
+            decoded_by_epoch.push(r.hardware + r.cuda + r.cpu);
+        }
+        let s = feed.gpu_cache();
+        ensure(s.used <= budget && s.images <= n, || format!("{s:?}"))?;
+        match part {
+            None => {
+                // Every image kept (the loaders run ahead: epoch 2 may still decode a few);
+                // epoch 3 served from the cache alone.
+                ensure(s.images == n && s.hits >= n as u64, || {
+                    format!("{s:?}, {n} images")
+                })?;
+                let d = &decoded_by_epoch;
+                ensure(d[2] == d[1] && (d[1] as usize) < 2 * n, || {
+                    format!("decoded by the end of each epoch: {d:?} ({n} images)")
+                })?;
+            }
+            Some(_) => {
+                ensure(s.images > 0 && s.images < n && s.hits > 0, || {
+                    format!("{s:?}, {n} images")
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A budget no device has: an error from `new`, before a thread starts.
+    pub fn too_large() -> R {
+        let dev = Device::get(0)?;
+        let stream = dev.stream()?;
+        let cfg = ImageFeedConfig {
+            decoding: Decoding::Gpu,
+            gpu_cache_bytes: 1 << 50,
+            ..config(5)
+        };
+        let before = pinstream_threads()?;
+        let r = ImageFeed::<f32>::new(&stream, list(), cfg);
+        ensure(
+            matches!(&r, Err(Error::InvalidArgument { .. }))
+                && r
+                    .as_ref()
+                    .err()
+                    .is_some_and(|e| e.to_string().contains("gpu_cache_bytes")),
+            || format!("{:?}", r.as_ref().err()),
+        )?;
+        ensure(pinstream_threads()? == before, || {
+            "a loader thread was left running".to_string()
+        })
+    }
+
+    fn pinstream_threads() -> Result<usize, libtest_mimic::Failed> {
+        Ok(crate::common::threads::pinstream_thread_names()?
+            .iter()
+            .filter(|n| n.starts_with("pinstream-nvjpeg"))
+            .count())
+    }
+}
