@@ -223,21 +223,32 @@ class ImageFeed:
         self._native = None
         self._build(0, 0)
 
-    def _build(self, epoch, batch):
+    def _build(self, epoch, batch, args=None):
+        """A native feed of ``args`` (default: this feed's) at ``(epoch, batch)`` in place of the
+        running one; where it cannot be made, the running one goes on as it was (its own
+        arguments: ``self._args`` is set only once the new feed is made)."""
+        args = self._args if args is None else args
         if self._native is not None and self._args["cache_bytes"]:
             # Two caches at once might not fit the device: the old feed goes first, and comes
-            # back at its own position where the new one cannot be made.
+            # back at its own position, with its own arguments, where the new one cannot be made.
             was = self._native.position()
             self._native.close()
             self._native = None
             try:
-                self._native = _native.ImageFeed(**self._args, start_epoch=epoch, start_batch=batch)
-            except BaseException:
-                self._native = _native.ImageFeed(**self._args, start_epoch=was[0], start_batch=was[1])
-                raise
+                self._native = _native.ImageFeed(**args, start_epoch=epoch, start_batch=batch)
+            except BaseException as e:
+                try:
+                    self._native = _native.ImageFeed(**self._args, start_epoch=was[0], start_batch=was[1])
+                except BaseException as again:
+                    self._broken = (f"pinstream.ImageFeed: the feed could not be made again at epoch "
+                                    f"{was[0]}, batch {was[1]} after a failed move ({again!r})")
+                    e.add_note(self._broken)
+                raise e
+            self._args = args
             return
         # The new feed first: where it cannot be made, the old one goes on.
-        new = _native.ImageFeed(**self._args, start_epoch=epoch, start_batch=batch)
+        new = _native.ImageFeed(**args, start_epoch=epoch, start_batch=batch)
+        self._args = args
         old, self._native = self._native, new
         if old is not None:
             old.close()
@@ -262,7 +273,7 @@ class ImageFeed:
 
     def _live(self):
         if self._native is None:
-            raise InvalidArgumentError("pinstream.ImageFeed: the feed was closed")
+            raise InvalidArgumentError(getattr(self, "_broken", None) or "pinstream.ImageFeed: the feed was closed")
         return self._native
 
     def __len__(self):
@@ -355,13 +366,7 @@ class ImageFeed:
             raise InvalidArgumentError(
                 f"pinstream.ImageFeed.load_state_dict: batch {batch} of an epoch of {len(self)}"
             )
-        old_seed = self._args["seed"]
-        self._args["seed"] = seed
-        try:
-            self._build(epoch, batch)
-        except BaseException:
-            self._args["seed"] = old_seed
-            raise
+        self._build(epoch, batch, dict(self._args, seed=seed))
 
     def close(self):
         """Stops the loader threads; the batches handed out stay valid."""

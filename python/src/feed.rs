@@ -386,6 +386,7 @@ impl PyImageFeed {
         d.set_item("cache_used", cache.used)?;
         d.set_item("cache_images", cache.images)?;
         d.set_item("cache_hits", cache.hits)?;
+        d.set_item("cache_failures", cache.failures)?;
         Ok(d)
     }
 

@@ -51,6 +51,8 @@ pub struct GpuCacheStats {
     pub images: usize,
     /// Images of batches served from it instead of decoded.
     pub hits: u64,
+    /// Batches whose decoded images could not be kept (a CUDA error; said once on stderr).
+    pub failures: u64,
 }
 
 pub(crate) struct GpuCache {
@@ -67,17 +69,23 @@ struct Inner {
     /// Given room, being written.
     pending: HashSet<usize>,
     hits: u64,
+    failures: u64,
 }
 
 impl GpuCache {
-    /// A cache of `budget` bytes on `stream`'s device (allocated now).
+    /// A cache of `budget` bytes on `stream`'s device (allocated now). `InvalidArgument` for
+    /// a budget above the device's memory; the allocation's own error (`OutOfMemory`: memory
+    /// in use now) otherwise.
     pub fn new(stream: &Stream, budget: usize) -> Result<GpuCache> {
-        let buf = DeviceBuffer::<u8>::new(&stream.device(), budget).map_err(|e| {
-            Error::invalid(
+        let dev = stream.device();
+        let total = dev.total_memory()?;
+        if budget > total {
+            return Err(Error::invalid(
                 "ImageFeedConfig::gpu_cache_bytes",
-                format!("{budget} bytes of device memory for the decoded images: {e}"),
-            )
-        })?;
+                format!("{budget} bytes for the decoded images: the device has {total}"),
+            ));
+        }
+        let buf = DeviceBuffer::<u8>::new(&dev, budget)?;
         Ok(GpuCache {
             budget,
             inner: Mutex::new(Inner {
@@ -86,6 +94,7 @@ impl GpuCache {
                 kept: HashMap::new(),
                 pending: HashSet::new(),
                 hits: 0,
+                failures: 0,
             }),
         })
     }
@@ -95,30 +104,54 @@ impl GpuCache {
         lock(&self.inner).kept.get(&item).copied()
     }
 
-    /// Whether an image of `len` bytes would fit now (decode it whole to keep it).
-    pub fn has_room(&self, len: usize) -> bool {
-        let st = lock(&self.inner);
-        st.next
-            .checked_add(len)
-            .is_some_and(|end| end <= self.budget)
-    }
-
     /// Counts `n` images served from the cache.
     pub fn served(&self, n: usize) {
         lock(&self.inner).hits += n as u64;
     }
 
+    /// Says once, on stderr, why images could not be kept (the batch goes on without them:
+    /// they are decoded again next time). Counted in [`GpuCacheStats::failures`].
+    pub fn note_failure(&self, e: &Error) {
+        let mut st = lock(&self.inner);
+        st.failures += 1;
+        if st.failures == 1 {
+            eprintln!("pinstream-vision: decoded images could not be kept in the GPU cache: {e}");
+        }
+    }
+
     /// Keeps the decoded images `images` (`(item, height, width, offset in arena)`): copies
     /// each that fits and is not kept or being kept already from `arena` into the cache on
     /// `stream`, waits for the copies, then lists them. Returns how many it kept. On an error
-    /// none of them is listed (their room is not given back).
+    /// (or a panic) none of them is listed, and none stays marked as being kept (their room is
+    /// not given back).
     pub fn keep(
         &self,
         stream: &Stream,
         arena: &DeviceBuffer<u8>,
         images: &[(usize, usize, usize, usize)],
     ) -> Result<usize> {
-        let mut placed = Vec::new();
+        /// Takes the batch's items off `pending` on every way out, listing them where `ok`.
+        struct Unmark<'a> {
+            cache: &'a GpuCache,
+            placed: Vec<(usize, Kept, usize)>,
+            ok: bool,
+        }
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                let mut st = lock(&self.cache.inner);
+                for (item, k, _) in &self.placed {
+                    st.pending.remove(item);
+                    if self.ok {
+                        st.kept.insert(*item, *k);
+                    }
+                }
+            }
+        }
+        let mut placed = Unmark {
+            cache: self,
+            placed: Vec::new(),
+            ok: false,
+        };
         {
             let mut st = lock(&self.inner);
             for &(item, height, width, from) in images {
@@ -138,36 +171,22 @@ impl GpuCache {
                 }
                 st.next = end;
                 st.pending.insert(item);
-                placed.push((item, k, from));
+                placed.placed.push((item, k, from));
             }
-            let copied = (|| -> Result<()> {
-                for &(_, k, from) in &placed {
-                    let src = arena.slice(from..from + k.len())?;
-                    let mut dst = st.buf.slice_mut(k.offset..k.offset + k.len())?;
-                    stream.copy_d2d(&src, &mut dst)?;
-                }
-                Ok(())
-            })();
-            if let Err(e) = copied {
-                for (item, _, _) in &placed {
-                    st.pending.remove(item);
-                }
-                return Err(e);
+            for &(_, k, from) in &placed.placed {
+                let src = arena.slice(from..from + k.len())?;
+                let mut dst = st.buf.slice_mut(k.offset..k.offset + k.len())?;
+                stream.copy_d2d(&src, &mut dst)?;
             }
         }
-        if placed.is_empty() {
+        if placed.placed.is_empty() {
             return Ok(0);
         }
-        // Listed once written: a reader on another stream may use them at once.
-        let waited = stream.synchronize();
-        let mut st = lock(&self.inner);
-        for (item, k, _) in &placed {
-            st.pending.remove(item);
-            if waited.is_ok() {
-                st.kept.insert(*item, *k);
-            }
-        }
-        waited.map(|()| placed.len())
+        // Listed once written (by `placed`'s drop): a reader on another stream may use them at
+        // once.
+        stream.synchronize()?;
+        placed.ok = true;
+        Ok(placed.placed.len())
     }
 
     /// Copies kept images into `arena` on `stream`: `(kept, offset in arena)` each.
@@ -198,6 +217,7 @@ impl GpuCache {
             used: st.next,
             images: st.kept.len(),
             hits: st.hits,
+            failures: st.failures,
         }
     }
 }

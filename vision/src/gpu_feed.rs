@@ -668,8 +668,10 @@ impl Work {
                     continue;
                 }
             };
-            // To be kept, an image is decoded whole (not only its crop's region).
-            let whole = cache.is_some_and(|c| c.has_room(info.rgb_len()));
+            // With a cache every image is decoded whole, not only its crop's region (so that
+            // kept or not, its crop is taken in the same coordinates: the same pixels,
+            // whatever was kept when).
+            let whole = cache.is_some();
             let (region, crop) = match Self::region(&crop, h, w).filter(|_| !whole) {
                 Some((r, c)) => (Some(r), c),
                 None => (None, crop),
@@ -721,14 +723,18 @@ impl Work {
                 format!("every file of epoch {epoch}'s batch {k} was left out as undecodable"),
             ));
         }
-        if self.arena.as_ref().is_none_or(|a| a.len() < offset) {
+        // A batch of kept images only has nothing to decode: no arena for it.
+        let all_kept = files.iter().all(|f| f.kept.is_some());
+        if !all_kept && self.arena.as_ref().is_none_or(|a| a.len() < offset) {
             self.arena = None;
             // Stream-ordered (no device-wide synchronization, as cudaMalloc / cudaFree would
             // cost every other loader), with room to spare: random crops vary the size.
             let len = offset.saturating_mul(2);
             self.arena = Some(DeviceBuffer::<u8>::new_async(self.decoder.stream(), len)?);
         }
-        let arena = self.arena.as_mut().expect("made above");
+        // `None` only for a batch of kept images only, which never uses it.
+        let mut arena = self.arena.as_mut();
+        let no_arena = || Error::invalid(OP, "no arena for a batch with images to decode");
         // Decode in groups of at most `held_bytes` of files (files not kept are read again).
         // Kept images are ready; the rest are decoded.
         let mut ok: Vec<bool> = files.iter().map(|f| f.kept.is_some()).collect();
@@ -788,6 +794,7 @@ impl Work {
                 .collect();
             let results = {
                 let _turn = sh.turns.take(|| lock(&sh.state).stop)?;
+                let arena = arena.as_deref_mut().ok_or_else(no_arena)?;
                 self.decoder.decode(&items, arena)?
             };
             for (&i, r) in idx.iter().zip(results) {
@@ -813,14 +820,16 @@ impl Work {
         let stream = self.decoder.stream().clone();
         // Every image of the batch kept: cropped straight from the cache. Else the kept ones
         // are copied beside the decoded ones, and cropped from the arena with them.
-        let from_cache = cache.filter(|_| files.iter().all(|f| f.kept.is_some()));
+        let from_cache = cache.filter(|_| all_kept);
+        let mut served = 0;
         if let Some(c) = cache {
             let hits: Vec<(Kept, usize)> = files
                 .iter()
                 .filter_map(|f| f.kept.map(|k| (k, f.offset)))
                 .collect();
-            c.served(hits.len());
+            served = hits.len();
             if from_cache.is_none() && !hits.is_empty() {
+                let arena = arena.as_deref_mut().ok_or_else(no_arena)?;
                 c.copy_out(&stream, arena, &hits)?;
             }
             // Keep what was decoded whole, while it fits.
@@ -834,7 +843,11 @@ impl Work {
                 .map(|(f, _)| (f.item, f.plan.height, f.plan.width, f.offset))
                 .collect();
             if !whole.is_empty() {
-                c.keep(&stream, arena, &whole)?;
+                let arena = arena.as_deref().ok_or_else(no_arena)?;
+                // Not kept (an error, which leaves them out): the batch itself is whole.
+                if let Err(e) = c.keep(&stream, arena, &whole) {
+                    c.note_failure(&e);
+                }
             }
         }
         let mut spec = ResizeSpec::new(3, cfg.out.0, cfg.out.1, cfg.norm.clone())
@@ -875,7 +888,13 @@ impl Work {
             Some(c) => {
                 c.with_buffer(|buf| kernels::resized_crop(&stream, buf, &spec, &mut pixels))?
             }
-            None => kernels::resized_crop(&stream, &*arena, &spec, &mut pixels)?,
+            None => {
+                let arena = arena.as_deref().ok_or_else(no_arena)?;
+                kernels::resized_crop(&stream, arena, &spec, &mut pixels)?
+            }
+        }
+        if let Some(c) = cache {
+            c.served(served);
         }
         if self.labels_host.as_ref().is_none_or(|h| h.len() < n) {
             let most = src.largest_batch().max(n);

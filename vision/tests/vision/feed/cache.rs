@@ -46,8 +46,7 @@ fn refused_on_cpu() -> R {
     let r = cfg.validate();
     ensure(
         matches!(&r, Err(Error::InvalidArgument { .. }))
-            && r
-                .as_ref()
+            && r.as_ref()
                 .unwrap_err()
                 .to_string()
                 .contains("gpu_cache_bytes"),
@@ -66,8 +65,9 @@ fn refused_on_cpu() -> R {
 mod gpu {
     use super::super::{config, list};
     use crate::common::{ensure, R};
+    use libtest_mimic::Failed;
     use pinstream::{Device, Error};
-    use pinstream_vision::{Decoding, ImageFeed, ImageFeedConfig};
+    use pinstream_vision::{Decoding, FeedBatch, ImageFeed, ImageFeedConfig};
 
     /// The decoded size of the dataset's images, and how many there are (bad files left out).
     fn decoded() -> Result<(usize, usize), Box<dyn std::error::Error>> {
@@ -84,8 +84,11 @@ mod gpu {
     }
 
     /// Three epochs of a feed with the cache (a budget for every image, or for about
-    /// `1/part` of the decoded bytes) against the same feed without: every batch's pixels and
-    /// labels equal. With every image kept, the third epoch decodes nothing.
+    /// `1/part` of the decoded bytes) against the same feed with a cache that holds nothing
+    /// (every image decoded whole, as with any cache): every batch's pixels and labels equal,
+    /// bit for bit. Against the feed without a cache (which decodes only the crop's region of
+    /// 4:4:4 files, the crop then in other coordinates): within float rounding. With every
+    /// image kept, the third epoch decodes nothing.
     pub fn same_batches(part: Option<usize>) -> R {
         let dev = Device::get(0)?;
         let stream = dev.stream()?;
@@ -98,56 +101,69 @@ mod gpu {
             decoding: Decoding::Gpu,
             ..config(5)
         };
-        let cached = ImageFeedConfig {
-            gpu_cache_bytes: budget,
+        let with = |bytes| ImageFeedConfig {
+            gpu_cache_bytes: bytes,
             ..base.clone()
         };
-        let mut plain = ImageFeed::<f32>::new(&stream, list(), base)?;
-        let mut feed = ImageFeed::<f32>::new(&stream, list(), cached)?;
+        let mut plain = ImageFeed::<f32>::new(&stream, list(), base.clone())?;
+        let mut none = ImageFeed::<f32>::new(&stream, list(), with(1))?;
+        let mut feed = ImageFeed::<f32>::new(&stream, list(), with(budget))?;
         ensure(feed.gpu_cache().budget == budget, || {
             format!("{:?}", feed.gpu_cache())
         })?;
         let per = feed.batches_per_epoch();
+        // Poisoned first: a batch that wrote nothing cannot pass as equal.
+        let host = |x: &FeedBatch<'_, f32>, poison: f32| -> Result<(Vec<f32>, Vec<i64>), Failed> {
+            let px = x.pixels()?;
+            let mut v = vec![poison; px.len()];
+            stream.copy_d2h(&px, &mut v[..])?.wait()?;
+            let mut l = vec![-1i64; x.dims()[0]];
+            stream.copy_d2h(&x.extras()?, &mut l[..])?.wait()?;
+            Ok((v, l))
+        };
+        let worst = |x: &[f32], y: &[f32]| {
+            x.iter()
+                .zip(y)
+                .map(|(p, q)| (*p as f64 - *q as f64).abs())
+                .fold(0.0f64, f64::max)
+        };
         let mut decoded_by_epoch = Vec::new();
         for epoch in 0..3u64 {
             let mut seen = 0;
             loop {
-                let (a, b) = (plain.next(), feed.next());
-                let (a, b) = match (a, b) {
-                    (None, None) => break,
-                    (Some(a), Some(b)) => (a?, b?),
-                    (a, b) => {
+                let (a, z, b) = match (plain.next(), none.next(), feed.next()) {
+                    (None, None, None) => break,
+                    (Some(a), Some(z), Some(b)) => (a?, z?, b?),
+                    (a, z, b) => {
                         return Err(format!(
-                            "epoch {epoch} batch {seen}: one feed ended ({} / {})",
+                            "epoch {epoch} batch {seen}: a feed ended ({} / {} / {})",
                             a.is_some(),
+                            z.is_some(),
                             b.is_some()
                         )
                         .into())
                     }
                 };
-                ensure(a.dims() == b.dims(), || {
-                    format!("{:?} vs {:?}", a.dims(), b.dims())
+                ensure(a.dims() == b.dims() && z.dims() == b.dims(), || {
+                    format!("{:?} / {:?} / {:?}", a.dims(), z.dims(), b.dims())
                 })?;
-                let (pa, pb) = (a.pixels()?, b.pixels()?);
-                // Poisoned first: a batch that wrote nothing cannot pass as equal.
-                let mut ga = vec![f32::NAN; pa.len()];
-                let mut gb = vec![-1e30f32; pb.len()];
-                stream.copy_d2h(&pa, &mut ga[..])?.wait()?;
-                stream.copy_d2h(&pb, &mut gb[..])?.wait()?;
-                let worst = ga
-                    .iter()
-                    .zip(&gb)
-                    .map(|(x, y)| (*x as f64 - *y as f64).abs())
-                    .fold(0.0f64, f64::max);
-                ensure(
-                    ga.iter().all(|v| v.is_finite()) && worst <= 1e-4,
-                    || format!("epoch {epoch} batch {seen}: pixels differ by up to {worst}"),
-                )?;
-                let mut la = vec![-1i64; a.dims()[0]];
-                let mut lb = vec![-2i64; b.dims()[0]];
-                stream.copy_d2h(&a.extras()?, &mut la[..])?.wait()?;
-                stream.copy_d2h(&b.extras()?, &mut lb[..])?.wait()?;
-                ensure(la == lb, || format!("labels {la:?} vs {lb:?}"))?;
+                let ((ga, la), (gz, lz), (gb, lb)) =
+                    (host(&a, f32::NAN)?, host(&z, -1e30)?, host(&b, 1e30)?);
+                ensure(gb.iter().all(|v| v.is_finite()) && gz == gb, || {
+                    format!(
+                        "epoch {epoch} batch {seen}: kept and decoded differ by up to {}",
+                        worst(&gz, &gb)
+                    )
+                })?;
+                ensure(worst(&ga, &gb) <= 1e-4, || {
+                    format!(
+                        "epoch {epoch} batch {seen}: against no cache, up to {}",
+                        worst(&ga, &gb)
+                    )
+                })?;
+                ensure(la == lb && lz == lb, || {
+                    format!("labels {la:?} / {lz:?} / {lb:?}")
+                })?;
                 seen += 1;
             }
             ensure(seen == per, || {
@@ -157,7 +173,13 @@ mod gpu {
             decoded_by_epoch.push(r.hardware + r.cuda + r.cpu);
         }
         let s = feed.gpu_cache();
-        ensure(s.used <= budget && s.images <= n, || format!("{s:?}"))?;
+        ensure(s.used <= budget && s.images <= n && s.failures == 0, || {
+            format!("{s:?}")
+        })?;
+        let e = none.gpu_cache();
+        ensure(e.images == 0 && e.hits == 0 && e.budget == 1, || {
+            format!("{e:?}")
+        })?;
         match part {
             None => {
                 // Every image kept (the loaders run ahead: epoch 2 may still decode a few);
@@ -192,8 +214,7 @@ mod gpu {
         let r = ImageFeed::<f32>::new(&stream, list(), cfg);
         ensure(
             matches!(&r, Err(Error::InvalidArgument { .. }))
-                && r
-                    .as_ref()
+                && r.as_ref()
                     .err()
                     .is_some_and(|e| e.to_string().contains("gpu_cache_bytes")),
             || format!("{:?}", r.as_ref().err()),
