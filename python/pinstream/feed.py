@@ -114,8 +114,9 @@ class ImageFeed:
     - ``cache_bytes``: GPU memory for keeping decoded images between epochs (0, the default:
       none), taken when the feed starts. Each image is kept the first time it is decoded, while
       it fits; later epochs crop it from there, reading and decoding nothing. Size it to the
-      decoded set: height x width x 3 bytes per image (about 2.8 GB for 5 000 ImageNet-sized
-      JPEGs). A file changed on disk after it was kept is fed as it was. A jump
+      decoded set: height x width x 3 bytes per image (3.27 GB for 5 000 ImageNet-sized
+      JPEGs; per rank, the whole set: ranks see other files every epoch). Every image is then
+      decoded whole. A file changed on disk after it was kept is fed as it was. A jump
       (``set_epoch`` to another epoch, ``load_state_dict``) starts over with an empty cache.
       GPU decoding only (``decode="cpu"`` refuses it; where ``"auto"`` decodes on the CPU it
       does nothing). ``stats()`` says what it holds.

@@ -87,8 +87,10 @@ pub struct ImageFeedConfig {
     /// (0, the default: none). Taken when the feed starts. Each image is kept the first time it
     /// is decoded, while it fits; a later epoch crops it from there instead of reading and
     /// decoding its file again. Size it to the decoded dataset (height x width x 3 bytes per
-    /// image: about 2.8 GB for 5 000 ImageNet-sized JPEGs). A file changed on disk after it was
-    /// kept is fed as it was. No effect where the feed decodes on the CPU
+    /// image: 3.27 GB for 5 000 ImageNet-sized JPEGs; per rank, the whole set, as ranks see
+    /// other files every epoch). With a cache every image is decoded whole. A budget above the
+    /// device's memory is `InvalidArgument`. A file changed on disk after it was kept is fed
+    /// as it was. No effect where the feed decodes on the CPU
     /// ([`Decoding::Cpu`] refuses it). See `docs/image-feed.md`.
     pub gpu_cache_bytes: usize,
 }
