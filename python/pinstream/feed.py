@@ -227,17 +227,23 @@ class ImageFeed:
     def _build(self, epoch, batch, args=None):
         """A native feed of ``args`` (default: this feed's) at ``(epoch, batch)`` in place of the
         running one; where it cannot be made, the running one goes on as it was (its own
-        arguments: ``self._args`` is set only once the new feed is made)."""
+        arguments: ``self._args`` is set only once the new feed is made). With a cache the
+        running one is closed first and made again at its position: a ``for`` loop over it
+        then ends with an error (iterate again), and its cache starts empty."""
         args = self._args if args is None else args
         if self._native is not None and self._args["cache_bytes"]:
             # Two caches at once might not fit the device: the old feed goes first, and comes
-            # back at its own position, with its own arguments, where the new one cannot be made.
-            was = self._native.position()
-            self._native.close()
-            self._native = None
+            # back at its own position, with its own arguments, where the new one cannot be made
+            # (an interrupt included, once it is closed).
+            was, closed = self._native.position(), False
             try:
+                self._native.close()
+                closed = True
+                self._native = None
                 self._native = _native.ImageFeed(**args, start_epoch=epoch, start_batch=batch)
             except BaseException as e:
+                if not closed:
+                    raise
                 try:
                     self._native = _native.ImageFeed(**self._args, start_epoch=was[0], start_batch=was[1])
                 except BaseException as again:
@@ -316,7 +322,8 @@ class ImageFeed:
     def stats(self):
         """Images decoded per route (``hardware``, ``cuda``, ``cpu``), bad files skipped, and the
         cache of decoded images (``cache_budget``, ``cache_used`` bytes, ``cache_images`` kept,
-        ``cache_hits``: images served from it instead of decoded)."""
+        ``cache_hits``: images served from it instead of decoded, ``cache_failures``: batches
+        whose images could not be kept)."""
         return self._live().stats()
 
     def set_epoch(self, epoch):

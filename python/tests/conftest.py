@@ -22,9 +22,10 @@ GPU_REASON = _gpu_reason()
 needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 
 
-def make_jpegs(folder, n, seed=0, side=(96, 400)):
+def make_jpegs(folder, n, seed=0, side=(96, 400), subsampling=None):
     """``n`` JPEGs in ``folder`` of sizes drawn from ``side``, random blocks of colour with
-    noise (not flat, not zeros): ``[(path, index)]``."""
+    noise (not flat, not zeros): ``[(path, index)]``. ``subsampling``: Pillow's (0: 4:4:4, 2:
+    4:2:0, its default for ``None``)."""
     import os
 
     import numpy as np
@@ -38,7 +39,8 @@ def make_jpegs(folder, n, seed=0, side=(96, 400)):
         img = np.kron(small, np.ones((8, 8, 1), np.uint8))[:h, :w]
         img = np.clip(img.astype(np.int16) + rng.integers(-20, 21, img.shape), 0, 255).astype(np.uint8)
         path = os.path.join(str(folder), f"img{i:04d}.jpg")
-        Image.fromarray(img).save(path, quality=90)
+        extra = {} if subsampling is None else {"subsampling": subsampling}
+        Image.fromarray(img).save(path, quality=90, **extra)
         items.append((path, i))
     return items
 
