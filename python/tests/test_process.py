@@ -15,6 +15,7 @@ process with a limit.
 import multiprocessing
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -586,12 +587,32 @@ def test_finding_typed_memoryviews_work_as_in_process():
 # --- findings of the second hostile review ------------------------------------------------
 
 
+#: CPython 3.11.7 and earlier: a fork made while another thread makes or ends its thread state
+#: can leave the interpreter's lock of thread states held in the child, which then hangs in
+#: ``PyOS_AfterFork_Child`` (python/cpython#112275, fixed in later releases). Seen here once in
+#: 30 to 150 runs of the test below on 3.11.7: gdb in the hung helper showed
+#: ``_PyThreadState_DeleteExcept`` waiting for that lock, before any pinstream code ran.
+FORK_HEAD_LOCK_BUG = sys.version_info[:3] < (3, 11, 8)
+
+
+def run_concurrent_forks(code):
+    """``run_child`` for a test whose threads fork helpers while other threads start: on a
+    CPython with the fork bug above, a child that hangs is run once more (a second hang fails)."""
+    tries = 2 if FORK_HEAD_LOCK_BUG else 1
+    for k in range(tries):
+        try:
+            return run_child(code, timeout=60 if tries > 1 else 180)
+        except pytest.fail.Exception as e:
+            if k + 1 == tries or not str(e).startswith("HUNG"):
+                raise
+
+
 def test_finding_helpers_never_close_a_reused_descriptor():
     """A closed reader's descriptors stayed registered, so a later helper closed numbers that
     the user's files (or the next prefetcher's own pipes) had reused meanwhile: wrong labels,
     EBADF, or a helper ending at once. Eight threads create, consume and close prefetchers;
     each iterable reads a file it opens in the helper."""
-    run_child(
+    run_concurrent_forks(
         """
         import collections, multiprocessing, tempfile
         path = tempfile.mktemp()
@@ -624,7 +645,6 @@ def test_finding_helpers_never_close_a_reused_descriptor():
         assert not multiprocessing.active_children()
         print("ok")
         """,
-        timeout=180,
     )
 
 
