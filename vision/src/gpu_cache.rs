@@ -41,7 +41,9 @@ impl Kept {
 }
 
 /// What the cache holds and how often it served (see [`ImageFeed::gpu_cache`](crate::ImageFeed::gpu_cache)).
+/// Read its fields; more may come (`#[non_exhaustive]`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GpuCacheStats {
     /// The budget: device bytes the cache took (0: no cache).
     pub budget: usize,
