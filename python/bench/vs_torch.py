@@ -93,10 +93,11 @@ def away(make):
 
 
 def ring_counts():
-    """``{"in_ring": k, "usual": m}`` of the newest worker_ring reader still alive, or ``{}``."""
+    """``{"in_ring": k, "stacked": j, "usual": m}`` of the newest worker_ring reader still
+    alive, or ``{}``."""
     r = _RING_READERS[-1]() if _RING_READERS else None
     _RING_READERS.clear()
-    return {"in_ring": r.in_ring, "usual": r.usual} if r is not None else {}
+    return {"in_ring": r.in_ring, "stacked": r.stacked, "usual": r.usual} if r is not None else {}
 
 
 def median_ms(fn, reps, warmup=2):
@@ -257,6 +258,23 @@ class FreshBatches(Synthetic):
         out.share_memory_()
         out.copy_(self.data[i % 4])
         return out, torch.arange(256) + 256 * i
+
+
+class Samples(torch.utils.data.Dataset):
+    """``Synthetic``'s batches one image a sample, for ``DataLoader(batch_size=256)``: its
+    workers' ``default_collate`` stacks each batch's samples into new shared memory, which the
+    training process maps. The usual way a dataset of images is loaded."""
+
+    def __init__(self, synthetic):
+        self.data = synthetic.data
+        self.n = len(synthetic) * 256
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        b, k = divmod(j, 256)
+        return self.data[b % 4][k], j
 
 
 def spin_cycles_per_ms():
@@ -588,6 +606,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
     n_batches = (steps or (12 if quick else 30)) + warm
     ds = Synthetic(n_batches)
     fresh_ds = FreshBatches(n_batches)
+    samples_ds = Samples(ds)
     gen_data = [ds[i] for i in range(4)]
     summary = {"bench": "models", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                "pinstream": pinstream.__version__, "batch": 256, "batches": n_batches - warm, "warmup": warm}
@@ -898,6 +917,26 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         def dl(dataset, workers):
             return lambda: torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
 
+        def dls(workers, pin=False):
+            # One image a sample, batches of 256 collated by the workers (`Samples`).
+            return lambda: torch.utils.data.DataLoader(samples_ds, batch_size=256, num_workers=workers,
+                                                       pin_memory=pin)
+
+        def unstacked(f):
+            # `f` with the workers collating, then copying into the ring (the way before
+            # `worker_ring.STACK_SAMPLES`; read at `iter()`).
+            def run():
+                import pinstream.worker_ring as ring_mod
+
+                old = ring_mod.STACK_SAMPLES
+                ring_mod.STACK_SAMPLES = False
+                try:
+                    return f()
+                finally:
+                    ring_mod.STACK_SAMPLES = old
+
+            return run
+
         sources = {
             "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
                              lambda: timed(away(lambda: ApexPrefetcher(loader(), mean, std)), cl)),
@@ -933,6 +972,20 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "dl8_views_worker_ring": ("... 8 workers, worker_ring=True", ours(dl(ds, 8), worker_ring=True)),
             "dl4_fresh_worker_ring": ("... 4 workers, worker_ring=True, a new shared tensor per batch",
                                       ours(dl(fresh_ds, 4), worker_ring=True)),
+            # A dataset of single images, DataLoader(batch_size=256): the workers' default_collate
+            # stacks each batch into new shared memory.
+            "apex_dl4s_pin": ("samples: DataLoader(batch_size=256, pin_memory, 4 workers) + APEX",
+                              lambda: timed(away(lambda: ApexPrefetcher(dls(4, pin=True)(), mean, std)), cl)),
+            "ideal_dl4s_discard": ("samples: the ideal beside DataLoader(batch_size=256, 4 workers), dropped",
+                                   ideal_beside(dls(4))),
+            "ideal_dl4s_discard_child": ("samples: the same, iterated in a forked child",
+                                         ideal_beside_child(dls(4))),
+            "dl4s": ("samples: pinstream.torch.prefetch(DataLoader(batch_size=256, 4 workers))", ours(dls(4))),
+            "dl4s_process": ("samples: ... process=True", ours(dls(4), process=True)),
+            "dl4s_worker_ring": ("samples: ... worker_ring=True (stacked into the ring)",
+                                 ours(dls(4), worker_ring=True)),
+            "dl4s_worker_ring_unstacked": ("samples: ... worker_ring=True, collated then copied",
+                                           unstacked(ours(dls(4), worker_ring=True))),
         }
         if pick:
             sources = {k: v for k, v in sources.items() if k in pick}

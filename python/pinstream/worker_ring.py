@@ -6,7 +6,10 @@ batch is pickled with a file descriptor, which this process receives, maps and f
 by page before a byte can be copied to page-locked memory, all of it serial and part of it under
 the GIL. With ``worker_ring=True`` the loader's ``collate_fn`` is wrapped, for the workers this
 iteration forks, by one that collates as before and then copies the batch's uint8 images into a
-free slot of a ring of shared memory (a memfd the workers inherit). The batch comes here as the
+free slot of a ring of shared memory (a memfd the workers inherit). Where the loader collates
+with torch's ``default_collate`` (a batch size, no ``collate_fn``), the samples' images are
+stacked straight into the slot instead, and the rest collated as before: the batch's one copy,
+made into the ring rather than into new shared memory. The batch comes here as the
 rest plus the slot's number, and the ring is page-locked here, so the prefetcher DMAs straight
 from the slot: no copy and no mapping in this process.
 
@@ -20,6 +23,7 @@ was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 import os
 import random
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -59,6 +63,12 @@ MAX_RING_BYTES = 4 << 30
 #: workers' limit: 4 workers with 1 / 2 / 4 threads took 2.34 / 1.48 / 1.19 ms per batch, 8
 #: workers with 2 / 4 threads 1.22 / 1.29 on 16 CPUs; BENCHMARKS.md, seventh session).
 WORKER_COPY_THREADS = None
+
+#: Whether a worker whose loader collates with torch's ``default_collate`` (a batch size and no
+#: ``collate_fn``) stacks the samples' images straight into a slot, the one copy of the batch
+#: (read at ``iter()``). ``False``: collated into new shared memory first, then copied into the
+#: slot (a benchmark's control).
+STACK_SAMPLES = True
 
 
 def copy_threads(workers):
@@ -141,17 +151,19 @@ class InRing:
     """A batch whose images are in slot ``slot`` of ring ``ring``, as a worker sends it: the
     batch's rest (its images left out), where they go back (``place``), and their shape."""
 
-    __slots__ = ("ring", "slot", "shape", "place", "rest")
+    __slots__ = ("ring", "slot", "shape", "place", "rest", "stacked")
 
-    def __init__(self, ring, slot, shape, place, rest):
+    def __init__(self, ring, slot, shape, place, rest, stacked=False):
         self.ring = ring
         self.slot = slot
         self.shape = shape
         self.place = place
         self.rest = rest
+        #: The samples' images were stacked straight into the slot (``_stack_into_ring``).
+        self.stacked = stacked
 
     def __reduce__(self):
-        return (InRing, (self.ring, self.slot, self.shape, self.place, self.rest))
+        return (InRing, (self.ring, self.slot, self.shape, self.place, self.rest, self.stacked))
 
 
 def _rest(item, place):
@@ -179,13 +191,23 @@ class RingCollate:
         self._slots = 0
         #: The slots this worker has written (their page table made).
         self._mapped = set()
+        #: The wrapped function is torch's ``default_collate``: the samples' images are
+        #: stacked straight into the slot (``_stack_into_ring``).
+        self._direct = STACK_SAMPLES and _is_default_collate(collate)
 
     def __call__(self, batch):
-        out = self.collate(batch)
         if _MY_RING != self._ring_id:
             # Not a worker of this ring's iteration (this process, a worker of another, a
             # wrapper left on a loader by a caller's own swap): its descriptors are not ours.
-            return out
+            return self.collate(batch)
+        if self._direct:
+            try:
+                msg = self._stack_into_ring(batch)
+            except Exception:  # noqa: BLE001 - the batch is collated the usual way
+                msg = None
+            if msg is not None:
+                return msg
+        out = self.collate(batch)
         try:
             return self._into_ring(out)
         except Exception:  # noqa: BLE001 - the batch goes the usual way
@@ -208,17 +230,14 @@ class RingCollate:
         except OSError:
             pass
 
-    def _into_ring(self, out):
+    def _slot(self, nbytes):
+        """A free slot's number and its first ``nbytes`` bytes as a writable uint8 array, or
+        ``None`` where no slot is free; raises (the slot given back) where the ring is not made
+        yet or ``nbytes`` do not fit a slot."""
         np = _numpy()
-        place = _images_place(out, self._keys)
-        if place is None:
-            return out
-        images = _ring_array(out[place[1]] if place[0] != "item" else out, np)
-        if images is None:
-            return out
         s = self._take()
         if s is None:
-            return out
+            return None
         try:
             if self._map is None:
                 (slot_bytes,) = _SIZE.unpack(os.pread(self._ring_fd, _SIZE.size, 0))
@@ -229,7 +248,7 @@ class RingCollate:
                 # Mapped in this worker only (a process it forks keeps none of the ring).
                 self._map = map_shared(self._ring_fd, _HEADER + slot_bytes * slots)
                 self._slot_bytes, self._slots = slot_bytes, slots
-            if not 0 <= s < self._slots or images.nbytes > self._slot_bytes:
+            if not 0 <= s < self._slots or nbytes > self._slot_bytes:
                 raise ValueError("the images do not fit a slot")
             if s not in self._mapped:
                 # The slot's page table made at once, the first time this worker writes it,
@@ -237,7 +256,24 @@ class RingCollate:
                 # once, which would hold up this worker's first batch).
                 populate_write(self._map, _HEADER + s * self._slot_bytes, self._slot_bytes)
                 self._mapped.add(s)
-            dst = np.frombuffer(self._map, np.uint8, images.nbytes, _HEADER + s * self._slot_bytes)
+            return s, np.frombuffer(self._map, np.uint8, nbytes, _HEADER + s * self._slot_bytes)
+        except BaseException:
+            self._give_back(s)
+            raise
+
+    def _into_ring(self, out):
+        np = _numpy()
+        place = _images_place(out, self._keys)
+        if place is None:
+            return out
+        images = _ring_array(out[place[1]] if place[0] != "item" else out, np)
+        if images is None:
+            return out
+        got = self._slot(images.nbytes)
+        if got is None:
+            return out
+        s, dst = got
+        try:
             _copy(np, dst, images.reshape(-1), self._threads)
             del dst
             msg = InRing(self._ring_id, s, tuple(images.shape), place, _rest(out, place))
@@ -245,6 +281,104 @@ class RingCollate:
             self._give_back(s)
             raise
         return msg
+
+    def _stack_into_ring(self, batch):
+        """``default_collate(batch)`` with the samples' images stacked straight into a slot:
+        the one copy ``default_collate`` makes (into new shared memory, which this worker
+        faults in and the training process maps) made into the ring instead. ``None`` (the
+        batch then collated the usual way) unless every sample is a plain tuple, list or dict
+        with its images where ``_images_place`` finds them, or is the images itself, and every
+        sample's images are C-contiguous uint8 of one shape and one type (torch CPU tensor or
+        numpy array): what ``default_collate`` stacks into the same bytes."""
+        np = _numpy()
+        torch = sys.modules.get("torch")
+        if torch is None or type(batch) is not list or not batch:
+            return None
+        first = batch[0]
+        kind = type(first)
+        place = _images_place(first, self._keys)
+        if place is None or kind not in (tuple, list, dict, torch.Tensor, np.ndarray):
+            return None
+        where = place[1]
+        image_type = type(first if place[0] == "item" else first[where])
+        if image_type not in (torch.Tensor, np.ndarray):
+            return None
+        shape, images = None, []
+        for sample in batch:
+            if type(sample) is not kind:
+                return None
+            if place[0] == "seq" and len(sample) != len(first):
+                return None
+            if place[0] == "map" and (where not in sample or len(sample) != len(first)):
+                return None
+            x = sample if place[0] == "item" else sample[where]
+            if type(x) is not image_type:
+                return None
+            a = _ring_array(x, np)
+            if a is None or (shape is not None and a.shape != shape):
+                return None
+            shape = a.shape
+            images.append(a)
+        if place[0] == "item":
+            rest = None
+        else:
+            # The rest collated by default_collate itself, a placeholder where the images were
+            # (its error, if any, is raised again by the usual collate).
+            if place[0] == "seq":
+                held = [(0,) + sample[1:] if kind is tuple else [0] + sample[1:]
+                        for sample in batch]
+            else:
+                held = [{**sample, where: 0} for sample in batch]
+            rest = _rest(self.collate(held), place)
+        per = images[0].nbytes
+        got = self._slot(per * len(images))
+        if got is None:
+            return None
+        s, dst = got
+        try:
+            _copy_rows(np, dst.reshape(len(images), per), images, self._threads)
+            del dst
+            msg = InRing(self._ring_id, s, (len(images),) + tuple(shape), place, rest, True)
+        except BaseException:
+            self._give_back(s)
+            raise
+        return msg
+
+
+def _is_default_collate(collate):
+    """Whether ``collate`` is torch's ``default_collate`` (a ``DataLoader`` given a batch size
+    and no ``collate_fn``)."""
+    torch = sys.modules.get("torch")
+    try:
+        return collate is torch.utils.data._utils.collate.default_collate
+    except AttributeError:
+        return False
+
+
+def _copy_rows(np, dst, rows, threads):
+    """``dst[i] = rows[i]`` (flat uint8) for every row, in ``threads`` runs of rows at once
+    (numpy copies without the GIL)."""
+    n = len(rows)
+    threads = max(1, min(threads, n))
+    step = -(-n // threads)
+    failed = []
+
+    def run(a, b):
+        try:
+            for i in range(a, b):
+                np.copyto(dst[i], rows[i].reshape(-1))
+        except BaseException as e:  # noqa: BLE001 - raised below
+            failed.append(e)
+
+    workers = [threading.Thread(target=run, args=(a, min(a + step, n)), daemon=True)
+               for a in range(step, n, step)]
+    for t in workers:
+        t.start()
+    run(0, min(step, n))
+    for t in workers:
+        t.join()
+    if failed:
+        raise failed[0]
 
 
 def check_loader(loader):
@@ -304,6 +438,8 @@ class WorkerRingReader:
         #: Batches that came in a slot, and the usual way.
         self.in_ring = 0
         self.usual = 0
+        #: Of those in a slot, the ones whose samples were stacked straight into it.
+        self.stacked = 0
         self._lock = threading.RLock()  # a collection inside may release another slot
         self._finalizer = None
         # A loader thread is in the loader's next() (and which).
@@ -401,8 +537,10 @@ class WorkerRingReader:
         finally:
             self._pulling = False
         if isinstance(item, InRing):
+            stacked = item.stacked is True
             item = self._from_ring(item)
             self.in_ring += 1
+            self.stacked += stacked
             return item
         self.usual += 1
         if not self._tried:

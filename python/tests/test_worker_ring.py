@@ -137,6 +137,113 @@ def test_worker_ring_batch_bigger_than_the_slots_comes_the_usual_way(dry, reader
     p.close()
 
 
+class Samples(torch.utils.data.Dataset):
+    """One image a sample (``DataLoader(batch_size=...)``, torch's ``default_collate``):
+    sample ``j`` is image ``j % 3`` of ``pixels(j // 3)`` and its label; ``form``: ``"tuple"``
+    (image, label, name), ``"list"``, ``"dict"``, ``"numpy"`` (a tuple, the image a numpy
+    array), ``"item"`` (the image alone); ``odd``: that sample's image another shape."""
+
+    def __init__(self, n, form="tuple", odd=None):
+        self.n, self.form, self.odd = n, form, odd
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, j):
+        b, k = divmod(j, 3)
+        x = pixels(b)[k] if j != self.odd else pixels(b, h=6)[k]
+        if self.form == "item":
+            return torch.from_numpy(x.copy())
+        if self.form == "numpy":
+            return x.copy(), j
+        x = torch.from_numpy(x.copy())
+        if self.form == "dict":
+            return {"label": j, "image": x, "name": f"s{j}"}
+        if self.form == "list":
+            return [x, j, f"s{j}"]
+        return x, j, f"s{j}"
+
+
+def sample_loader(ds, **kw):
+    return torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, **kw)
+
+
+@pytest.mark.parametrize("dry", MODES)
+@pytest.mark.parametrize("form", ["tuple", "list", "dict", "numpy", "item"])
+def test_worker_ring_stacks_samples_straight_into_the_ring(dry, form, readers):
+    # A partial last batch (one sample) too; every batch as the loader itself collates it.
+    n = 3 * 14 + 1
+    want = list(sample_loader(Samples(n, form)))
+    p = pinstream.prefetch(sample_loader(Samples(n, form)), dtype="uint8", worker_ring=True,
+                           dry_run=dry)
+    got = list(p)
+    assert len(got) == len(want) == 15
+    for i, (a, b) in enumerate(zip(got, want)):
+        if form == "item":
+            a, b = [a], [b]
+        elif form == "dict":
+            assert list(a) == list(b) == ["label", "image", "name"], i
+            a, b = [a["image"], a["label"], a["name"]], [b["image"], b["label"], b["name"]]
+        assert np.array_equal(host(a[0]), b[0].numpy()), i
+        assert len(a) == len(b), i
+        for u, v in zip(a[1:], b[1:]):
+            if isinstance(v, torch.Tensor):
+                # Labels as the prefetcher hands them (uploaded, or a tensor as it was).
+                u = u.numpy() if isinstance(u, torch.Tensor) else host(u)
+                assert u.dtype == v.numpy().dtype and np.array_equal(u, v.numpy()), i
+            else:
+                assert u == v, i
+    r = readers[0]
+    assert r.in_ring + r.usual == 15
+    assert r.in_ring >= 5, (r.in_ring, r.usual)
+    # The batches that came in a slot were stacked there, bar one whose worker found no slot
+    # free as it began (it collates, then finds one) now and then.
+    assert r.stacked >= max(5, r.in_ring - 3), (r.stacked, r.in_ring)
+    p.close()
+
+
+def test_worker_ring_unstacked_control_still_copies(readers, monkeypatch):
+    monkeypatch.setattr(wr, "STACK_SAMPLES", False)
+    n = 3 * 12
+    p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", worker_ring=True, dry_run=True)
+    for i, (x, y, names) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i)), i
+        assert y.tolist() == [3 * i, 3 * i + 1, 3 * i + 2]
+    r = readers[0]
+    assert r.in_ring >= 2 and r.stacked == 0
+    p.close()
+
+
+def test_worker_ring_samples_of_other_shapes_get_the_loaders_error(readers):
+    # default_collate's own error, from the usual collate: the stacking adds none of its own.
+    p = pinstream.prefetch(sample_loader(Samples(3 * 12, odd=3 * 9 + 1)), dtype="uint8",
+                           worker_ring=True, dry_run=True)
+    got = 0
+    with pytest.raises(pinstream.LoaderError) as e:
+        for i, (x, _, _) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i)), i
+            got += 1
+    assert got == 9
+    assert "stack expects each tensor to be equal size" in str(e.value) + str(e.value.__cause__)
+    p.close()
+
+
+def test_worker_ring_samples_of_mixed_types_come_the_usual_way(readers):
+    # Samples whose images are a tensor in one and a numpy array in another: default_collate's
+    # outcome (here its error), never a batch stacked from both.
+    class Mixed(Samples):
+        def __getitem__(self, j):
+            x, y, name = super().__getitem__(j)
+            return (x.numpy() if j % 3 == 1 else x), y, name
+
+    p = pinstream.prefetch(sample_loader(Mixed(3 * 8)), dtype="uint8", worker_ring=True,
+                           dry_run=True)
+    with pytest.raises(pinstream.LoaderError):
+        list(p)
+    assert readers[0].stacked == 0
+    p.close()
+
+
 def test_worker_ring_non_uint8_images_get_the_usual_error(readers):
     class Floats(Batches):
         def __getitem__(self, i):
