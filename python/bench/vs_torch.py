@@ -984,6 +984,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "dl4s_process": ("samples: ... process=True", ours(dls(4), process=True)),
             "dl4s_worker_ring": ("samples: ... worker_ring=True (stacked into the ring)",
                                  ours(dls(4), worker_ring=True)),
+            "dl4s_worker_ring_copy1": ("samples: ... worker_ring=True, 1 copy thread a worker",
+                                       worker_copy_threads(1, ours(dls(4), worker_ring=True))),
             "dl4s_worker_ring_unstacked": ("samples: ... worker_ring=True, collated then copied",
                                            unstacked(ours(dls(4), worker_ring=True))),
         }
