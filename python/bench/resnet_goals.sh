@@ -7,8 +7,9 @@
 #   python/bench/resnet_goals.sh [MODEL...]        (default: resnet18)
 # Env: ROUNDS (DataLoader rounds, default 12), STEPS (timed steps per round, default 40),
 # FEED_ROUNDS (image_feed runs between ideals, default 6), SOURCES (default: ideal_again,
-# ideal_dl4_discard (the DataLoader alone beside the ideal, its batches dropped),
-# dl4_views_worker_ring, dl4_views_process, generator, apex_dl4_pin), SET (default /tmp/set:
+# ideal_dl4s_discard (a DataLoader of single images, batch_size=256, beside the ideal, its
+# batches dropped), dl4s_worker_ring (pinstream's default for it), apex_dl4s_pin,
+# dl4_views_worker_ring (a DataLoader of whole batches, batch_size=None), generator), SET (default /tmp/set:
 # 5 000 JPEGs made by imagenet_feed.py make from PINSTREAM_SHARED_IMAGES, by default the
 # packed copy .gpu/shared/data/images). Exits non-zero if a benchmark fails.
 # One model per device call: about 4 minutes for ResNet-18 with the defaults, 7 for ResNet-50
@@ -20,7 +21,7 @@ here=$(dirname "$0")
 rounds=${ROUNDS:-12}
 steps=${STEPS:-40}
 feed_rounds=${FEED_ROUNDS:-6}
-sources=${SOURCES:-ideal_again,ideal_dl4_discard,dl4_views_worker_ring,dl4_views_process,generator,apex_dl4_pin}
+sources=${SOURCES:-ideal_again,ideal_dl4s_discard,dl4s_worker_ring,apex_dl4s_pin,dl4_views_worker_ring,generator}
 set_dir=${SET:-/tmp/set}
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(resnet18)

@@ -294,7 +294,7 @@ def prefetch(
     keys=None,
     cpus=None,
     process=False,
-    worker_ring=False,
+    worker_ring=None,
 ):
     """Prefetches the batches of ``iterable`` to the GPU: a ``pinstream.Prefetcher``.
 
@@ -349,9 +349,13 @@ def prefetch(
 
     ``worker_ring=True`` (a ``DataLoader`` with workers forked, ``persistent_workers=False``):
     the loader's workers copy each batch's uint8 images into a page-locked ring of shared
-    memory, and the prefetcher DMAs them from there; this process neither maps nor copies them
+    memory (with torch's ``default_collate``, they stack the samples straight into it), and the
+    prefetcher DMAs them from there; this process neither maps nor copies them
     (docs/python.md). The loader's ``collate_fn`` is wrapped for the workers of this iteration
-    only. Needs numpy.
+    only. Needs numpy. ``worker_ring=None`` (the default) turns it on for a
+    ``torch.utils.data.DataLoader`` itself (not a subclass) that allows it, unless
+    ``process=True``, ``zero_copy=True`` or ``fresh=False`` is given; ``False`` pulls the
+    loader's batches in this process.
 
     ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
@@ -359,8 +363,18 @@ def prefetch(
     mean, std = normalize if normalize is not None else (None, None)
     if not isinstance(process, bool):
         raise InvalidArgumentError(f"pinstream.prefetch: process={process!r}: True or False")
-    if not isinstance(worker_ring, bool):
-        raise InvalidArgumentError(f"pinstream.prefetch: worker_ring={worker_ring!r}: True or False")
+    if worker_ring is not None and not isinstance(worker_ring, bool):
+        raise InvalidArgumentError(
+            f"pinstream.prefetch: worker_ring={worker_ring!r}: True, False or None (where the "
+            "loader allows it)"
+        )
+    if worker_ring is None:
+        # On for a plain torch DataLoader that allows it, unless another choice was asked for.
+        worker_ring = False
+        if not process and not zero_copy and fresh is not False:
+            from . import worker_ring as _worker_ring
+
+            worker_ring = _worker_ring.allows(iterable)
     if worker_ring:
         from . import worker_ring as _worker_ring
 

@@ -312,7 +312,9 @@ class RingCollate:
             if place[0] == "map" and (where not in sample or len(sample) != len(first)):
                 return None
             x = sample if place[0] == "item" else sample[where]
-            if type(x) is not image_type:
+            if type(x) is not image_type or (image_type is torch.Tensor and x.requires_grad):
+                # (default_collate's stack into shared memory refuses a tensor that requires
+                # grad: its own error, from the usual way.)
                 return None
             a = _ring_array(x, np)
             if a is None or (shape is not None and a.shape != shape):
@@ -406,6 +408,24 @@ def check_loader(loader):
             f"{OP}: the DataLoader starts its workers with {method!r}; the ring needs them "
             "forked (multiprocessing_context='fork')"
         )
+
+
+def allows(loader):
+    """Whether ``worker_ring=None`` (the default) turns the ring on for ``loader``: a
+    ``torch.utils.data.DataLoader`` itself (a subclass may change its batches, which come as
+    ring messages to its own ``__iter__``) that ``check_loader`` takes, with numpy."""
+    torch = sys.modules.get("torch")
+    data = getattr(getattr(torch, "utils", None), "data", None)
+    if data is None or type(loader) is not data.DataLoader:
+        return False
+    try:
+        check_loader(loader)
+        _numpy()
+    except (InvalidArgumentError, ImportError):
+        return False
+    except Exception:  # noqa: BLE001 - a loader whose attributes raise: the usual way
+        return False
+    return True
 
 
 class WorkerRingReader:

@@ -242,12 +242,14 @@ def test_vs_torch_models_with_the_ideal_as_its_own_control():
 
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
-    controls = ["ideal_again", "ideal_dl4_discard", "ideal_dl4_discard_child", "dl4_views_worker_ring_copy1"]
+    controls = ["ideal_again", "ideal_dl4_discard", "ideal_dl4_discard_child", "dl4_views_worker_ring_copy1",
+                "ideal_dl4s_discard", "dl4s_worker_ring", "dl4s_worker_ring_unstacked", "apex_dl4s_pin"]
     out = run_bench("vs_torch.py", "--only", "models", "--quick", "--models", "resnet18",
                     "--model-sources", ",".join(controls), "--model-rounds", "2", "--model-steps", "2",
                     "--model-warmup", "1")
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-    # The tenth session's controls ran too (the child's raises unless it took the batches).
+    # The tenth session's controls ran too (the child's raises unless it took the batches), and
+    # the eleventh's sources over a dataset of single images (their first batch checked).
     assert set(r["resnet18"]["of_adjacent_rounds"]) == set(controls), r
     for name in controls:
         rounds = r["resnet18"]["of_ideal_rounds"][name]

@@ -267,11 +267,13 @@ def to_host(x):
 
 
 def prefetch_of(dry):
+    """The prefetcher that pulls a DataLoader in this process (``worker_ring=False``; the
+    default ring for a plain DataLoader is tested in test_worker_ring.py)."""
     if dry:
-        return lambda src, **kw: pinstream.prefetch(src, dry_run=True, **kw)
+        return lambda src, **kw: pinstream.prefetch(src, dry_run=True, worker_ring=False, **kw)
     import pinstream.torch as pt
 
-    return pt.prefetch
+    return lambda src, **kw: pt.prefetch(src, worker_ring=False, **kw)
 
 
 def dataset(n, fail_at=None, kind="tuple"):
@@ -353,10 +355,10 @@ def test_dataloader_early_break_does_not_hang(dry):
             def __getitem__(self, i):
                 return torch.full((2, 3, 4, 4), i % 251, dtype=torch.uint8), torch.arange(2) + i
         if dry:
-            pf = lambda src, **kw: pinstream.prefetch(src, dry_run=True, **kw)
+            pf = lambda src, **kw: pinstream.prefetch(src, dry_run=True, worker_ring=False, **kw)
         else:
             import pinstream.torch as pt
-            pf = pt.prefetch
+            pf = lambda src, **kw: pt.prefetch(src, worker_ring=False, **kw)
         for epoch in range(2):
             dl = torch.utils.data.DataLoader(DS(), batch_size=None, num_workers=2)
             p = pf(dl, dtype="uint8")

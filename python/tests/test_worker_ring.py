@@ -285,7 +285,7 @@ def test_worker_ring_arguments_refused():
         pinstream.prefetch(loader(ds, multiprocessing_context="spawn"), worker_ring=True, dry_run=True)
     with pytest.raises(pinstream.InvalidArgumentError, match="choose one"):
         pinstream.prefetch(loader(ds), worker_ring=True, process=True, dry_run=True)
-    with pytest.raises(pinstream.InvalidArgumentError, match="True or False"):
+    with pytest.raises(pinstream.InvalidArgumentError, match="True, False or None"):
         pinstream.prefetch(loader(ds), worker_ring="yes", dry_run=True)
     with pytest.raises(pinstream.InvalidArgumentError, match="DataLoader"):
         pinstream.prefetch(iter(loader(ds)), worker_ring=True, dry_run=True)
@@ -878,3 +878,64 @@ def test_batches_held_a_while_stay_whole(dry, ring):
         check(j, a)
     assert seen == len(want) == 15
     p.close()
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_is_the_default_for_a_plain_dataloader(dry, readers):
+    n = 3 * 10
+    p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", dry_run=dry)
+    got = 0
+    for i, (x, y, names) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i)), i
+        assert host(y).tolist() == [3 * i, 3 * i + 1, 3 * i + 2], i
+        assert list(names) == [f"s{3 * i + k}" for k in range(3)], i
+        got += 1
+    assert got == 10
+    (r,) = readers
+    assert r.in_ring >= 3 and r.stacked >= 3, (r.in_ring, r.stacked, r.usual)
+    p.close()
+
+
+class SubLoader(torch.utils.data.DataLoader):
+    """A DataLoader subclass (as accelerate's and others are): its ``__iter__`` may change the
+    batches, so the default leaves it to pull the usual way."""
+
+
+@pytest.mark.parametrize("case", ["subclass", "persistent", "no_workers", "process", "zero_copy",
+                                  "not_fresh", "off", "iterator"])
+def test_worker_ring_default_stays_off_where_it_does_not_apply(case, readers):
+    n = 3 * 6
+    kw = {}
+    src = sample_loader(Samples(n))
+    if case == "subclass":
+        src = SubLoader(Samples(n), batch_size=3, num_workers=2)
+    elif case == "persistent":
+        src = sample_loader(Samples(n), persistent_workers=True)
+    elif case == "no_workers":
+        src = torch.utils.data.DataLoader(Samples(n), batch_size=3, num_workers=0)
+    elif case == "iterator":
+        src = iter(src)
+    elif case == "process":
+        kw = {"process": True}
+    elif case == "zero_copy":
+        kw = {"zero_copy": True}
+    elif case == "not_fresh":
+        kw = {"fresh": False}
+    elif case == "off":
+        kw = {"worker_ring": False}
+    assert wr.allows(src) is (case in ("process", "zero_copy", "not_fresh", "off"))
+    p = pinstream.prefetch(src, dtype="uint8", dry_run=True, **kw)
+    got = 0
+    for i, (x, y, _) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i)), i
+        got += 1
+    assert got == 6
+    assert readers == []
+    p.close()
+
+
+def test_worker_ring_default_off_for_spawned_workers():
+    dl = sample_loader(Samples(6), multiprocessing_context="spawn")
+    assert wr.allows(dl) is False
+    assert wr.allows(object()) is False
+    assert wr.allows([np.zeros((1, 3, 2, 2), np.uint8)]) is False
