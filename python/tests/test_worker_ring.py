@@ -939,3 +939,26 @@ def test_worker_ring_default_off_for_spawned_workers():
     assert wr.allows(dl) is False
     assert wr.allows(object()) is False
     assert wr.allows([np.zeros((1, 3, 2, 2), np.uint8)]) is False
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_worker_ring_default_with_pin_memory(dry, readers):
+    # pin_memory=True (the DataLoader's pin thread in this process): the first batches come
+    # pinned the usual way, the ring's messages pass the pin thread as they are.
+    import warnings
+
+    n = 3 * 10
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without a GPU, torch warns that it pins nothing
+        p = pinstream.prefetch(sample_loader(Samples(n), pin_memory=True), dtype="uint8",
+                               dry_run=dry)
+        got = 0
+        for i, (x, y, names) in enumerate(p):
+            assert np.array_equal(host(x), pixels(i)), i
+            assert host(y).tolist() == [3 * i, 3 * i + 1, 3 * i + 2], i
+            assert list(names) == [f"s{3 * i + k}" for k in range(3)], i
+            got += 1
+    assert got == 10
+    (r,) = readers
+    assert r.in_ring >= 3 and r.in_ring + r.usual == 10, (r.in_ring, r.usual)
+    p.close()
