@@ -371,7 +371,7 @@ def prefetch(
     if worker_ring is None:
         # On for a plain torch DataLoader that allows it, unless another choice was asked for.
         worker_ring = False
-        if not process and not zero_copy and fresh is not False:
+        if not process and not zero_copy and (fresh is None or bool(fresh)):
             from . import worker_ring as _worker_ring
 
             worker_ring = _worker_ring.allows(iterable)

@@ -69,6 +69,15 @@ WORKER_COPY_THREADS = None
 #: (read at ``iter()``). ``False``: collated into new shared memory first, then copied into the
 #: slot (a benchmark's control).
 STACK_SAMPLES = True
+#: The least bytes a sample's images must have to be stacked into the slot one by one (read at
+#: ``iter()``): below it, ``default_collate`` (one C call for the batch) and then one copy into
+#: the slot cost less than the stacking's few microseconds of Python a sample (a 3x32x32 image
+#: took 14 µs a sample stacked, 4 through ``default_collate``; a 3x224x224 one 38 against 93, in
+#: one worker on a 2-CPU machine).
+STACK_MIN_BYTES = 64 << 10
+
+#: The module of torch's own ``default_collate`` and of the functions its table holds.
+_TORCH_COLLATE = "torch.utils.data._utils.collate"
 
 
 def copy_threads(workers):
@@ -194,6 +203,7 @@ class RingCollate:
         #: The wrapped function is torch's ``default_collate``: the samples' images are
         #: stacked straight into the slot (``_stack_into_ring``).
         self._direct = STACK_SAMPLES and _is_default_collate(collate)
+        self._stack_min = STACK_MIN_BYTES
 
     def __call__(self, batch):
         if _MY_RING != self._ring_id:
@@ -289,10 +299,12 @@ class RingCollate:
         batch then collated the usual way) unless every sample is a plain tuple, list or dict
         with its images where ``_images_place`` finds them, or is the images itself, and every
         sample's images are C-contiguous uint8 of one shape and one type (torch CPU tensor or
-        numpy array): what ``default_collate`` stacks into the same bytes."""
+        numpy array), at least ``STACK_MIN_BYTES`` each: what ``default_collate`` stacks into
+        the same bytes, as long as its table (``default_collate_fn_map``) holds torch's own
+        functions only."""
         np = _numpy()
         torch = sys.modules.get("torch")
-        if torch is None or type(batch) is not list or not batch:
+        if torch is None or type(batch) is not list or not batch or not _torch_collate_table():
             return None
         first = batch[0]
         kind = type(first)
@@ -319,25 +331,29 @@ class RingCollate:
             a = _ring_array(x, np)
             if a is None or (shape is not None and a.shape != shape):
                 return None
+            if shape is None and a.nbytes < self._stack_min:
+                return None
             shape = a.shape
             images.append(a)
-        if place[0] == "item":
-            rest = None
-        else:
-            # The rest collated by default_collate itself, a placeholder where the images were
-            # (its error, if any, is raised again by the usual collate).
-            if place[0] == "seq":
-                held = [(0,) + sample[1:] if kind is tuple else [0] + sample[1:]
-                        for sample in batch]
-            else:
-                held = [{**sample, where: 0} for sample in batch]
-            rest = _rest(self.collate(held), place)
         per = images[0].nbytes
+        # The slot first: without one (none free, the batch too large) the batch is collated
+        # the usual way once, not its rest twice.
         got = self._slot(per * len(images))
         if got is None:
             return None
         s, dst = got
         try:
+            if place[0] == "item":
+                rest = None
+            else:
+                # The rest collated by default_collate itself, a placeholder where the images
+                # were (its error, if any, is raised again by the usual collate).
+                if place[0] == "seq":
+                    held = [(0,) + sample[1:] if kind is tuple else [0] + sample[1:]
+                            for sample in batch]
+                else:
+                    held = [{**sample, where: 0} for sample in batch]
+                rest = _rest(self.collate(held), place)
             _copy_rows(np, dst.reshape(len(images), per), images, self._threads)
             del dst
             msg = InRing(self._ring_id, s, (len(images),) + tuple(shape), place, rest, True)
@@ -348,12 +364,22 @@ class RingCollate:
 
 
 def _is_default_collate(collate):
-    """Whether ``collate`` is torch's ``default_collate`` (a ``DataLoader`` given a batch size
-    and no ``collate_fn``)."""
-    torch = sys.modules.get("torch")
+    """Whether ``collate`` is torch's own ``default_collate`` (a ``DataLoader`` given a batch
+    size and no ``collate_fn``), not a function put in its place."""
+    return (getattr(collate, "__module__", None) == _TORCH_COLLATE
+            and getattr(collate, "__qualname__", None) == "default_collate")
+
+
+def _torch_collate_table():
+    """Whether ``default_collate``'s table of collate functions by type holds torch's own
+    only (a program may register its own, for tensors among others: then the usual way)."""
+    mod = sys.modules.get(_TORCH_COLLATE)
+    table = getattr(mod, "default_collate_fn_map", None)
+    if not isinstance(table, dict):
+        return False
     try:
-        return collate is torch.utils.data._utils.collate.default_collate
-    except AttributeError:
+        return all(getattr(f, "__module__", None) == _TORCH_COLLATE for f in table.values())
+    except Exception:  # noqa: BLE001 - a table that cannot be read: the usual way
         return False
 
 

@@ -168,9 +168,15 @@ def sample_loader(ds, **kw):
     return torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2, **kw)
 
 
+@pytest.fixture
+def stack_small(monkeypatch):
+    """The tests' small images stacked too (``STACK_MIN_BYTES`` is read at ``iter()``)."""
+    monkeypatch.setattr(wr, "STACK_MIN_BYTES", 0)
+
+
 @pytest.mark.parametrize("dry", MODES)
 @pytest.mark.parametrize("form", ["tuple", "list", "dict", "numpy", "item"])
-def test_worker_ring_stacks_samples_straight_into_the_ring(dry, form, readers):
+def test_worker_ring_stacks_samples_straight_into_the_ring(dry, form, readers, stack_small):
     # A partial last batch (one sample) too; every batch as the loader itself collates it.
     n = 3 * 14 + 1
     want = list(sample_loader(Samples(n, form)))
@@ -216,7 +222,7 @@ def test_worker_ring_unstacked_control_still_copies(readers, monkeypatch):
     p.close()
 
 
-def test_worker_ring_samples_of_other_shapes_get_the_loaders_error(readers):
+def test_worker_ring_samples_of_other_shapes_get_the_loaders_error(readers, stack_small):
     # default_collate's own error, from the usual collate: the stacking adds none of its own.
     p = pinstream.prefetch(sample_loader(Samples(3 * 12, odd=3 * 9 + 1)), dtype="uint8",
                            worker_ring=True, dry_run=True)
@@ -230,7 +236,7 @@ def test_worker_ring_samples_of_other_shapes_get_the_loaders_error(readers):
     p.close()
 
 
-def test_worker_ring_samples_of_mixed_types_come_the_usual_way(readers):
+def test_worker_ring_samples_of_mixed_types_come_the_usual_way(readers, stack_small):
     # Samples whose images are a tensor in one and a numpy array in another: default_collate's
     # outcome (here its error), never a batch stacked from both.
     class Mixed(Samples):
@@ -881,7 +887,7 @@ def test_batches_held_a_while_stay_whole(dry, ring):
 
 
 @pytest.mark.parametrize("dry", MODES)
-def test_worker_ring_is_the_default_for_a_plain_dataloader(dry, readers):
+def test_worker_ring_is_the_default_for_a_plain_dataloader(dry, readers, stack_small):
     n = 3 * 10
     p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", dry_run=dry)
     got = 0
@@ -961,4 +967,75 @@ def test_worker_ring_default_with_pin_memory(dry, readers):
     assert got == 10
     (r,) = readers
     assert r.in_ring >= 3 and r.in_ring + r.usual == 10, (r.in_ring, r.usual)
+    p.close()
+
+
+def test_worker_ring_small_images_are_collated_then_copied(readers):
+    # Below STACK_MIN_BYTES a sample (here 105 bytes), default_collate's one C call and one
+    # copy cost less than stacking sample by sample: the ring still, not stacked.
+    assert wr.STACK_MIN_BYTES > 3 * 5 * 7
+    n = 3 * 10
+    p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", dry_run=True)
+    for i, (x, y, _) in enumerate(p):
+        assert np.array_equal(host(x), pixels(i)), i
+    (r,) = readers
+    assert r.in_ring >= 3 and r.stacked == 0, (r.in_ring, r.stacked)
+    p.close()
+
+
+def _flip_rows(batch, *, collate_fn_map=None):
+    # A program's own collate for tensors, registered in torch's table: stacked, rows reversed.
+    return torch.flip(torch.stack(batch), [0])
+
+
+def test_worker_ring_honours_a_registered_collate_for_tensors(readers, stack_small, monkeypatch):
+    # default_collate_fn_map is how torch says to extend default_collate: with an entry of the
+    # program's own, the batches are what the loader itself makes, not stacked by pinstream.
+    import torch.utils.data._utils.collate as tc
+
+    monkeypatch.setitem(tc.default_collate_fn_map, torch.Tensor, _flip_rows)
+    n = 3 * 10
+    want = list(sample_loader(Samples(n)))
+    p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", dry_run=True)
+    got = 0
+    for i, (x, _, _) in enumerate(p):
+        assert np.array_equal(host(x), want[i][0].numpy()), i
+        assert np.array_equal(host(x), pixels(i)[::-1]), i
+        got += 1
+    assert got == 10
+    (r,) = readers
+    assert r.in_ring >= 3 and r.stacked == 0, (r.in_ring, r.stacked)
+    p.close()
+
+
+def test_worker_ring_honours_a_default_collate_put_in_torchs_place(readers, stack_small, monkeypatch):
+    # A library that replaces torch's default_collate (the DataLoader takes the module's
+    # attribute): its function runs, not pinstream's stacking.
+    import torch.utils.data._utils.collate as tc
+
+    real = tc.default_collate
+
+    def default_collate(batch):
+        out = real(batch)
+        out[0] = 255 - out[0]
+        return out
+
+    monkeypatch.setattr(tc, "default_collate", default_collate)
+    n = 3 * 10
+    p = pinstream.prefetch(sample_loader(Samples(n)), dtype="uint8", dry_run=True)
+    got = 0
+    for i, (x, _, _) in enumerate(p):
+        assert np.array_equal(host(x), 255 - pixels(i)), i
+        got += 1
+    assert got == 10
+    (r,) = readers
+    assert r.in_ring >= 3 and r.stacked == 0, (r.in_ring, r.stacked)
+    p.close()
+
+
+@pytest.mark.parametrize("fresh", [0, np.False_, False])
+def test_worker_ring_default_off_for_any_false_fresh(fresh, readers):
+    p = pinstream.prefetch(sample_loader(Samples(3 * 4)), dtype="uint8", fresh=fresh, dry_run=True)
+    assert len(list(p)) == 4
+    assert readers == [] and p.stats()["fresh"] is False
     p.close()
