@@ -928,6 +928,37 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             return lambda: torch.utils.data.DataLoader(samples_ds, batch_size=256, num_workers=workers,
                                                        pin_memory=pin)
 
+        def ring_alone(workers, pinned=False):
+            # The ring's reader over `dls(workers)` in this process, as pt.prefetch makes it, its
+            # batches handed to nobody: the DataLoader's and the ring's share of a ring source,
+            # without pinstream's DMA, cast or next(); `pinned`: the ring page-locked, as there.
+            def make():
+                import pinstream.worker_ring as ring_mod
+
+                r = ring_mod.WorkerRingReader(dls(workers)(), None, 2 * workers + 5,
+                                              torch.cuda.current_device() if pinned else None)
+                try:
+                    yield from r
+                finally:
+                    r.close()
+
+            return make
+
+        def unregistered(f):
+            # `f` with the ring left pageable: the loader threads copy each batch into the
+            # staging pool (`worker_ring.REGISTER`).
+            def run():
+                import pinstream.worker_ring as ring_mod
+
+                old = ring_mod.REGISTER
+                ring_mod.REGISTER = False
+                try:
+                    return f()
+                finally:
+                    ring_mod.REGISTER = old
+
+            return run
+
         def unstacked(f):
             # `f` with the workers collating, then copying into the ring (the way before
             # `worker_ring.STACK_SAMPLES`; read at `iter()`).
@@ -986,12 +1017,18 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                                    ideal_beside(dls(4))),
             "ideal_dl4s_discard_child": ("samples: the same, iterated in a forked child",
                                          ideal_beside_child(dls(4))),
+            "ideal_dl4s_ring_discard": ("samples: the ideal beside the ring's reader, dropped (no DMA)",
+                                        ideal_beside(ring_alone(4))),
+            "ideal_dl4s_ring_pinned_discard": ("samples: the same, the ring page-locked",
+                                               ideal_beside(ring_alone(4, pinned=True))),
             "dl4s": ("samples: pinstream.torch.prefetch(DataLoader(batch_size=256, 4 workers))", ours(dls(4))),
             "dl4s_process": ("samples: ... process=True", ours(dls(4), process=True)),
             "dl4s_worker_ring": ("samples: ... worker_ring=True (stacked into the ring)",
                                  ours(dls(4), worker_ring=True)),
             "dl4s_worker_ring_copy1": ("samples: ... worker_ring=True, 1 copy thread a worker",
                                        worker_copy_threads(1, ours(dls(4), worker_ring=True))),
+            "dl4s_worker_ring_staged": ("samples: ... worker_ring=True, the ring not page-locked (copied)",
+                                        unregistered(ours(dls(4), worker_ring=True))),
             "dl4s_worker_ring_unstacked": ("samples: ... worker_ring=True, collated then copied",
                                            unstacked(ours(dls(4), worker_ring=True))),
         }

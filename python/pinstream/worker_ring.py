@@ -76,6 +76,11 @@ STACK_SAMPLES = True
 #: one worker on a 2-CPU machine).
 STACK_MIN_BYTES = 64 << 10
 
+#: Whether the ring is page-locked for the device (its batches then go with one DMA each);
+#: ``False``: the loader threads copy each batch into pinstream's page-locked pool first, as for
+#: any other array (a benchmark's control; read when the ring is made).
+REGISTER = True
+
 #: The module of torch's own ``default_collate`` and of the functions its table holds.
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
 
@@ -625,7 +630,7 @@ class WorkerRingReader:
         # Mapped here only: a process forked later (another loader's workers, a pool) does not
         # inherit it, so it never keeps the ring's memory after this process let it go.
         ring = map_shared(self._ring_fd, size)
-        if self._device is not None:
+        if self._device is not None and REGISTER:
             # The slots only (the pages are made here, page-locked for the DMA).
             self._registration = _register(memoryview(ring)[_HEADER:], self._device)
         os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
