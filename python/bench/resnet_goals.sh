@@ -6,6 +6,8 @@
 # its 90 % interval, and the ideal itself as a source (`ideal_again`, the method's control).
 #   python/bench/resnet_goals.sh [MODEL...]        (default: resnet18)
 # Env: ROUNDS (DataLoader rounds, default 12), STEPS (timed steps per round, default 40),
+# WARM (untimed steps before them, default 6; 30 leaves a DataLoader's start, its first batches
+# and the ring's page-locking, out of the timed steps: the steady state of an epoch),
 # FEED_ROUNDS (image_feed runs between ideals, default 6), SOURCES (default: ideal_again,
 # ideal_dl4s_discard (a DataLoader of single images, batch_size=256, beside the ideal, its
 # batches dropped), dl4s_worker_ring (pinstream's default for it), apex_dl4s_pin,
@@ -20,6 +22,7 @@ set -uo pipefail
 here=$(dirname "$0")
 rounds=${ROUNDS:-12}
 steps=${STEPS:-40}
+warm=${WARM:-6}
 feed_rounds=${FEED_ROUNDS:-6}
 sources=${SOURCES:-ideal_again,ideal_dl4s_discard,dl4s_worker_ring,apex_dl4s_pin,dl4_views_worker_ring,generator}
 set_dir=${SET:-/tmp/set}
@@ -40,7 +43,7 @@ for _ in $(seq "$feed_rounds"); do only="$only,pinstream,ideal"; done
 for m in "${models[@]}"; do
   echo "== $m from DataLoader sources, $rounds rounds of $steps steps"
   python3 "$here/vs_torch.py" --only models --models "$m" --model-sources "$sources" \
-    --model-rounds "$rounds" --model-steps "$steps" 2>&1 | grep -E "^    |rror|unknown" || rc=1
+    --model-rounds "$rounds" --model-steps "$steps" --model-warmup "$warm" 2>&1 | grep -E "^    |rror|unknown" || rc=1
   echo "== $m from image_feed, $feed_rounds runs between ideals"
   python3 "$here/train_feed.py" --root "$set_dir" --model "$m" --steps "$((steps + 20))" \
     --only "$only" 2>&1 | grep -E "^ADJACENT|rror|unknown" || rc=1
