@@ -26,6 +26,7 @@ import struct
 import sys
 import threading
 import time
+import types
 import weakref
 
 from . import forklock
@@ -368,22 +369,52 @@ class RingCollate:
         return msg
 
 
+def _torch_code(f, name=None):
+    """Whether ``f`` is a plain function whose code is in torch's collate module (named
+    ``name``): torch's own, not a wrapper that copied its names (``functools.wraps``), a
+    ``partial`` or an object that says it is one."""
+    if type(f) is not types.FunctionType:
+        return False
+    code = f.__code__
+    if name is not None and code.co_name != name:
+        return False
+    ok = _TORCH_CODE.get(code)
+    if ok is None:
+        path = getattr(sys.modules.get(_TORCH_COLLATE), "__file__", None)
+        try:
+            ok = path is not None and os.path.realpath(code.co_filename) == os.path.realpath(path)
+        except (OSError, TypeError, ValueError):
+            ok = False
+        _TORCH_CODE[code] = ok
+    return ok
+
+
+#: ``_torch_code``'s answer for each code object it has seen.
+_TORCH_CODE = {}
+
+
 def _is_default_collate(collate):
     """Whether ``collate`` is torch's own ``default_collate`` (a ``DataLoader`` given a batch
-    size and no ``collate_fn``), not a function put in its place."""
-    return (getattr(collate, "__module__", None) == _TORCH_COLLATE
-            and getattr(collate, "__qualname__", None) == "default_collate")
+    size and no ``collate_fn``), not a function put in its place or wrapped around it."""
+    return _torch_code(collate, "default_collate")
 
 
 def _torch_collate_table():
-    """Whether ``default_collate``'s table of collate functions by type holds torch's own
-    only (a program may register its own, for tensors among others: then the usual way)."""
+    """Whether ``default_collate`` would stack the images as torch does: the module's
+    ``collate`` (looked up at each call) and every function of its table by type
+    (``default_collate_fn_map``) torch's own, tensors and numpy arrays among them (a program
+    may register or wrap its own: then the usual way)."""
     mod = sys.modules.get(_TORCH_COLLATE)
+    torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
     table = getattr(mod, "default_collate_fn_map", None)
-    if not isinstance(table, dict):
+    if not isinstance(table, dict) or torch is None or np is None:
         return False
     try:
-        return all(getattr(f, "__module__", None) == _TORCH_COLLATE for f in table.values())
+        return (_torch_code(getattr(mod, "collate", None), "collate")
+                and _torch_code(table.get(torch.Tensor), "collate_tensor_fn")
+                and _torch_code(table.get(np.ndarray), "collate_numpy_array_fn")
+                and all(_torch_code(f) for f in table.values()))
     except Exception:  # noqa: BLE001 - a table that cannot be read: the usual way
         return False
 
@@ -584,6 +615,12 @@ class WorkerRingReader:
         except StopIteration:
             self._pulling = False
             self.close()
+            raise
+        except Exception:
+            if self._done:
+                # close() from another thread ended the wait (a message the loader cannot
+                # take, or its workers gone): the iteration is over, not failed.
+                raise StopIteration from None
             raise
         finally:
             self._pulling = False

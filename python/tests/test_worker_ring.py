@@ -378,6 +378,38 @@ def test_worker_ring_close_while_a_worker_is_slow_does_not_hang():
     )
 
 
+def test_worker_ring_close_from_another_thread_ends_a_waiting_next():
+    # next() waits for a worker stuck in the dataset; close() from another thread ends that
+    # wait as the end of the iteration (StopIteration), not as the loader's failure.
+    run_child(
+        """
+        import threading, time, torch, multiprocessing
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self): return 400
+            def __getitem__(self, j):
+                if j >= 40:
+                    time.sleep(3600)
+                return torch.full((3, 160, 160), j % 256, dtype=torch.uint8), j
+        dl = torch.utils.data.DataLoader(Slow(), batch_size=4, num_workers=2)
+        p = pinstream.prefetch(dl, dtype="uint8", dry_run=True)
+        it = iter(p)
+        for i in range(10):
+            x, y = next(it)
+            assert int(y[0]) == 4 * i
+        threading.Timer(1.0, p.close).start()
+        try:
+            next(it)
+            raise AssertionError("a batch after close")
+        except StopIteration:
+            pass
+        time.sleep(0.5)
+        assert not multiprocessing.active_children(), multiprocessing.active_children()
+        print("ok")
+        """,
+        timeout=120,
+    )
+
+
 def _ring_fds_in_child():
     """The ring descriptors a process forked now holds (it reports through a pipe)."""
     r, w = os.pipe()
@@ -1039,3 +1071,103 @@ def test_worker_ring_default_off_for_any_false_fresh(fresh, readers):
     assert len(list(p)) == 4
     assert readers == [] and p.stats()["fresh"] is False
     p.close()
+
+
+class Large(torch.utils.data.Dataset):
+    """Images above STACK_MIN_BYTES (3x160x160), each of its index's value."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, j):
+        return torch.full((3, 160, 160), j, dtype=torch.uint8), j
+
+
+def _large_first_pixels(**kw):
+    want = [int(b[0][0, 0, 0, 0]) for b in torch.utils.data.DataLoader(Large(), batch_size=4,
+                                                                      num_workers=2, **kw)]
+    p = pinstream.prefetch(torch.utils.data.DataLoader(Large(), batch_size=4, num_workers=2, **kw),
+                           dtype="uint8", dry_run=True)
+    got = [int(host(b[0])[0, 0, 0, 0]) for b in p]
+    p.close()
+    return want, got
+
+
+def test_worker_ring_stacks_large_images_of_torchs_own_collate(readers):
+    want, got = _large_first_pixels()
+    assert got == want == [4 * i for i in range(10)]
+    assert readers[0].stacked >= 3, (readers[0].in_ring, readers[0].stacked)
+
+
+def test_worker_ring_runs_a_collate_fn_wrapped_around_default_collate(readers):
+    # functools.wraps copies default_collate's names: the wrapper still runs on every batch.
+    import functools
+
+    from torch.utils.data import default_collate
+
+    @functools.wraps(default_collate)
+    def inverted(batch):
+        out = default_collate(batch)
+        out[0] = 255 - out[0]
+        return out
+
+    want, got = _large_first_pixels(collate_fn=inverted)
+    assert got == want == [255 - 4 * i for i in range(10)]
+    assert readers[0].stacked == 0
+
+
+@pytest.mark.parametrize("how", ["wrapped_entry", "module_collate", "no_tensor_entry"])
+def test_worker_ring_follows_torchs_collate_as_changed(how, readers, monkeypatch):
+    # A wrapped table entry for tensors, the module's `collate` replaced (default_collate looks
+    # it up at each call), torch's entry for tensors removed: the batches (or the error) are
+    # the loader's own.
+    import functools
+
+    import torch.utils.data._utils.collate as tc
+
+    if how == "wrapped_entry":
+        orig = tc.default_collate_fn_map[torch.Tensor]
+
+        @functools.wraps(orig)
+        def inv(batch, *, collate_fn_map=None):
+            return 255 - orig(batch, collate_fn_map=collate_fn_map)
+
+        monkeypatch.setitem(tc.default_collate_fn_map, torch.Tensor, inv)
+    elif how == "module_collate":
+        orig = tc.collate
+
+        def collate(batch, *, collate_fn_map=None):
+            out = orig(batch, collate_fn_map=collate_fn_map)
+            return 255 - out if isinstance(out, torch.Tensor) and out.dim() == 4 else out
+
+        monkeypatch.setattr(tc, "collate", collate)
+    else:
+        # Removed by the dataset in its worker, at sample 33 (batch 8, long after the ring was
+        # made): from there the loader fails with TypeError, and so must the prefetcher, at
+        # that batch.
+        class Drops(Large):
+            def __getitem__(self, j):
+                if j == 33:
+                    tc.default_collate_fn_map.pop(torch.Tensor, None)
+                return super().__getitem__(j)
+
+        def make():
+            return torch.utils.data.DataLoader(Drops(), batch_size=4, num_workers=2)
+
+        got = []
+        with pytest.raises(TypeError):
+            for b in make():
+                got.append(int(b[1][0]))
+        assert got == [4 * i for i in range(8)]
+        p = pinstream.prefetch(make(), dtype="uint8", dry_run=True)
+        got = []
+        with pytest.raises(pinstream.LoaderError, match="TypeError"):
+            for b in p:
+                got.append(int(host(b[1])[0]))
+        assert got == [4 * i for i in range(8)]
+        assert readers[0].stacked >= 1
+        p.close()
+        return
+    want, got = _large_first_pixels()
+    assert got == want == [255 - 4 * i for i in range(10)]
+    assert readers[0].stacked == 0
