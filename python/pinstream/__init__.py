@@ -437,7 +437,19 @@ def prefetch(
         iterable = _worker_ring.WorkerRingReader(
             iterable, keys, ahead + loader_threads + depth + 2, None if dry_run else _device(device)
         )
-    on_close = iterable.close if process or worker_ring else None
+    in_process = False
+    if not process and not worker_ring:
+        try:
+            in_process = _is_worker_dataloader(iterable)
+        except Exception:  # noqa: BLE001 - a loader whose attributes raise: pulled as it is
+            in_process = False
+    if in_process:
+        # A DataLoader with workers pulled here: close() (and the interpreter's exit) ends a
+        # next() that waits for a stuck worker, rather than waiting with it.
+        from .dataloader_end import InProcessReader
+
+        iterable = InProcessReader(iterable)
+    on_close = iterable.close if process or worker_ring or in_process else None
     p = _native.prefetch(
         iterable,
         _device(device),

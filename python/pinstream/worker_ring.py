@@ -30,6 +30,7 @@ import types
 import weakref
 
 from . import forklock
+from .dataloader_end import end_iteration
 from .errors import InvalidArgumentError, LoaderError
 from .mapping import map_shared, populate_write
 from .process import (
@@ -591,7 +592,7 @@ class WorkerRingReader:
                         time.sleep(0.005)
             finally:
                 # Also when a second Ctrl-C ends the wait: the loader thread would wait forever.
-                _end_iteration(it, self._pulling)
+                end_iteration(it, self._pulling, STUCK_SECONDS)
         del it
         # The ring's descriptors and this reader's hold on its mapping go now, not with the
         # reader: an exception kept by the caller refers to the reader through its traceback.
@@ -703,60 +704,6 @@ class WorkerRingReader:
         weakref.finalize(images, _release, self._slots, self._out, self._lock, s,
                          self._registration).atexit = False
         return _with_images(msg.rest, msg.place, images)
-
-
-def _end_iteration(it, pulling):
-    """Ends a DataLoader iterator's workers within ``STUCK_SECONDS``: asked to stop as torch's
-    own shutdown asks them (which then waits 5 s for each one that does not), SIGTERM for those
-    that did not; and a ``next()`` still waiting on its data queue woken."""
-    workers = [w for w in (getattr(it, "_workers", None) or ()) if _alive(w)]
-    if workers and not getattr(it, "_shutdown", True):
-        try:
-            it._workers_done_event.set()
-            for q in it._index_queues:
-                q.put(None)
-        except Exception:  # noqa: BLE001 - another torch: SIGTERM below
-            pass
-        deadline = time.monotonic() + STUCK_SECONDS
-        for w in workers:
-            try:
-                w.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001
-                pass
-        if any(_alive(w) for w in workers):
-            _end_workers(it)
-    if pulling:
-        # The loader's next() waits on its data queue in 5 s slices (checking its workers
-        # between them): a message it cannot take ends it now.
-        try:
-            it._data_queue.put(None)
-        except Exception:  # noqa: BLE001 - another torch: its own check ends it
-            pass
-
-
-def _alive(w):
-    try:
-        return w.is_alive()
-    except Exception:  # noqa: BLE001 - not ours to ask (a fork's copy)
-        return False
-
-
-def _end_workers(it):
-    """Ends a DataLoader iterator's workers (SIGTERM), first telling torch's SIGCHLD handler
-    that they are not to be reported (as the iterator's own shutdown does)."""
-    try:
-        if getattr(it, "_worker_pids_set", False):
-            from torch.utils.data._utils import signal_handling
-
-            signal_handling._remove_worker_pids(id(it))
-            it._worker_pids_set = False
-    except Exception:  # noqa: BLE001 - another torch: its handler may report them
-        pass
-    for w in list(getattr(it, "_workers", ()) or ()):
-        try:
-            w.terminate()
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
 
 def _release(slots, out, lock, s, registration):

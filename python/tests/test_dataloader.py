@@ -452,3 +452,61 @@ def test_dataloader_collated_tuples_with_extra_items(dry):
         assert isinstance(idx, torch.Tensor) and idx.tolist() == [2 * b, 2 * b + 1]
         n += 1
     assert n == 4
+
+
+@pytest.mark.parametrize("how", ["close", "close_during_next", "exit"])
+def test_dataloader_stuck_worker_does_not_hold_close_or_exit(how):
+    """A worker stuck in the dataset (its read hangs): the prefetcher pulling in this process
+    (``worker_ring=False``) still closes within a few seconds, a ``next()`` waiting meanwhile
+    ends as the end of the iteration, and the interpreter exits without ``close()``."""
+    pytest.importorskip("torch")
+    run_child(
+        f"""
+        import threading, time, torch, multiprocessing
+        how = {how!r}
+        class Stuck(torch.utils.data.Dataset):
+            def __len__(self): return 400
+            def __getitem__(self, j):
+                if j >= 40:
+                    time.sleep(3600)
+                return torch.full((3, 8, 8), j % 256, dtype=torch.uint8), j
+        dl = torch.utils.data.DataLoader(Stuck(), batch_size=4, num_workers=2)
+        p = pinstream.prefetch(dl, dtype="uint8", dry_run=True, worker_ring=False)
+        it = iter(p)
+        for i in range(10):
+            x, y = next(it)
+            assert int(y[0]) == 4 * i
+        if how == "close":
+            p.close()  # (the child's time limit is the watchdog)
+        elif how == "close_during_next":
+            threading.Timer(1.0, p.close).start()
+            try:
+                next(it)
+                raise AssertionError("a batch after close")
+            except StopIteration:
+                pass
+        if how != "exit":
+            time.sleep(0.5)
+            assert not multiprocessing.active_children(), multiprocessing.active_children()
+        print("ok")
+        """,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_dataloader_persistent_workers_survive_a_normal_close(dry):
+    """The close that ends stuck workers leaves a persistent loader's workers alone when
+    nothing is stuck: the next epoch runs on them."""
+    dl = loader(9, workers=2, persistent_workers=True)
+    pf = prefetch_of(dry)
+    p = pf(dl, dtype="uint8")
+    for i, (x, _) in enumerate(p):
+        assert np.array_equal(to_host(x), pixels(i)), i
+    p.close()
+    workers = list(dl._iterator._workers)
+    p = pf(dl, dtype="uint8")
+    got = [int(to_host(y)[0]) for _, y in p]
+    assert got == [1000 * i for i in range(9)]
+    assert list(dl._iterator._workers) == workers and all(w.is_alive() for w in workers)
+    p.close()
