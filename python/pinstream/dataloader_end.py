@@ -14,9 +14,10 @@ then ends the workers and wakes it, and the iteration ends there (``StopIteratio
 import threading
 import time
 
-#: How long ``InProcessReader.close()`` lets a loader thread's ``next()`` go on before the
-#: workers are ended.
-STUCK_SECONDS = 0.5
+#: How long ``InProcessReader.close()`` lets a loader thread's ``next()`` go on before its
+#: worker is taken for stuck and the workers are ended: torch's own interval between its checks
+#: of the workers, so that a batch that is only slow is waited for.
+STUCK_SECONDS = 5.0
 
 
 def end_iteration(it, pulling, seconds):
@@ -24,28 +25,36 @@ def end_iteration(it, pulling, seconds):
     shutdown asks them (which then waits 5 s for each one that does not), SIGTERM for those
     that did not; and, where ``pulling``, a ``next()`` still waiting on its data queue woken."""
     workers = [w for w in (getattr(it, "_workers", None) or ()) if _alive(w)]
-    if workers and not getattr(it, "_shutdown", True):
-        try:
-            it._workers_done_event.set()
-            for q in it._index_queues:
-                q.put(None)
-        except Exception:  # noqa: BLE001 - another torch: SIGTERM below
-            pass
-        deadline = time.monotonic() + seconds
-        for w in workers:
+    interrupted = None
+    try:
+        if workers and not getattr(it, "_shutdown", True):
             try:
-                w.join(max(0.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001
+                it._workers_done_event.set()
+                for q in it._index_queues:
+                    q.put(None)
+            except Exception:  # noqa: BLE001 - another torch: SIGTERM below
                 pass
+            deadline = time.monotonic() + seconds
+            for w in workers:
+                try:
+                    w.join(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001
+                    pass
+    except BaseException as e:  # noqa: BLE001 - a Ctrl-C meanwhile: the rest runs, then it
+        interrupted = e
+    finally:
+        # Never skipped (a Ctrl-C in the wait above): without them the next() waits forever.
         if any(_alive(w) for w in workers):
             _end_workers(it)
-    if pulling:
-        # The loader's next() waits on its data queue in 5 s slices (checking its workers
-        # between them): a message it cannot take ends it now.
-        try:
-            it._data_queue.put(None)
-        except Exception:  # noqa: BLE001 - another torch: its own check ends it
-            pass
+        if pulling:
+            # The loader's next() waits on its data queue in 5 s slices (checking its workers
+            # between them): a message it cannot take ends it now.
+            try:
+                it._data_queue.put(None)
+            except Exception:  # noqa: BLE001 - another torch: its own check ends it
+                pass
+    if interrupted is not None:
+        raise interrupted
 
 
 def _alive(w):
@@ -81,6 +90,8 @@ class InProcessReader:
 
     def __init__(self, loader):
         self._loader = loader
+        #: A persistent loader whose iterator this one is (it is let go if its workers end).
+        self._persistent = None
         self._it = None
         self._done = False
         self._pulling = False
@@ -90,14 +101,19 @@ class InProcessReader:
         if self._it is None and not self._done:
             loader, self._loader = self._loader, None
             self._it = iter(loader)
+            if getattr(loader, "persistent_workers", False) is True:
+                self._persistent = loader
         return self
 
     def __next__(self):
         it = self._it
-        if self._done or it is None:
-            raise StopIteration
         self._puller = threading.get_ident()
+        # Marked before `_done` is read (close() sets `_done`, then reads this): one of the two
+        # always sees the other.
         self._pulling = True
+        if self._done or it is None:
+            self._pulling = False
+            raise StopIteration
         try:
             return next(it)
         except StopIteration:
@@ -123,5 +139,12 @@ class InProcessReader:
                 time.sleep(0.005)
         finally:
             if self._pulling:
-                # Also when a second Ctrl-C ends the wait: the loader thread would wait forever.
-                end_iteration(it, True, STUCK_SECONDS)
+                # Also when a Ctrl-C ends the wait: the loader thread would wait forever.
+                loader, self._persistent = self._persistent, None
+                try:
+                    end_iteration(it, True, 0.5)
+                finally:
+                    # A persistent loader would start its next epoch on the ended workers
+                    # (torch asserts there): it makes new ones instead.
+                    if loader is not None and getattr(loader, "_iterator", None) is it:
+                        loader._iterator = None

@@ -606,11 +606,14 @@ class WorkerRingReader:
             self._registration = None
 
     def __next__(self):
-        if self._done or not self._started or self._it is None:
-            raise StopIteration
         it = self._it
         self._puller = threading.get_ident()
+        # Marked before `_done` is read (close() sets `_done`, then reads this): one of the two
+        # always sees the other.
         self._pulling = True
+        if self._done or not self._started or it is None:
+            self._pulling = False
+            raise StopIteration
         try:
             item = next(it)
         except StopIteration:

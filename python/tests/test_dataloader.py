@@ -510,3 +510,49 @@ def test_dataloader_persistent_workers_survive_a_normal_close(dry):
     assert got == [1000 * i for i in range(9)]
     assert list(dl._iterator._workers) == workers and all(w.is_alive() for w in workers)
     p.close()
+
+
+@pytest.mark.parametrize("ctrl_c_at", [None, 0.55, 5.2])
+def test_dataloader_stuck_persistent_workers_are_replaced_and_ctrl_c_does_not_hang_close(ctrl_c_at):
+    """A persistent loader whose worker is stuck at close: close() ends its workers (after
+    ``STUCK_SECONDS``) and the loader's next epoch runs on new ones; a Ctrl-C in the middle of
+    that close (in the wait, or while the workers are being ended) neither hangs it nor leaves
+    workers behind."""
+    pytest.importorskip("torch")
+    run_child(
+        f"""
+        import os, signal, tempfile, threading, time, torch, multiprocessing
+        flag = tempfile.mktemp()
+        open(flag, "w").close()
+        class Stuck(torch.utils.data.Dataset):
+            def __len__(self): return 80
+            def __getitem__(self, j):
+                if j >= 40 and os.path.exists(flag):
+                    time.sleep(3600)
+                return torch.full((3, 8, 8), j % 256, dtype=torch.uint8), j
+        dl = torch.utils.data.DataLoader(Stuck(), batch_size=4, num_workers=2, persistent_workers=True)
+        p = pinstream.prefetch(dl, dtype="uint8", dry_run=True, worker_ring=False)
+        it = iter(p)
+        for i in range(10):
+            assert int(next(it)[1][0]) == 4 * i
+        time.sleep(0.2)
+        at = {ctrl_c_at!r}
+        if at is not None:
+            threading.Timer(at, lambda: signal.raise_signal(signal.SIGINT)).start()
+        try:
+            p.close()
+        except KeyboardInterrupt:
+            pass
+        os.unlink(flag)
+        time.sleep(0.5)
+        old = [c for c in multiprocessing.active_children()]
+        assert not old, old
+        for epoch in range(2):
+            p = pinstream.prefetch(dl, dtype="uint8", dry_run=True, worker_ring=False)
+            got = [int(y[0]) for _, y in p]
+            assert got == [4 * i for i in range(20)], (epoch, got)
+            p.close()
+        print("ok")
+        """,
+        timeout=120,
+    )
