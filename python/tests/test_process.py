@@ -15,7 +15,6 @@ process with a limit.
 import multiprocessing
 import os
 import signal
-import sys
 import time
 
 import numpy as np
@@ -23,7 +22,7 @@ import pytest
 
 import pinstream
 
-from conftest import needs_gpu
+from conftest import FORK_HEAD_LOCK_BUG, needs_gpu
 from test_dataloader import host, labels, pixels
 from test_hostile import run_child
 
@@ -587,12 +586,6 @@ def test_finding_typed_memoryviews_work_as_in_process():
 # --- findings of the second hostile review ------------------------------------------------
 
 
-#: CPython 3.11.7 and earlier: a fork made while another thread makes or ends its thread state
-#: can leave the interpreter's lock of thread states held in the child, which then hangs in
-#: ``PyOS_AfterFork_Child`` (python/cpython#112275, fixed in later releases). Seen here once in
-#: 30 to 150 runs of the test below on 3.11.7: gdb in the hung helper showed
-#: ``_PyThreadState_DeleteExcept`` waiting for that lock, before any pinstream code ran.
-FORK_HEAD_LOCK_BUG = sys.version_info[:3] < (3, 11, 8)
 
 
 def run_concurrent_forks(code):

@@ -13,6 +13,8 @@ limit.
 
 import gc
 import os
+import select
+import signal
 import time
 
 import numpy as np
@@ -20,7 +22,7 @@ import pytest
 
 import pinstream
 
-from conftest import needs_gpu
+from conftest import FORK_HEAD_LOCK_BUG, needs_gpu
 from test_dataloader import host, labels, pixels
 from test_hostile import run_child
 
@@ -411,7 +413,8 @@ def test_worker_ring_close_from_another_thread_ends_a_waiting_next():
 
 
 def _ring_fds_in_child():
-    """The ring descriptors a process forked now holds (it reports through a pipe)."""
+    """The ring descriptors a process forked now holds (it reports through a pipe); ``None``
+    for a child that hung in the fork itself, on a CPython with that bug."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -426,8 +429,19 @@ def _ring_fds_in_child():
         finally:
             os._exit(0)
     os.close(w)
-    got = os.read(r, 100)
-    os.close(r)
+    try:
+        # A watchdog: on CPython 3.11.7 and earlier a child forked while another thread makes
+        # its thread state can hang in the fork itself (conftest.FORK_HEAD_LOCK_BUG).
+        ready, _, _ = select.select([r], [], [], 60)
+        got = os.read(r, 100) if ready else b""
+    finally:
+        os.close(r)
+    if not got:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        if FORK_HEAD_LOCK_BUG:
+            return None  # hung before it could look (CPython's bug, not a ring kept)
+        pytest.fail("HUNG: a forked child did not report its descriptors")
     os.waitpid(pid, 0)
     return int(got)
 
@@ -443,7 +457,7 @@ def test_worker_ring_other_forks_keep_no_ring():
     here = [n for n in (os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                         if os.path.exists(f"/proc/self/fd/{fd}")) if "pinstream-worker-ring" in n]
     assert here
-    assert _ring_fds_in_child() == 0
+    assert _ring_fds_in_child() in (0, None)
     for i, (x, _) in enumerate(it, 12):
         assert np.array_equal(host(x), pixels(i))
     p.close()
@@ -644,7 +658,8 @@ def test_finding_forks_from_another_thread_never_keep_a_new_ring():
     finally:
         stop.set()
         t.join()
-    assert kept and max(kept) == 0, max(kept)
+    looked = [k for k in kept if k is not None]
+    assert looked and max(looked) == 0, max(looked)
 
 
 def test_finding_the_two_tables_share_one_lock_no_deadlock():
