@@ -354,8 +354,9 @@ def prefetch(
     (docs/python.md). The loader's ``collate_fn`` is wrapped for the workers of this iteration
     only. Needs numpy. ``worker_ring=None`` (the default) turns it on for a
     ``torch.utils.data.DataLoader`` itself (not a subclass) that allows it, unless
-    ``process=True``, ``zero_copy=True`` or ``fresh=False`` is given; ``False`` pulls the
-    loader's batches in this process.
+    ``process=True``, ``zero_copy=True`` or a false ``fresh`` is given; ``False`` pulls the
+    loader's batches in this process. A ``DataLoader`` with workers pulled in this process is
+    ended by ``close()`` even while a worker is stuck (``pinstream.dataloader_end``).
 
     ``next()`` waits in short slices and handles Ctrl-C (``KeyboardInterrupt``) while it waits;
     the prefetcher stays usable. In a process forked after the prefetcher started, its calls
