@@ -880,19 +880,24 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
 
             return run
 
-        def worker_copy_threads(k, f):
-            # `f` with each worker copying into the ring with `k` threads (read at `iter()`).
+        def ring_setting(name, value, f):
+            # `f` with `pinstream.worker_ring.<name>` set to `value` (read at `iter()` or when
+            # the ring is made), then as it was.
             def run():
                 import pinstream.worker_ring as ring_mod
 
-                old = ring_mod.WORKER_COPY_THREADS
-                ring_mod.WORKER_COPY_THREADS = k
+                old = getattr(ring_mod, name)
+                setattr(ring_mod, name, value)
                 try:
                     return f()
                 finally:
-                    ring_mod.WORKER_COPY_THREADS = old
+                    setattr(ring_mod, name, old)
 
             return run
+
+        def worker_copy_threads(k, f):
+            # `f` with each worker copying into the ring with `k` threads.
+            return ring_setting("WORKER_COPY_THREADS", k, f)
 
         def ours(src, **kw):
             # A source's name says whether the workers write the ring (the default for a plain
@@ -946,33 +951,13 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
 
         def unregistered(f):
             # `f` with the ring left pageable: the loader threads copy each batch into the
-            # staging pool (`worker_ring.REGISTER`).
-            def run():
-                import pinstream.worker_ring as ring_mod
-
-                old = ring_mod.REGISTER
-                ring_mod.REGISTER = False
-                try:
-                    return f()
-                finally:
-                    ring_mod.REGISTER = old
-
-            return run
+            # staging pool.
+            return ring_setting("REGISTER", False, f)
 
         def unstacked(f):
             # `f` with the workers collating, then copying into the ring (the way before
-            # `worker_ring.STACK_SAMPLES`; read at `iter()`).
-            def run():
-                import pinstream.worker_ring as ring_mod
-
-                old = ring_mod.STACK_SAMPLES
-                ring_mod.STACK_SAMPLES = False
-                try:
-                    return f()
-                finally:
-                    ring_mod.STACK_SAMPLES = old
-
-            return run
+            # `worker_ring.STACK_SAMPLES`).
+            return ring_setting("STACK_SAMPLES", False, f)
 
         sources = {
             "apex_dl4_pin": ("DataLoader(pin_memory, 4 workers) + APEX prefetcher",
