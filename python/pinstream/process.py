@@ -296,11 +296,16 @@ def _helper(*args):
         pass
 
 
-def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead):
+def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, own_ring=True,
+          rng_source=None):
     """The helper process: this thread pulls the items, a second one takes a free slot for
     each, copies its images there and sends the slot's number and the rest, in order. With
     ``ahead`` (every item a new array) the next item is pulled meanwhile; without, only once
-    the item was copied (an iterable may refill its array). Never touches CUDA."""
+    the item was copied (an iterable may refill its array). Without ``own_ring`` nothing is
+    copied into the ring: items are sent whole (a DataLoader's workers write the training
+    process's own ring, ``worker_ring``, and send only its first few batches this way).
+    ``iter()`` is answered first with the random states it changed (``rng_source``'s, see
+    ``_rng_states``), or with its error. Never touches CUDA."""
     import queue
 
     for fd in theirs:
@@ -365,9 +370,13 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
                 if place is not None:
                     images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
                 if images is None:
-                    msg = ("item", i, -1, None, None, _pack(item))
+                    # Sent (pickled) before the item may be refilled (without `ahead`).
+                    send(("item", i, -1, None, None, _pack(item)))
                     copied.set()
-                    send(msg)
+                    continue
+                if not own_ring:
+                    send(("whole", i, place, _without_images(item, place), images))
+                    copied.set()
                     continue
                 if ring is None:
                     slot_bytes = max(mmap.PAGESIZE, -(-images.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
@@ -429,11 +438,16 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
     try:
         try:
             # First: a DataLoader forks its workers here, before this process has threads.
+            before = _rng_states(rng_source)
             it = iter(iterable)
+            # The training process waits for this (nothing else is sent yet): the random
+            # draws of a DataLoader's iter() (its order, its workers' seeds) are then made
+            # there too, as if it had iterated the loader itself.
+            send(("started", _rng_changes(before, _rng_states(rng_source))))
         finally:
             sender.start()
             watchdog.start()
-        iterable = None
+        iterable = rng_source = None
         while True:
             try:
                 item = next(it)
@@ -464,6 +478,95 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead)
         it = None
         stopping.set()
     sender.join(5.0)
+
+
+#: Where a DataLoader keeps the ``torch.Generator`` objects its ``iter()`` may draw from.
+_GENERATOR_PATHS = (
+    ("generator",),
+    ("sampler", "generator"),
+    ("batch_sampler", "generator"),
+    ("batch_sampler", "sampler", "generator"),
+)
+
+
+def _generators(source):
+    """``(path, generator)`` for each ``torch.Generator`` found on ``source`` along
+    ``_GENERATOR_PATHS``."""
+    torch = sys.modules.get("torch")
+    found = []
+    if torch is None or source is None:
+        return found
+    for path in _GENERATOR_PATHS:
+        obj = source
+        try:
+            for name in path:
+                obj = getattr(obj, name, None)
+        except Exception:  # noqa: BLE001 - an attribute that raises: not followed
+            obj = None
+        if isinstance(obj, torch.Generator):
+            found.append((path, obj))
+    return found
+
+
+def _rng_states(source):
+    """The states of the random generators a ``DataLoader``'s ``iter()`` may draw from, by
+    name: torch's default one, those found on ``source``, Python's ``random`` and numpy's
+    global one (where imported). Values are plain picklable objects."""
+    import random
+
+    states = {("random",): random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            states[("numpy",)] = np.random.get_state()
+        except Exception:  # noqa: BLE001 - not read: not synchronised
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            states[("torch",)] = bytes(torch.get_rng_state().numpy())
+            for path, g in _generators(source):
+                states[("loader", *path)] = bytes(g.get_state().numpy())
+        except Exception:  # noqa: BLE001 - not read: not synchronised
+            pass
+    return states
+
+
+def _rng_changes(before, after):
+    """The states in ``after`` that differ from ``before``."""
+    out = {}
+    for key, state in after.items():
+        try:
+            same = key in before and pickle.dumps(before[key]) == pickle.dumps(state)
+        except Exception:  # noqa: BLE001 - not comparable: sent
+            same = False
+        if not same:
+            out[key] = state
+    return out
+
+
+def _apply_rng(target, changes):
+    """Sets, in the training process, the states the helper's ``iter()`` changed, on the same
+    generators of ``target`` (the loader as this process holds it)."""
+    import random
+
+    torch = sys.modules.get("torch")
+    generators = dict(_generators(target))
+    for key, state in (changes or {}).items():
+        try:
+            if key == ("random",):
+                random.setstate(state)
+            elif key == ("numpy",):
+                sys.modules["numpy"].random.set_state(state)
+            elif key == ("torch",):
+                torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+            elif key[0] == "loader" and key[1:] in generators:
+                generators[key[1:]].set_state(
+                    torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except Exception as e:  # noqa: BLE001 - said, and the iteration goes on
+            warnings.warn(f"{OP}: the random state {key!r} the helper's iter() changed could "
+                          f"not be set here ({e}): this process's draws differ from an "
+                          "iteration here", RuntimeWarning, stacklevel=3)
 
 
 def _copy_reraise_note(e, text):
@@ -546,10 +649,16 @@ class HelperReader:
     the helper (``iter()``), and each ``next()`` gives the next item with its images as a
     read-only numpy view of their slot."""
 
-    def __init__(self, iterable, keys, slots, device=None, ahead=True):
+    def __init__(self, iterable, keys, slots, device=None, ahead=True, own_ring=True,
+                 rng_source=None):
         if slots < 2:
             raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
         self._np = _numpy()
+        #: Whether the helper copies images into this reader's ring (else items come whole).
+        self._own_ring = own_ring
+        #: The object whose random generators a ``DataLoader``'s ``iter()`` draws from
+        #: (``iterable`` by default), as this process holds it.
+        self._rng_source = iterable if rng_source is None else rng_source
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
         self._ahead = ahead
@@ -606,7 +715,7 @@ class HelperReader:
         proc = ctx.Process(
             target=_helper,
             args=(self._iterable, self._keys, self._slots_n, ring_fd, ready_w, free_r,
-                  (ready_r, free_w), token, self._ahead),
+                  (ready_r, free_w), token, self._ahead, self._own_ring, self._rng_source),
             name="pinstream-helper",
         )
         try:
@@ -640,7 +749,41 @@ class HelperReader:
         self._finalizer = weakref.finalize(
             self, _stop, token, proc, slots, (fds[0], fds[1])
         )
+        try:
+            self._await_start()
+        except BaseException:
+            self.close()
+            raise
         return self
+
+    def _await_start(self):
+        """Waits for the helper's ``iter()``: its error is raised here, as ``iter()`` of the
+        iterable in this process would, and the random states it changed (a DataLoader's
+        shuffle and its workers' seeds) are set here, so that this process draws on as after
+        an ``iter()`` of its own (each epoch's helper starts from them: a new order each)."""
+        rng_source, self._rng_source = self._rng_source, None
+        msg = pickle.loads(self._frame())
+        if msg[0] == "started":
+            _apply_rng(rng_source, msg[1])
+            return
+        if msg[0] == "error":
+            self._raise(msg)
+        raise LoaderError(f"{OP}: the helper's first message was {msg[0]!r}, not its start")
+
+    def _raise(self, msg):
+        """Raises what the helper sent as an error (it ended the iteration)."""
+        self.close()
+        _, i, exc, name, message, text = msg
+        if exc is not None:
+            try:
+                e = pickle.loads(exc)
+            except Exception:  # noqa: BLE001 - raised as text below
+                e = None
+            if isinstance(e, BaseException):
+                raise _copy_reraise_note(e, text)
+        if name == "InvalidArgumentError":
+            raise InvalidArgumentError(message)
+        raise LoaderError(f"{OP}: batch {i}: {name}: {message} (in the helper process)\n{text}")
 
     def close(self):
         """Ends the helper: the iteration is over, or the prefetcher is being closed (its
@@ -715,20 +858,12 @@ class HelperReader:
                 self.close()
                 raise StopIteration
             if kind == "error":
-                self.close()
-                _, i, exc, name, message, text = msg
-                if exc is not None:
-                    try:
-                        e = pickle.loads(exc)
-                    except Exception:  # noqa: BLE001 - raised as text below
-                        e = None
-                    if isinstance(e, BaseException):
-                        raise _copy_reraise_note(e, text)
-                if name == "InvalidArgumentError":
-                    raise InvalidArgumentError(message)
-                raise LoaderError(f"{OP}: batch {i}: {name}: {message} (in the helper process)\n{text}")
+                self._raise(msg)
             if kind == "item":
                 return self._item(msg)
+            if kind == "whole" and not self._own_ring:
+                _, i, place, rest, images = msg
+                return _with_images(rest, place, images)
             self.close()
             raise LoaderError(f"{OP}: an unknown message from the helper: {kind!r}")
 

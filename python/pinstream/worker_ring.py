@@ -34,7 +34,9 @@ from .dataloader_end import end_iteration
 from .errors import InvalidArgumentError, LoaderError
 from .mapping import map_shared, populate_write
 from .process import (
+    _AHEAD,
     _TOKEN,
+    HelperReader,
     _copy,
     _images_place,
     _numpy,
@@ -491,13 +493,45 @@ def allows(loader):
     return True
 
 
+class _HelperSide:
+    """The loader as a helper process iterates it (``process=True`` with the ring): there, its
+    ``collate_fn`` is the ring's and its workers fork keeping the ring's descriptors, so they
+    write the training process's ring; the helper only passes their small messages on."""
+
+    def __init__(self, loader, keys, ring, ring_fd, free_r, free_w, threads):
+        self.loader = loader
+        self._args = (keys, ring, ring_fd, free_r, free_w, threads)
+
+    def __iter__(self):
+        # In the helper (its own copy of the loader): nothing to put back.
+        keys, ring, ring_fd, free_r, free_w, threads = self._args
+        loader = self.loader
+        collate = loader.collate_fn
+        while isinstance(collate, RingCollate):
+            collate = collate.collate
+        loader.collate_fn = RingCollate(collate, keys, ring, ring_fd, free_r, free_w, threads)
+        loader.pin_memory = False  # pinning needs CUDA, which a fork cannot use
+        _FORKING.ring = ring
+        try:
+            return iter(loader)  # the workers fork here, keeping the ring's descriptors
+        finally:
+            _FORKING.ring = None
+
+
+#: Batches the helper (``process=True``) may hold on their way to this process: its queue of
+#: items, the one it sends, and those in the pipe.
+HELPER_AHEAD = _AHEAD + 2
+
+
 class WorkerRingReader:
     """The iterable ``pinstream.prefetch`` pulls when ``worker_ring=True``: iterated once, it
     makes the ring's descriptors and starts the loader's iterator (its workers fork then, with
     the wrapped ``collate_fn``); each ``next()`` gives the next batch, its images a read-only
-    numpy view of their slot where they came in the ring."""
+    numpy view of their slot where they came in the ring. With ``process=True`` the loader is
+    iterated in a helper process instead (``process.HelperReader``), whose workers write this
+    process's ring: only the workers' small messages pass through the helper."""
 
-    def __init__(self, loader, keys, slots, device=None):
+    def __init__(self, loader, keys, slots, device=None, process=False):
         if slots < 2:
             raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
         self._np = _numpy()
@@ -508,6 +542,8 @@ class WorkerRingReader:
         self._device = device
         self._started = False
         self._done = False
+        #: The loader is iterated in a helper process (``process=True``).
+        self._process = bool(process)
         self._it = None
         self._ring_id = random.getrandbits(63)
         self._ring_fd = None
@@ -545,20 +581,10 @@ class WorkerRingReader:
                     fds += [free_r, free_w]
                 finally:
                     _FDS[self._ring_id] = tuple(fds)
-            with _loader_lock(loader):
-                collate = loader.collate_fn
-                while isinstance(collate, RingCollate):
-                    collate = collate.collate  # another reader's, left by a caller's swap
-                wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
-                                      free_r, free_w, copy_threads(loader.num_workers))
-                loader.collate_fn = wrapper
-                _FORKING.ring = self._ring_id
-                try:
-                    it = iter(loader)  # the workers fork here, with the wrapper
-                finally:
-                    _FORKING.ring = None
-                    if loader.collate_fn is wrapper:
-                        loader.collate_fn = collate
+            if self._process:
+                it = self._start_in_helper(loader, ring_fd, free_r, free_w)
+            else:
+                it = self._start_here(loader, ring_fd, free_r, free_w)
         except BaseException:
             for fd in fds:
                 _close_fd(self._ring_id, fd)
@@ -575,6 +601,37 @@ class WorkerRingReader:
                                            ring_fd)
         return self
 
+    def _start_here(self, loader, ring_fd, free_r, free_w):
+        """The loader's iterator in this process: its workers fork with the ring's
+        ``collate_fn``, which is put back on the loader at once."""
+        with _loader_lock(loader):
+            collate = loader.collate_fn
+            while isinstance(collate, RingCollate):
+                collate = collate.collate  # another reader's, left by a caller's swap
+            wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
+                                  free_r, free_w, copy_threads(loader.num_workers))
+            loader.collate_fn = wrapper
+            _FORKING.ring = self._ring_id
+            try:
+                return iter(loader)  # the workers fork here, with the wrapper
+            finally:
+                _FORKING.ring = None
+                if loader.collate_fn is wrapper:
+                    loader.collate_fn = collate
+
+    def _start_in_helper(self, loader, ring_fd, free_r, free_w):
+        """The loader iterated in a helper process (``process=True``), which keeps the ring's
+        descriptors for the workers it forks; returns once its ``iter()`` did."""
+        side = _HelperSide(loader, self._keys, self._ring_id, ring_fd, free_r, free_w,
+                           copy_threads(loader.num_workers))
+        helper = HelperReader(side, self._keys, 2, None, True, own_ring=False,
+                              rng_source=loader)
+        _FORKING.ring = self._ring_id
+        try:
+            return iter(helper)  # forks the helper, and waits for its iter() of the loader
+        finally:
+            _FORKING.ring = None
+
     def close(self):
         """The iteration is over, or the prefetcher is being closed: the loader's iterator
         goes (its workers end), and no slot goes back to them any more. A loader thread
@@ -584,7 +641,11 @@ class WorkerRingReader:
         prefetcher drops."""
         self._done = True
         it, self._it = self._it, None
-        if it is not None:
+        if it is not None and self._process:
+            # The helper's reader waits in slices and sees the close at once; its close()
+            # ends the helper, which ends the workers.
+            it.close()
+        elif it is not None:
             try:
                 if self._pulling and threading.get_ident() != self._puller:
                     deadline = time.monotonic() + STUCK_SECONDS
