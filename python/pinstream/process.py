@@ -37,6 +37,7 @@ import warnings
 import weakref
 
 from . import forklock
+from .dataloader_end import end_iteration
 from .errors import InvalidArgumentError, LoaderError
 
 #: The keys tried for a mapping item's images, in order: the native side's ``IMAGE_KEYS``.
@@ -65,6 +66,10 @@ _LENGTH = struct.Struct("<Q")
 #: Under ``forklock.LOCK`` (held across every fork): a descriptor leaves it before it is
 #: closed, so a helper never closes a number that was reused meanwhile.
 _OWNED = {}
+
+#: How long a helper's DataLoader workers get to stop when the helper ends, before SIGTERM
+#: (within ``CLEANUP_SECONDS``).
+WORKERS_SECONDS = 1.0
 
 #: How long a helper's cleanup may take (the iterator's ``finally``, a DataLoader's workers)
 #: once it was asked to end, before it is killed.
@@ -369,6 +374,11 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
                 images = None
                 if place is not None:
                     images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
+                if not own_ring:
+                    # A credit per item sent (the training process gives one back for each
+                    # item it takes): what this helper has sent ahead stays bounded, so the
+                    # workers' ring has a slot for every batch on its way.
+                    take_slot()
                 if images is None:
                     # Sent (pickled) before the item may be refilled (without `ahead`).
                     send(("item", i, -1, None, None, _pack(item)))
@@ -440,14 +450,15 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
             # First: a DataLoader forks its workers here, before this process has threads.
             before = _rng_states(rng_source)
             it = iter(iterable)
+            started = _rng_states(rng_source)
             # The training process waits for this (nothing else is sent yet): the random
             # draws of a DataLoader's iter() (its order, its workers' seeds) are then made
             # there too, as if it had iterated the loader itself.
-            send(("started", _rng_changes(before, _rng_states(rng_source))))
+            send(("started", _rng_changes(before, started)))
         finally:
             sender.start()
             watchdog.start()
-        iterable = rng_source = None
+        iterable = None
         while True:
             try:
                 item = next(it)
@@ -456,7 +467,11 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
             put(("item", i, item, threading.Event()))
             del item
             i += 1
-        put(("end",))
+        # A sampler draws from the loader's own generator at the end of its order too (torch's
+        # RandomSampler): those states go back with the end. Torch's, numpy's and Python's
+        # global ones do not: the training process draws from them meanwhile.
+        put(("end", {k: v for k, v in _rng_changes(started, _rng_states(rng_source)).items()
+                     if k[0] == "loader"}))
     except (_Stop, _Terminated):
         pass
     except BaseException as e:  # noqa: BLE001 - everything goes to the training process
@@ -469,6 +484,14 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         # A second SIGTERM does not cut it short; the training process kills the helper if it
         # takes more than CLEANUP_SECONDS.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            if getattr(it, "_workers", None):
+                # A DataLoader's iterator: its workers asked to stop, and ended (SIGTERM) if
+                # they do not within `WORKERS_SECONDS` (one stuck in the dataset would
+                # outlive this helper otherwise: torch waits 5 s for each, then ends them).
+                end_iteration(it, False, WORKERS_SECONDS)
+        except BaseException:  # noqa: BLE001 - nothing to report it to any more
+            pass
         try:
             close = getattr(it, "close", None)
             if callable(close):
@@ -545,13 +568,12 @@ def _rng_changes(before, after):
     return out
 
 
-def _apply_rng(target, changes):
-    """Sets, in the training process, the states the helper's ``iter()`` changed, on the same
-    generators of ``target`` (the loader as this process holds it)."""
+def _apply_rng(generators, changes):
+    """Sets, in the training process, the states the helper changed, on the same generators
+    (``generators``: ``_generators`` of the loader as this process holds it, by path)."""
     import random
 
     torch = sys.modules.get("torch")
-    generators = dict(_generators(target))
     for key, state in (changes or {}).items():
         try:
             if key == ("random",):
@@ -659,6 +681,7 @@ class HelperReader:
         #: The object whose random generators a ``DataLoader``'s ``iter()`` draws from
         #: (``iterable`` by default), as this process holds it.
         self._rng_source = iterable if rng_source is None else rng_source
+        self._generators = {}
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
         self._ahead = ahead
@@ -762,9 +785,12 @@ class HelperReader:
         shuffle and its workers' seeds) are set here, so that this process draws on as after
         an ``iter()`` of its own (each epoch's helper starts from them: a new order each)."""
         rng_source, self._rng_source = self._rng_source, None
+        # The loader's own generators (not the loader: this process lets go of it), for the
+        # states the helper sends with the end.
+        self._generators = dict(_generators(rng_source))
         msg = pickle.loads(self._frame())
         if msg[0] == "started":
-            _apply_rng(rng_source, msg[1])
+            _apply_rng(self._generators, msg[1])
             return
         if msg[0] == "error":
             self._raise(msg)
@@ -856,9 +882,13 @@ class HelperReader:
                 continue
             if kind == "end":
                 self.close()
+                if len(msg) > 1:
+                    _apply_rng(self._generators, msg[1])
                 raise StopIteration
             if kind == "error":
                 self._raise(msg)
+            if kind in ("item", "whole") and not self._own_ring:
+                self._slots.release(0)  # the helper's credit for the next item
             if kind == "item":
                 return self._item(msg)
             if kind == "whole" and not self._own_ring:

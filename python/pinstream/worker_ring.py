@@ -518,9 +518,12 @@ class _HelperSide:
             _FORKING.ring = None
 
 
-#: Batches the helper (``process=True``) may hold on their way to this process: its queue of
-#: items, the one it sends, and those in the pipe.
-HELPER_AHEAD = _AHEAD + 2
+#: The items the helper (``process=True``) may have sent ahead of those taken here (a credit
+#: each, given back as each is taken).
+HELPER_CREDITS = 2
+#: Batches the helper may hold on their way to this process: its queue of items, the one it
+#: pulled, the one it sends, and those sent ahead.
+HELPER_AHEAD = _AHEAD + 2 + HELPER_CREDITS
 
 
 class WorkerRingReader:
@@ -624,7 +627,7 @@ class WorkerRingReader:
         descriptors for the workers it forks; returns once its ``iter()`` did."""
         side = _HelperSide(loader, self._keys, self._ring_id, ring_fd, free_r, free_w,
                            copy_threads(loader.num_workers))
-        helper = HelperReader(side, self._keys, 2, None, True, own_ring=False,
+        helper = HelperReader(side, self._keys, HELPER_CREDITS, None, True, own_ring=False,
                               rng_source=loader)
         _FORKING.ring = self._ring_id
         try:
