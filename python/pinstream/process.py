@@ -458,12 +458,16 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         finally:
             sender.start()
             watchdog.start()
+        # A hook of the iterable's own, applied to each item here (worker_ring's helper side).
+        prepare = getattr(iterable, "prepare", None) if own_ring is False else None
         iterable = None
         while True:
             try:
                 item = next(it)
             except StopIteration:
                 break
+            if prepare is not None:
+                item = prepare(item)
             put(("item", i, item, threading.Event()))
             del item
             i += 1

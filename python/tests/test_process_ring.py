@@ -67,9 +67,9 @@ def test_process_ring_keeps_order_and_content(dry, threads, slow, readers):
     assert got == n
     (r,) = readers
     assert r._process is True  # noqa: SLF001 - the mode chosen by default
-    # The first batches came whole through the helper, before the ring was made; after that,
-    # every batch came in a slot.
-    assert r.in_ring >= n - 12, (r.in_ring, r.usual)
+    # Every batch came in a slot: those the workers made before the ring existed were copied
+    # into one by the helper (none comes whole but one that waited 2 s for a slot).
+    assert r.in_ring >= n - 1, (r.in_ring, r.usual)
     assert r.in_ring + r.usual == n
     if not dry:
         st = p.stats()
@@ -103,7 +103,7 @@ def test_process_ring_stacks_samples_as_the_loader_collates(dry, form, readers, 
                 assert u == v, i
     assert got == len(want) == 15
     r = readers[0]
-    assert r.in_ring >= 5 and r.stacked >= 3, (r.in_ring, r.stacked, r.usual)
+    assert r.in_ring >= 14 and r.stacked >= 3, (r.in_ring, r.stacked, r.usual)
     p.close()
 
 
