@@ -372,21 +372,23 @@ def prefetch(
     if worker_ring is None:
         # On for a plain torch DataLoader that allows it, unless another choice was asked for.
         worker_ring = False
-        if not zero_copy and (fresh is None or bool(fresh)):
+        if not process and not zero_copy and (fresh is None or bool(fresh)):
             from . import worker_ring as _worker_ring
 
             worker_ring = _worker_ring.allows(iterable)
     if worker_ring:
         from . import worker_ring as _worker_ring
 
+        if process:
+            raise InvalidArgumentError(
+                "pinstream.prefetch: process=True and worker_ring=True: choose one (the ring is "
+                "written by the DataLoader's workers in this process, or by the helper)"
+            )
         _worker_ring.check_loader(iterable)
         fresh = True
         if loader_threads is None:
             loader_threads = WORKER_RING_LOADER_THREADS
-    # With the ring, `process=True` iterates the loader in a helper whose workers write the
-    # ring of this process (`WorkerRingReader(process=True)`), not the helper's own ring.
-    helper = process and not worker_ring
-    if helper:
+    if process:
         from . import process as _process
 
         if not (hasattr(type(iterable), "__iter__") or hasattr(type(iterable), "__getitem__")):
@@ -421,7 +423,7 @@ def prefetch(
                 f"pinstream.prefetch: keys={keys!r}: give (images_key, labels_key), strings "
                 "(labels_key may be None)"
             )
-    if helper:
+    if process:
         # Slots for the items the loader threads hold, those waiting in the pipe, and one the
         # helper fills meanwhile. The helper is forked where the native side calls iter(),
         # after every setting was checked.
@@ -433,11 +435,8 @@ def prefetch(
         # the loader threads hold and the prefetcher queues, and one in flight; a batch finding
         # none free comes the usual way.
         ahead = (getattr(iterable, "prefetch_factor", None) or 2) * iterable.num_workers
-        if process:
-            ahead += _worker_ring.HELPER_AHEAD
         iterable = _worker_ring.WorkerRingReader(
-            iterable, keys, ahead + loader_threads + depth + 2,
-            None if dry_run else _device(device), process=process,
+            iterable, keys, ahead + loader_threads + depth + 2, None if dry_run else _device(device)
         )
     in_process = False
     if not process and not worker_ring:

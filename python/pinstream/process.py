@@ -301,16 +301,13 @@ def _helper(*args):
         pass
 
 
-def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, own_ring=True,
-          rng_source=None):
+def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, rng_source=None):
     """The helper process: this thread pulls the items, a second one takes a free slot for
     each, copies its images there and sends the slot's number and the rest, in order. With
     ``ahead`` (every item a new array) the next item is pulled meanwhile; without, only once
-    the item was copied (an iterable may refill its array). Without ``own_ring`` nothing is
-    copied into the ring: items are sent whole (a DataLoader's workers write the training
-    process's own ring, ``worker_ring``, and send only its first few batches this way).
-    ``iter()`` is answered first with the random states it changed (``rng_source``'s, see
-    ``_rng_states``), or with its error. Never touches CUDA."""
+    the item was copied (an iterable may refill its array). ``iter()`` is answered first, with
+    the random states it changed (``_rng_states`` of ``rng_source``, the iterable) or with its
+    error. Never touches CUDA."""
     import queue
 
     for fd in theirs:
@@ -374,18 +371,9 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
                 images = None
                 if place is not None:
                     images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
-                if not own_ring:
-                    # A credit per item sent (the training process gives one back for each
-                    # item it takes): what this helper has sent ahead stays bounded, so the
-                    # workers' ring has a slot for every batch on its way.
-                    take_slot()
                 if images is None:
                     # Sent (pickled) before the item may be refilled (without `ahead`).
                     send(("item", i, -1, None, None, _pack(item)))
-                    copied.set()
-                    continue
-                if not own_ring:
-                    send(("whole", i, place, _without_images(item, place), images))
                     copied.set()
                     continue
                 if ring is None:
@@ -402,10 +390,11 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
                 s = take_slot()
                 _copy(np, np.frombuffer(ring, np.uint8, images.nbytes, s * slot_bytes),
                       images.reshape(-1))
-                copied.set()
                 msg = ("item", i, s, images.shape, place, _without_images(item, place))
                 del item, images
+                # The rest is pickled by `send`: only then may the item be refilled.
                 send(msg)
+                copied.set()
         except _Stop:
             pass
         except BaseException as e:  # noqa: BLE001 - a rest that does not pickle, among others
@@ -458,16 +447,12 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         finally:
             sender.start()
             watchdog.start()
-        # A hook of the iterable's own, applied to each item here (worker_ring's helper side).
-        prepare = getattr(iterable, "prepare", None) if own_ring is False else None
         iterable = None
         while True:
             try:
                 item = next(it)
             except StopIteration:
                 break
-            if prepare is not None:
-                item = prepare(item)
             put(("item", i, item, threading.Event()))
             del item
             i += 1
@@ -675,17 +660,13 @@ class HelperReader:
     the helper (``iter()``), and each ``next()`` gives the next item with its images as a
     read-only numpy view of their slot."""
 
-    def __init__(self, iterable, keys, slots, device=None, ahead=True, own_ring=True,
-                 rng_source=None):
+    def __init__(self, iterable, keys, slots, device=None, ahead=True):
         if slots < 2:
             raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
         self._np = _numpy()
-        #: Whether the helper copies images into this reader's ring (else items come whole).
-        self._own_ring = own_ring
-        #: The object whose random generators a ``DataLoader``'s ``iter()`` draws from
-        #: (``iterable`` by default), as this process holds it.
-        self._rng_source = iterable if rng_source is None else rng_source
-        self._generators = {}
+        #: The loader's own ``torch.Generator`` objects, by path (``_generators``): the states
+        #: the helper changed are set on them here.
+        self._generators = dict(_generators(iterable))
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
         self._ahead = ahead
@@ -742,7 +723,7 @@ class HelperReader:
         proc = ctx.Process(
             target=_helper,
             args=(self._iterable, self._keys, self._slots_n, ring_fd, ready_w, free_r,
-                  (ready_r, free_w), token, self._ahead, self._own_ring, self._rng_source),
+                  (ready_r, free_w), token, self._ahead, self._iterable),
             name="pinstream-helper",
         )
         try:
@@ -788,10 +769,6 @@ class HelperReader:
         iterable in this process would, and the random states it changed (a DataLoader's
         shuffle and its workers' seeds) are set here, so that this process draws on as after
         an ``iter()`` of its own (each epoch's helper starts from them: a new order each)."""
-        rng_source, self._rng_source = self._rng_source, None
-        # The loader's own generators (not the loader: this process lets go of it), for the
-        # states the helper sends with the end.
-        self._generators = dict(_generators(rng_source))
         msg = pickle.loads(self._frame())
         if msg[0] == "started":
             _apply_rng(self._generators, msg[1])
@@ -891,13 +868,8 @@ class HelperReader:
                 raise StopIteration
             if kind == "error":
                 self._raise(msg)
-            if kind in ("item", "whole") and not self._own_ring:
-                self._slots.release(0)  # the helper's credit for the next item
             if kind == "item":
                 return self._item(msg)
-            if kind == "whole" and not self._own_ring:
-                _, i, place, rest, images = msg
-                return _with_images(rest, place, images)
             self.close()
             raise LoaderError(f"{OP}: an unknown message from the helper: {kind!r}")
 

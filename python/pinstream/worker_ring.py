@@ -22,7 +22,6 @@ was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 
 import os
 import random
-import select
 import struct
 import sys
 import threading
@@ -35,9 +34,7 @@ from .dataloader_end import end_iteration
 from .errors import InvalidArgumentError, LoaderError
 from .mapping import map_shared, populate_write
 from .process import (
-    _AHEAD,
     _TOKEN,
-    HelperReader,
     _copy,
     _images_place,
     _numpy,
@@ -494,127 +491,13 @@ def allows(loader):
     return True
 
 
-class RingMade:
-    """From the helper (``process=True``), with its first batch: the ring is made (its slots'
-    size and count in its header, every slot handed to the workers); this process maps and
-    page-locks it before the batch (``first``) is read."""
-
-    __slots__ = ("slot_bytes", "slots", "first")
-
-    def __init__(self, slot_bytes, slots, first):
-        self.slot_bytes = slot_bytes
-        self.slots = slots
-        self.first = first
-
-    def __reduce__(self):
-        return (RingMade, (self.slot_bytes, self.slots, self.first))
-
-
-#: How long the helper waits for a free slot for a batch its workers sent the usual way (made
-#: before the ring was), before sending it whole.
-HELPER_SLOT_SECONDS = 2.0
-
-
-class _HelperSide:
-    """The loader as a helper process iterates it (``process=True`` with the ring): there, its
-    ``collate_fn`` is the ring's and its workers fork keeping the ring's descriptors, so they
-    write the training process's ring; the helper only passes their small messages on. The
-    helper makes the ring from the first batch (as the reader does in the other mode) and
-    copies into it the batches the workers made before it existed (``prepare``): none of them
-    comes to the training process whole."""
-
-    def __init__(self, loader, keys, ring, ring_fd, free_r, free_w, threads, slots):
-        self.loader = loader
-        self._args = (keys, ring, ring_fd, free_r, free_w, threads)
-        self._slots_n = slots
-        self._collate = None
-        self._tried = False
-        self._ring_made = False
-
-    def __iter__(self):
-        # In the helper (its own copy of the loader): nothing to put back.
-        keys, ring, ring_fd, free_r, free_w, threads = self._args
-        loader = self.loader
-        collate = loader.collate_fn
-        while isinstance(collate, RingCollate):
-            collate = collate.collate
-        self._collate = RingCollate(collate, keys, ring, ring_fd, free_r, free_w, threads)
-        loader.collate_fn = self._collate
-        loader.pin_memory = False  # pinning needs CUDA, which a fork cannot use
-        _FORKING.ring = ring
-        try:
-            return iter(loader)  # the workers fork here, keeping the ring's descriptors
-        finally:
-            _FORKING.ring = None
-
-    def prepare(self, item):
-        """In the helper, each batch as the loader gave it: a batch the workers sent the usual
-        way goes into a slot here (the ring made first, from the first one)."""
-        if isinstance(item, InRing):
-            return item
-        made = None
-        if not self._tried:
-            self._tried = True
-            try:
-                made = self._make_ring(item)
-            except (OSError, ValueError, OverflowError):
-                made = None  # every batch comes whole
-            self._ring_made = made is not None
-        out = item
-        if self._ring_made:
-            c = self._collate
-            deadline = time.monotonic() + HELPER_SLOT_SECONDS
-            while True:
-                try:
-                    out = c._into_ring(item)  # noqa: SLF001 - as a worker copies into a slot
-                except Exception:  # noqa: BLE001 - not ring-able (or does not fit): whole
-                    out = item
-                    break
-                if out is not item or time.monotonic() > deadline:
-                    break
-                select.select([c._free_r], [], [], 0.01)  # noqa: SLF001 - a slot given back
-        return out if made is None else RingMade(made[0], made[1], out)
-
-    def _make_ring(self, item):
-        """Sizes the ring for ``item``'s images, writes its header and hands every slot to
-        the workers (and to this helper); ``(slot_bytes, slots)``, or ``None`` where the batch
-        has no ring-able images or too few slots fit."""
-        np = _numpy()
-        keys, _, ring_fd, _, free_w, _ = self._args
-        place = _images_place(item, keys)
-        if place is None:
-            return None
-        images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
-        if images is None:
-            return None
-        slot_bytes = max(_ALIGN, -(-images.nbytes // _ALIGN) * _ALIGN)
-        slots = min(self._slots_n, MAX_RING_BYTES // slot_bytes)
-        if slots < 2:
-            return None
-        os.ftruncate(ring_fd, _HEADER + slot_bytes * slots)
-        os.pwrite(ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
-        for s in range(slots):
-            os.write(free_w, _TOKEN.pack(s))
-        return slot_bytes, slots
-
-
-#: The items the helper (``process=True``) may have sent ahead of those taken here (a credit
-#: each, given back as each is taken).
-HELPER_CREDITS = 2
-#: Batches the helper may hold on their way to this process: its queue of items, the one it
-#: pulled, the one it sends, and those sent ahead.
-HELPER_AHEAD = _AHEAD + 2 + HELPER_CREDITS
-
-
 class WorkerRingReader:
     """The iterable ``pinstream.prefetch`` pulls when ``worker_ring=True``: iterated once, it
     makes the ring's descriptors and starts the loader's iterator (its workers fork then, with
     the wrapped ``collate_fn``); each ``next()`` gives the next batch, its images a read-only
-    numpy view of their slot where they came in the ring. With ``process=True`` the loader is
-    iterated in a helper process instead (``process.HelperReader``), whose workers write this
-    process's ring: only the workers' small messages pass through the helper."""
+    numpy view of their slot where they came in the ring."""
 
-    def __init__(self, loader, keys, slots, device=None, process=False):
+    def __init__(self, loader, keys, slots, device=None):
         if slots < 2:
             raise InvalidArgumentError(f"{OP}: {slots} slots: at least 2")
         self._np = _numpy()
@@ -625,8 +508,6 @@ class WorkerRingReader:
         self._device = device
         self._started = False
         self._done = False
-        #: The loader is iterated in a helper process (``process=True``).
-        self._process = bool(process)
         self._it = None
         self._ring_id = random.getrandbits(63)
         self._ring_fd = None
@@ -664,10 +545,20 @@ class WorkerRingReader:
                     fds += [free_r, free_w]
                 finally:
                     _FDS[self._ring_id] = tuple(fds)
-            if self._process:
-                it = self._start_in_helper(loader, ring_fd, free_r, free_w)
-            else:
-                it = self._start_here(loader, ring_fd, free_r, free_w)
+            with _loader_lock(loader):
+                collate = loader.collate_fn
+                while isinstance(collate, RingCollate):
+                    collate = collate.collate  # another reader's, left by a caller's swap
+                wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
+                                      free_r, free_w, copy_threads(loader.num_workers))
+                loader.collate_fn = wrapper
+                _FORKING.ring = self._ring_id
+                try:
+                    it = iter(loader)  # the workers fork here, with the wrapper
+                finally:
+                    _FORKING.ring = None
+                    if loader.collate_fn is wrapper:
+                        loader.collate_fn = collate
         except BaseException:
             for fd in fds:
                 _close_fd(self._ring_id, fd)
@@ -684,37 +575,6 @@ class WorkerRingReader:
                                            ring_fd)
         return self
 
-    def _start_here(self, loader, ring_fd, free_r, free_w):
-        """The loader's iterator in this process: its workers fork with the ring's
-        ``collate_fn``, which is put back on the loader at once."""
-        with _loader_lock(loader):
-            collate = loader.collate_fn
-            while isinstance(collate, RingCollate):
-                collate = collate.collate  # another reader's, left by a caller's swap
-            wrapper = RingCollate(collate, self._keys, self._ring_id, ring_fd,
-                                  free_r, free_w, copy_threads(loader.num_workers))
-            loader.collate_fn = wrapper
-            _FORKING.ring = self._ring_id
-            try:
-                return iter(loader)  # the workers fork here, with the wrapper
-            finally:
-                _FORKING.ring = None
-                if loader.collate_fn is wrapper:
-                    loader.collate_fn = collate
-
-    def _start_in_helper(self, loader, ring_fd, free_r, free_w):
-        """The loader iterated in a helper process (``process=True``), which keeps the ring's
-        descriptors for the workers it forks; returns once its ``iter()`` did."""
-        side = _HelperSide(loader, self._keys, self._ring_id, ring_fd, free_r, free_w,
-                           copy_threads(loader.num_workers), self._slots_n)
-        helper = HelperReader(side, self._keys, HELPER_CREDITS, None, True, own_ring=False,
-                              rng_source=loader)
-        _FORKING.ring = self._ring_id
-        try:
-            return iter(helper)  # forks the helper, and waits for its iter() of the loader
-        finally:
-            _FORKING.ring = None
-
     def close(self):
         """The iteration is over, or the prefetcher is being closed: the loader's iterator
         goes (its workers end), and no slot goes back to them any more. A loader thread
@@ -724,11 +584,7 @@ class WorkerRingReader:
         prefetcher drops."""
         self._done = True
         it, self._it = self._it, None
-        if it is not None and self._process:
-            # The helper's reader waits in slices and sees the close at once; its close()
-            # ends the helper, which ends the workers.
-            it.close()
-        elif it is not None:
+        if it is not None:
             try:
                 if self._pulling and threading.get_ident() != self._puller:
                     deadline = time.monotonic() + STUCK_SECONDS
@@ -772,10 +628,6 @@ class WorkerRingReader:
             raise
         finally:
             self._pulling = False
-        if isinstance(item, RingMade) and self._process:
-            # The helper made the ring (with its first batch): mapped and page-locked here.
-            self._map_ring(item)
-            item = item.first
         if isinstance(item, InRing):
             stacked = item.stacked is True
             item = self._from_ring(item)
@@ -783,7 +635,7 @@ class WorkerRingReader:
             self.stacked += stacked
             return item
         self.usual += 1
-        if not self._tried and not self._process:
+        if not self._tried:
             self._tried = True
             try:
                 self._make_ring(item)
@@ -826,31 +678,6 @@ class WorkerRingReader:
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
         for s in range(slots):
             self._slots.release(s)
-
-    def _map_ring(self, made):
-        """Maps (and page-locks) the ring the helper made; a ring that is not as it says is
-        the helper's fault, a ``LoaderError``."""
-        with self._lock:
-            if self._done:
-                return
-            try:
-                slot_bytes, slots = int(made.slot_bytes), int(made.slots)
-                size = _HEADER + slot_bytes * slots
-                ok = (self._ring is None and slot_bytes > 0 and slot_bytes % _ALIGN == 0
-                      and 2 <= slots <= self._slots_n and slot_bytes * slots <= MAX_RING_BYTES
-                      and os.fstat(self._ring_fd).st_size == size
-                      and os.pread(self._ring_fd, 2 * _SIZE.size, 0)
-                      == _SIZE.pack(slot_bytes) + _SIZE.pack(slots))
-            except (TypeError, ValueError, OSError):
-                ok = False
-            if not ok:
-                self.close()
-                raise LoaderError(f"{OP}: the helper's ring is not as it says ({made.slot_bytes!r} "
-                                  f"bytes x {made.slots!r} slots)")
-            ring = map_shared(self._ring_fd, size)
-            if self._device is not None and REGISTER:
-                self._registration = _register(memoryview(ring)[_HEADER:], self._device)
-            self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
 
     def _from_ring(self, msg):
         s, shape = msg.slot, msg.shape

@@ -291,6 +291,8 @@ def test_worker_ring_arguments_refused():
         pinstream.prefetch(loader(ds, persistent_workers=True), worker_ring=True, dry_run=True)
     with pytest.raises(pinstream.InvalidArgumentError, match="forked"):
         pinstream.prefetch(loader(ds, multiprocessing_context="spawn"), worker_ring=True, dry_run=True)
+    with pytest.raises(pinstream.InvalidArgumentError, match="choose one"):
+        pinstream.prefetch(loader(ds), worker_ring=True, process=True, dry_run=True)
     with pytest.raises(pinstream.InvalidArgumentError, match="True, False or None"):
         pinstream.prefetch(loader(ds), worker_ring="yes", dry_run=True)
     with pytest.raises(pinstream.InvalidArgumentError, match="DataLoader"):
@@ -952,7 +954,7 @@ class SubLoader(torch.utils.data.DataLoader):
     batches, so the default leaves it to pull the usual way."""
 
 
-@pytest.mark.parametrize("case", ["subclass", "persistent", "no_workers", "zero_copy",
+@pytest.mark.parametrize("case", ["subclass", "persistent", "no_workers", "process", "zero_copy",
                                   "not_fresh", "off", "iterator"])
 def test_worker_ring_default_stays_off_where_it_does_not_apply(case, readers):
     n = 3 * 6
@@ -966,13 +968,15 @@ def test_worker_ring_default_stays_off_where_it_does_not_apply(case, readers):
         src = torch.utils.data.DataLoader(Samples(n), batch_size=3, num_workers=0)
     elif case == "iterator":
         src = iter(src)
+    elif case == "process":
+        kw = {"process": True}
     elif case == "zero_copy":
         kw = {"zero_copy": True}
     elif case == "not_fresh":
         kw = {"fresh": False}
     elif case == "off":
         kw = {"worker_ring": False}
-    assert wr.allows(src) is (case in ("zero_copy", "not_fresh", "off"))
+    assert wr.allows(src) is (case in ("process", "zero_copy", "not_fresh", "off"))
     p = pinstream.prefetch(src, dtype="uint8", dry_run=True, **kw)
     got = 0
     for i, (x, y, _) in enumerate(p):

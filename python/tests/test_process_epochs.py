@@ -1,0 +1,138 @@
+"""``pinstream.prefetch(loader, process=True)`` across epochs: each epoch's helper is a new
+fork of the training process, iterating a copy of the loader.
+
+Checked here: the random state after each epoch (its order, its workers' seeds, and the
+training process's later draws, with torch's global generator and with the loader's own, as an
+iteration in this process gives them; before, every epoch repeated the first one's order), an
+``iter()`` that raises (from ``prefetch()`` itself), a worker stuck in the dataset when the
+prefetcher closes (the helper's workers do not outlive it). Dry runs; waits that could hang run
+in a child process with a limit. No test measures time.
+"""
+
+import gc
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+import pinstream
+
+from test_hostile import run_child
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+def children_gone(limit=30.0):
+    """Waits (a watchdog, not a speed bound) until this process has no child left."""
+    deadline = time.monotonic() + limit
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not multiprocessing.active_children()
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Sample ``i``: an image of ``i``, ``i``, and a draw of torch's generator in the worker
+    (seeded from the loader's base seed, drawn at ``iter()``)."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i, int(torch.randint(1 << 30, ()))
+
+
+def _epochs(process, generator, epochs=3):
+    """Each epoch's (index, worker draw) pairs, then a draw of torch's generator and of the
+    loader's own."""
+    torch.manual_seed(7)
+    g = None
+    if generator:
+        g = torch.Generator()
+        g.manual_seed(11)
+    dl = torch.utils.data.DataLoader(Indexed(), batch_size=4, num_workers=2, shuffle=True,
+                                     generator=g)
+    out = []
+    for _ in range(epochs):
+        p = pinstream.prefetch(dl, dtype="uint8", process=process, worker_ring=False,
+                               dry_run=True)
+        out.append([(int(a), int(b)) for _, y, d in p for a, b in zip(np.asarray(y), d)])
+        p.close()
+    after = float(torch.rand(()))
+    gen_after = None if g is None else float(torch.rand((), generator=g))
+    return out, after, gen_after
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["global", "loader_generator"])
+def test_process_draws_as_an_iteration_here(generator):
+    here = _epochs(False, generator)
+    there = _epochs(True, generator)
+    orders = [[s[0] for s in e] for e in here[0]]
+    assert orders[0] != orders[1] != orders[2]  # the reference shuffles anew each epoch
+    assert there == here
+
+
+class RefusingSampler(torch.utils.data.Sampler):
+    def __init__(self):
+        pass
+
+    def __len__(self):
+        return 4
+
+    def __iter__(self):
+        raise ValueError("this sampler refuses")
+
+
+def test_process_iter_error_is_raised_by_prefetch():
+    # As iter() of the loader in this process would: from prefetch() itself, no helper left.
+    dl = torch.utils.data.DataLoader(Indexed(), batch_size=4, num_workers=2,
+                                     sampler=RefusingSampler())
+    with pytest.raises(ValueError, match="this sampler refuses"):
+        pinstream.prefetch(dl, dtype="uint8", process=True, dry_run=True)
+    gc.collect()
+    assert children_gone()
+
+
+def test_process_close_with_a_worker_stuck_leaves_no_worker(tmp_path):
+    # The helper's DataLoader workers are the helper's children: one stuck in the dataset
+    # outlived the helper (killed after 5 s), for as long as the dataset slept.
+    run_child(
+        f"""
+        import multiprocessing, threading, time, torch
+        marks = {str(tmp_path)!r}
+        class Slow(torch.utils.data.Dataset):
+            def __len__(self): return 400
+            def __getitem__(self, j):
+                if j >= 40:
+                    open(os.path.join(marks, str(os.getpid())), "w").close()
+                    time.sleep(3600)
+                return torch.full((3, 16, 16), j % 256, dtype=torch.uint8), j
+        dl = torch.utils.data.DataLoader(Slow(), batch_size=4, num_workers=2)
+        p = pinstream.prefetch(dl, dtype="uint8", process=True, dry_run=True)
+        it = iter(p)
+        for i in range(10):
+            x, y = next(it)
+            assert int(y[0]) == 4 * i
+        deadline = time.monotonic() + 60
+        while not os.listdir(marks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stuck = [int(n) for n in os.listdir(marks)]
+        assert stuck
+        p.close()
+        del it, p
+        def alive(pid):
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    return f.read().split(")")[-1].split()[0] != "Z"
+            except OSError:
+                return False
+        deadline = time.monotonic() + 60
+        while any(alive(s) for s in stuck) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(s) for s in stuck), stuck
+        print("ok")
+        """,
+        timeout=150,
+    )
