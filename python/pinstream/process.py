@@ -563,12 +563,16 @@ def _apply_rng(generators, changes):
     import random
 
     torch = sys.modules.get("torch")
+    np = sys.modules.get("numpy")
     for key, state in (changes or {}).items():
+        if (key == ("numpy",) and np is None) or (key != ("random",) and key != ("numpy",)
+                                                    and torch is None):
+            continue  # imported in the helper only: this process has no such generator to set
         try:
             if key == ("random",):
                 random.setstate(state)
             elif key == ("numpy",):
-                sys.modules["numpy"].random.set_state(state)
+                np.random.set_state(state)
             elif key == ("torch",):
                 torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
             elif key[0] == "loader" and key[1:] in generators:

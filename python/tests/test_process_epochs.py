@@ -136,3 +136,27 @@ def test_process_close_with_a_worker_stuck_leaves_no_worker(tmp_path):
         """,
         timeout=150,
     )
+
+
+def test_process_generators_imported_in_the_helper_only_are_left_alone():
+    # An iterable that imports torch in its __iter__ (in the helper only): the training
+    # process has no torch generator to set, and says nothing (it warned that it could not).
+    run_child(
+        """
+        import warnings
+        assert "torch" not in sys.modules
+        class LateTorch:
+            def __iter__(self):
+                import torch
+                torch.rand(1)
+                return iter([(np.full((2, 3, 4, 4), 7, np.uint8), np.arange(2))])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            p = pinstream.prefetch(LateTorch(), dtype="uint8", process=True, dry_run=True)
+            assert len(list(p)) == 1
+            p.close()
+        assert "torch" not in sys.modules
+        print("ok")
+        """,
+        timeout=120,
+    )
