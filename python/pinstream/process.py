@@ -434,6 +434,9 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
     watchdog = threading.Thread(target=watch, name="pinstream-helper-watch", daemon=True)
     i = 0
     it = None
+    # The puller queued its last message (the end, or the error): the sender delivers every
+    # item before it, however long the training process takes to free their slots.
+    finished = False
     try:
         try:
             # First: a DataLoader forks its workers here, before this process has threads.
@@ -461,11 +464,13 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         # global ones do not: the training process draws from them meanwhile.
         put(("end", {k: v for k, v in _rng_changes(started, _rng_states(rng_source)).items()
                      if k[0] == "loader"}))
+        finished = True
     except (_Stop, _Terminated):
         pass
     except BaseException as e:  # noqa: BLE001 - everything goes to the training process
         try:
             put(("error", i, *_error_payload(e)))
+            finished = True
         except BaseException:  # noqa: BLE001 - the sender has ended
             pass
     finally:
@@ -488,8 +493,13 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         except BaseException:  # noqa: BLE001 - nothing to report it to any more
             pass
         it = None
-        stopping.set()
-    sender.join(5.0)
+        if not finished:
+            stopping.set()  # the sender stops at its next wait
+    # The sender ends once it sent the last message, or when the training process closes the
+    # prefetcher or goes away (the free-slot pipe ends, or the pipe to it breaks; SIGTERM is
+    # ignored from here on, and the training process kills a helper that does not end).
+    while sender.is_alive():
+        sender.join(POLL_SECONDS)
 
 
 #: Where a DataLoader keeps the ``torch.Generator`` objects its ``iter()`` may draw from.

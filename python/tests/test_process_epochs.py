@@ -160,3 +160,24 @@ def test_process_generators_imported_in_the_helper_only_are_left_alone():
         """,
         timeout=120,
     )
+
+
+@pytest.mark.parametrize("loader", [False, True], ids=["generator", "dataloader"])
+def test_process_consumer_slower_than_the_source_gets_every_batch(loader):
+    # The source ends while the helper waits for the training process to free a slot: it
+    # took that end for a close and dropped the batches still queued (and the end itself).
+    n = 12
+    if loader:
+        src = torch.utils.data.DataLoader(Indexed(), batch_size=2, num_workers=2)
+    else:
+        src = ((np.full((2, 3, 4, 4), i, np.uint8), np.arange(2) + 2 * i) for i in range(n))
+    # (`fresh`: the helper pulls ahead of the copies, as it does for a DataLoader.)
+    p = pinstream.prefetch(src, dtype="uint8", process=True, loader_threads=1, depth=1,
+                           fresh=True, dry_run=True)
+    got = []
+    for x, y, *_ in p:
+        got.append(int(np.asarray(y)[0]))
+        time.sleep(0.1)  # a training step slower than the source
+    assert got == [2 * i for i in range(n)]
+    p.close()
+    assert children_gone()
