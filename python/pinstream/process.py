@@ -567,9 +567,23 @@ def _rng_changes(before, after):
     return out
 
 
-def _apply_rng(generators, changes):
+def _generator_states(generators):
+    """The states of ``generators`` (by path), as ``_rng_states`` reads them."""
+    out = {}
+    for path, g in generators.items():
+        try:
+            out[path] = bytes(g.get_state().numpy())
+        except Exception:  # noqa: BLE001 - not read: never taken for unchanged
+            pass
+    return out
+
+
+def _apply_rng(generators, changes, unless_drawn_since=None):
     """Sets, in the training process, the states the helper changed, on the same generators
-    (``generators``: ``_generators`` of the loader as this process holds it, by path)."""
+    (``generators``: ``_generators`` of the loader as this process holds it, by path). With
+    ``unless_drawn_since`` (their states when the helper's were last set here), a generator
+    this process drew from meanwhile keeps its own state: both sides' draws cannot be had, and
+    the helper's would repeat this process's."""
     import random
 
     torch = sys.modules.get("torch")
@@ -586,8 +600,12 @@ def _apply_rng(generators, changes):
             elif key == ("torch",):
                 torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
             elif key[0] == "loader" and key[1:] in generators:
-                generators[key[1:]].set_state(
-                    torch.frombuffer(bytearray(state), dtype=torch.uint8))
+                g = generators[key[1:]]
+                if unless_drawn_since is not None and (
+                        _generator_states({key[1:]: g}).get(key[1:])
+                        != unless_drawn_since.get(key[1:])):
+                    continue
+                g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         except Exception as e:  # noqa: BLE001 - said, and the iteration goes on
             warnings.warn(f"{OP}: the random state {key!r} the helper's iter() changed could "
                           f"not be set here ({e}): this process's draws differ from an "
@@ -681,6 +699,8 @@ class HelperReader:
         #: The loader's own ``torch.Generator`` objects, by path (``_generators``): the states
         #: the helper changed are set on them here.
         self._generators = dict(_generators(iterable))
+        #: Their states once the helper's ``iter()`` ones were set here.
+        self._generators_set = {}
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
         self._ahead = ahead
@@ -786,6 +806,7 @@ class HelperReader:
         msg = pickle.loads(self._frame())
         if msg[0] == "started":
             _apply_rng(self._generators, msg[1])
+            self._generators_set = _generator_states(self._generators)
             return
         if msg[0] == "error":
             self._raise(msg)
@@ -878,7 +899,7 @@ class HelperReader:
             if kind == "end":
                 self.close()
                 if len(msg) > 1:
-                    _apply_rng(self._generators, msg[1])
+                    _apply_rng(self._generators, msg[1], self._generators_set)
                 raise StopIteration
             if kind == "error":
                 self._raise(msg)

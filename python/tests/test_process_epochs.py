@@ -181,3 +181,23 @@ def test_process_consumer_slower_than_the_source_gets_every_batch(loader):
     assert got == [2 * i for i in range(n)]
     p.close()
     assert children_gone()
+
+
+@pytest.mark.parametrize("default", [False, True], ids=["own_generator", "default_generator"])
+def test_process_generator_drawn_here_during_the_epoch_keeps_its_draws(default):
+    # The loader's generator is also the training loop's: the state the helper sends with the
+    # end would set it back to before this process's draws, which the next epoch repeated.
+    g = torch.default_generator if default else torch.Generator()
+    g.manual_seed(5)
+    dl = torch.utils.data.DataLoader(Indexed(), batch_size=4, num_workers=2, shuffle=True,
+                                     generator=g)
+    draws = []
+    for _ in range(2):
+        p = pinstream.prefetch(dl, dtype="uint8", process=True, dry_run=True)
+        epoch = []
+        for _batch in p:
+            epoch += torch.rand(50, generator=g).tolist()  # the training step's noise
+        p.close()
+        draws.append(epoch)
+    assert len(draws[0]) == 300
+    assert not set(draws[0]) & set(draws[1])
