@@ -21,7 +21,6 @@ was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 """
 
 import os
-import random
 import struct
 import sys
 import threading
@@ -509,7 +508,8 @@ class WorkerRingReader:
         self._started = False
         self._done = False
         self._it = None
-        self._ring_id = random.getrandbits(63)
+        # Not from Python's `random`: the caller's draws are the caller's.
+        self._ring_id = int.from_bytes(os.urandom(8), "little") >> 1
         self._ring_fd = None
         self._ring = None
         self._slot_bytes = 0

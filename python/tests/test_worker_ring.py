@@ -1186,3 +1186,16 @@ def test_worker_ring_follows_torchs_collate_as_changed(how, readers, monkeypatch
     want, got = _large_first_pixels()
     assert got == want == [255 - 4 * i for i in range(10)]
     assert readers[0].stacked == 0
+
+
+def test_worker_ring_leaves_pythons_random_alone():
+    # The ring's id was drawn from Python's global `random`, moving the caller's draws.
+    import random
+
+    random.seed(0)
+    want = random.random()
+    random.seed(0)
+    p = pinstream.prefetch(loader(Batches(4)), dtype="uint8", worker_ring=True, dry_run=True)
+    assert sum(1 for _ in p) == 4
+    p.close()
+    assert random.random() == want
