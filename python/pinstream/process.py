@@ -301,6 +301,36 @@ def _helper(*args):
         pass
 
 
+#: In a helper: the pid of the process that is forking (``os.register_at_fork`` ``before``).
+_FORKER = [0]
+
+
+def _die_with(helper):
+    """In a helper: makes each process it forks itself (a DataLoader's workers) end when the
+    helper does, also when the helper is killed (``PR_SET_PDEATHSIG``). Torch's workers notice
+    their parent's end only if it happens after they started; one forked just before the helper
+    died (inside the loader's ``iter()``) lived on."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return  # not Linux: torch's own check only
+
+    def before():
+        _FORKER[0] = os.getpid()
+
+    def after_in_child():
+        if _FORKER[0] != helper:
+            return  # forked by a process the helper forked (a worker's own child)
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != helper:
+            os._exit(1)  # the helper ended before the signal was asked for
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+
+
 def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, rng_source=None):
     """The helper process: this thread pulls the items, a second one takes a free slot for
     each, copies its images there and sends the slot's number and the rest, in order. With
@@ -315,6 +345,7 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
     _close_others(own)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    _die_with(os.getpid())
     parent = os.getppid()
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -201,3 +201,56 @@ def test_process_generator_drawn_here_during_the_epoch_keeps_its_draws(default):
         draws.append(epoch)
     assert len(draws[0]) == 300
     assert not set(draws[0]) & set(draws[1])
+
+
+def test_process_helper_killed_inside_iter_leaves_no_worker(tmp_path):
+    # The helper dies in the loader's iter(), after it forked the workers: torch's workers
+    # check that their parent lives only if it was alive when their check began, so one that
+    # began after the helper died outlived it.
+    run_child(
+        f"""
+        import signal, time, torch
+        marks = {str(tmp_path)!r}
+        class DS(torch.utils.data.Dataset):
+            def __len__(self): return 8
+            def __getitem__(self, j): return torch.full((3, 8, 8), j, dtype=torch.uint8), j
+        class Die(torch.utils.data.Sampler):
+            def __init__(self): pass
+            def __len__(self): return 8
+            def __iter__(self):
+                deadline = time.monotonic() + 30
+                while len(os.listdir(marks)) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+                yield 0
+        def mark(_):
+            # Torch's worker takes its parent's pid for its check after this returns: here,
+            # once the helper is gone (the race where a worker starts as the helper dies).
+            helper = os.getppid()
+            open(os.path.join(marks, str(os.getpid())), "w").close()
+            deadline = time.monotonic() + 30
+            while os.getppid() == helper and time.monotonic() < deadline:
+                time.sleep(0.01)
+        dl = torch.utils.data.DataLoader(DS(), batch_size=4, sampler=Die(), num_workers=2,
+                                         worker_init_fn=mark)
+        try:
+            pinstream.prefetch(dl, dtype="uint8", process=True, dry_run=True)
+            raise SystemExit("no error")
+        except pinstream.LoaderError as e:
+            assert "exit code -9" in str(e), e
+        workers = [int(n) for n in os.listdir(marks)]
+        assert len(workers) == 2, workers
+        def alive(pid):
+            try:
+                with open(f"/proc/{{pid}}/stat") as f:
+                    return f.read().split(")")[-1].split()[0] != "Z"
+            except OSError:
+                return False
+        deadline = time.monotonic() + 45
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(w) for w in workers), workers
+        print("ok")
+        """,
+        timeout=120,
+    )
