@@ -26,6 +26,7 @@ import math
 import mmap
 import os
 import pickle
+import random
 import select
 import signal
 import struct
@@ -319,7 +320,9 @@ def _die_with(helper):
         return  # not Linux: torch's own check only
 
     def before():
-        _FORKER[0] = os.getpid()
+        # Only the main thread's forks: the signal comes when the forking *thread* ends.
+        main = threading.current_thread() is threading.main_thread()
+        _FORKER[0] = os.getpid() if main else 0
 
     def after_in_child():
         if _FORKER[0] != helper:
@@ -331,7 +334,8 @@ def _die_with(helper):
     os.register_at_fork(before=before, after_in_child=after_in_child)
 
 
-def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, rng_source=None):
+def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead, rng_source=None,
+          random_state=None):
     """The helper process: this thread pulls the items, a second one takes a free slot for
     each, copies its images there and sends the slot's number and the rest, in order. With
     ``ahead`` (every item a new array) the next item is pulled meanwhile; without, only once
@@ -346,6 +350,10 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     _die_with(os.getpid())
+    if random_state is not None:
+        # CPython reseeds `random` in a forked child: the helper draws from the training
+        # process's state, as an iteration there would.
+        random.setstate(random_state)
     parent = os.getppid()
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -397,14 +405,14 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
                 if job[0] != "item":
                     send(job)
                     return
-                _, i, item, copied = job
+                _, i, item, copied, news = job
                 place = _images_place(item, keys)
                 images = None
                 if place is not None:
                     images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
                 if images is None:
                     # Sent (pickled) before the item may be refilled (without `ahead`).
-                    send(("item", i, -1, None, None, _pack(item)))
+                    send(("item", i, -1, None, None, _pack(item), news))
                     copied.set()
                     continue
                 if ring is None:
@@ -421,7 +429,7 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
                 s = take_slot()
                 _copy(np, np.frombuffer(ring, np.uint8, images.nbytes, s * slot_bytes),
                       images.reshape(-1))
-                msg = ("item", i, s, images.shape, place, _without_images(item, place))
+                msg = ("item", i, s, images.shape, place, _without_images(item, place), news)
                 del item, images
                 # The rest is pickled by `send`: only then may the item be refilled.
                 send(msg)
@@ -482,19 +490,29 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
             sender.start()
             watchdog.start()
         iterable = None
+        sent = {k: v for k, v in started.items() if k[0] == "loader"}
+
+        def generator_news():
+            now = {k: v for k, v in _rng_states(rng_source, loader_only=True).items()
+                   if sent.get(k) != v}
+            sent.update(now)
+            return now or None
+
         while True:
             try:
                 item = next(it)
             except StopIteration:
                 break
-            put(("item", i, item, threading.Event()))
+            # The loader's own generators as they are once this item was pulled (where they
+            # moved since the last item sent): a sampler draws from them lazily, and the
+            # training process takes their states as it takes the item.
+            put(("item", i, item, threading.Event(), generator_news()))
             del item
             i += 1
-        # A sampler draws from the loader's own generator at the end of its order too (torch's
-        # RandomSampler): those states go back with the end. Torch's, numpy's and Python's
-        # global ones do not: the training process draws from them meanwhile.
-        put(("end", {k: v for k, v in _rng_changes(started, _rng_states(rng_source)).items()
-                     if k[0] == "loader"}))
+        # The end carries them too (torch's RandomSampler draws at the end of its order).
+        # Torch's, numpy's and Python's global generators are set only after `iter()`: the
+        # training process draws from them meanwhile.
+        put(("end", generator_news()))
         finished = True
     except (_Stop, _Terminated):
         pass
@@ -529,7 +547,10 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
     # The sender ends once it sent the last message, or when the training process closes the
     # prefetcher or goes away (the free-slot pipe ends, or the pipe to it breaks; SIGTERM is
     # ignored from here on, and the training process kills a helper that does not end).
-    while sender.is_alive():
+    # SIGTERM (the training process closing, where the free-slot pipe does not end because a
+    # process it forked holds it too) stops the sender now.
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
+    while sender.is_alive() and not stopping.is_set():
         sender.join(POLL_SECONDS)
 
 
@@ -561,12 +582,15 @@ def _generators(source):
     return found
 
 
-def _rng_states(source):
+def _rng_states(source, loader_only=False):
     """The states of the random generators a ``DataLoader``'s ``iter()`` may draw from, by
     name: torch's default one, those found on ``source``, Python's ``random`` and numpy's
-    global one (where imported). Values are plain picklable objects."""
-    import random
+    global one (where imported); with ``loader_only``, those found on ``source`` only. Values
+    are plain picklable objects."""
 
+    if loader_only:
+        return {("loader", *path): state
+                for path, state in _generator_states(dict(_generators(source))).items()}
     states = {("random",): random.getstate()}
     np = sys.modules.get("numpy")
     if np is not None:
@@ -615,7 +639,6 @@ def _apply_rng(generators, changes, unless_drawn_since=None):
     ``unless_drawn_since`` (their states when the helper's were last set here), a generator
     this process drew from meanwhile keeps its own state: both sides' draws cannot be had, and
     the helper's would repeat this process's."""
-    import random
 
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
@@ -788,7 +811,7 @@ class HelperReader:
         proc = ctx.Process(
             target=_helper,
             args=(self._iterable, self._keys, self._slots_n, ring_fd, ready_w, free_r,
-                  (ready_r, free_w), token, self._ahead, self._iterable),
+                  (ready_r, free_w), token, self._ahead, self._iterable, random.getstate()),
             name="pinstream-helper",
         )
         try:
@@ -930,7 +953,7 @@ class HelperReader:
             if kind == "end":
                 self.close()
                 if len(msg) > 1:
-                    _apply_rng(self._generators, msg[1], self._generators_set)
+                    self._take_news(msg[1])
                 raise StopIteration
             if kind == "error":
                 self._raise(msg)
@@ -939,8 +962,17 @@ class HelperReader:
             self.close()
             raise LoaderError(f"{OP}: an unknown message from the helper: {kind!r}")
 
+    def _take_news(self, news):
+        """Sets the loader's generators to the states the helper sent (as a sampler's lazy
+        draws in this process would move them), except one this process drew from since its
+        state was last set here: it keeps its own draws."""
+        if news:
+            _apply_rng(self._generators, news, self._generators_set)
+            self._generators_set = _generator_states(self._generators)
+
     def _item(self, msg):
-        _, i, s, shape, place, rest = msg
+        _, i, s, shape, place, rest, news = msg
+        self._take_news(news)
         if s < 0:
             return _unpack(rest)
         n = math.prod(shape)

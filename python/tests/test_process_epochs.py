@@ -11,6 +11,7 @@ in a child process with a limit. No test measures time.
 
 import gc
 import multiprocessing
+import threading
 import time
 
 import numpy as np
@@ -254,3 +255,129 @@ def test_process_helper_killed_inside_iter_leaves_no_worker(tmp_path):
         """,
         timeout=120,
     )
+
+
+class Wide(torch.utils.data.Dataset):
+    """Sample ``i``: a small image and ``i``, for ``i`` below a million."""
+
+    def __len__(self):
+        return 1_000_000
+
+    def __getitem__(self, i):
+        return torch.full((3, 2, 2), i % 251, dtype=torch.uint8), i
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_process_epochs_cut_short_do_not_replay(workers):
+    # A fixed number of steps an epoch (a break) over a sampler that draws lazily from the
+    # loader's generator (32 indices at a time with replacement): its states came back only
+    # with the end, so the next epoch replayed most of this one.
+    g = torch.Generator()
+    g.manual_seed(3)
+    sampler = torch.utils.data.RandomSampler(Wide(), replacement=True, num_samples=10_000,
+                                             generator=g)
+    dl = torch.utils.data.DataLoader(Wide(), batch_size=4, num_workers=workers, sampler=sampler)
+    epochs = []
+    for _ in range(3):
+        p = pinstream.prefetch(dl, dtype="uint8", process=True, dry_run=True)
+        seen = []
+        for _, y in p:
+            seen += np.asarray(y).tolist()
+            if len(seen) >= 200:
+                break
+        p.close()
+        epochs.append(seen)
+    for a, b in zip(epochs, epochs[1:]):
+        assert len(set(a) & set(b)) <= 2, len(set(a) & set(b))
+
+
+class ShufflingSampler(torch.utils.data.Sampler):
+    """Shuffles with Python's ``random`` in its ``__iter__``."""
+
+    def __init__(self):
+        pass
+
+    def __len__(self):
+        return 24
+
+    def __iter__(self):
+        import random
+
+        order = list(range(24))
+        random.shuffle(order)
+        return iter(order)
+
+
+def test_process_python_random_draws_as_here():
+    # CPython reseeds `random` in a forked child: the helper shuffled with a state of its own
+    # (a new order on every run), and that state came back to the training process.
+    import random
+
+    def epochs(process):
+        random.seed(0)
+        dl = torch.utils.data.DataLoader(Indexed(), batch_size=4, num_workers=2,
+                                         sampler=ShufflingSampler())
+        out = []
+        for _ in range(2):
+            p = pinstream.prefetch(dl, dtype="uint8", process=process, worker_ring=False,
+                                   dry_run=True)
+            out.append([int(a) for _, y, _ in p for a in np.asarray(y)])
+            p.close()
+        return out, random.random()
+
+    assert epochs(True) == epochs(False)
+
+
+def test_process_a_child_forked_by_a_helper_thread_lives_on(tmp_path):
+    # The helper's children die with it (PR_SET_PDEATHSIG), which comes when the forking
+    # *thread* ends: a process forked from another thread of the helper was killed with it.
+    mark = tmp_path / "done"
+
+    def child():
+        time.sleep(0.5)
+        mark.write_text("done")
+
+    class Source:
+        def __iter__(self):
+            def start():
+                multiprocessing.get_context("fork").Process(target=child).start()
+                time.sleep(0.3)  # the thread works on a while (the child has started), then ends
+
+            t = threading.Thread(target=start)
+            t.start()
+            t.join()  # the thread that forked it has ended
+            for i in range(10):
+                time.sleep(0.1)
+                yield np.full((2, 3, 4, 4), i, np.uint8), np.arange(2)
+
+    p = pinstream.prefetch(Source(), dtype="uint8", process=True, dry_run=True)
+    assert sum(1 for _ in p) == 10
+    p.close()
+    assert children_gone()
+    assert mark.exists()
+
+
+def test_process_close_with_the_slot_pipe_held_elsewhere_ends_the_helper_itself():
+    # The source ended while the helper waits for slots, and a process forked here meanwhile
+    # holds the free-slot pipe (a Pool): close() got no end of that pipe, and the helper,
+    # ignoring SIGTERM, was killed 5 s later. It now stops at SIGTERM.
+    def src():
+        for i in range(13):
+            yield np.full((2, 3, 4, 4), i, np.uint8), np.arange(2)
+
+    p = pinstream.prefetch(src(), dtype="uint8", process=True, fresh=True, dry_run=True)
+    it = iter(p)
+    next(it)
+    (helper,) = [c for c in multiprocessing.active_children() if c.name == "pinstream-helper"]
+    for _ in range(200):  # a watchdog: the source has ended, the helper waits for slots
+        if helper.exitcode is None and p.stats().get("items", 0) >= 1:
+            break
+        time.sleep(0.01)
+    time.sleep(0.5)
+    pool = multiprocessing.get_context("fork").Pool(1)
+    try:
+        p.close()
+        assert helper.exitcode == 0, helper.exitcode
+    finally:
+        pool.terminate()
+        pool.join()
