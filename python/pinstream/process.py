@@ -633,12 +633,9 @@ def _generator_states(generators):
     return out
 
 
-def _apply_rng(generators, changes, unless_drawn_since=None):
+def _apply_rng(generators, changes):
     """Sets, in the training process, the states the helper changed, on the same generators
-    (``generators``: ``_generators`` of the loader as this process holds it, by path). With
-    ``unless_drawn_since`` (their states when the helper's were last set here), a generator
-    this process drew from meanwhile keeps its own state: both sides' draws cannot be had, and
-    the helper's would repeat this process's."""
+    (``generators``: ``_generators`` of the loader as this process holds it, by path)."""
 
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
@@ -654,12 +651,8 @@ def _apply_rng(generators, changes, unless_drawn_since=None):
             elif key == ("torch",):
                 torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
             elif key[0] == "loader" and key[1:] in generators:
-                g = generators[key[1:]]
-                if unless_drawn_since is not None and (
-                        _generator_states({key[1:]: g}).get(key[1:])
-                        != unless_drawn_since.get(key[1:])):
-                    continue
-                g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+                generators[key[1:]].set_state(
+                    torch.frombuffer(bytearray(state), dtype=torch.uint8))
         except Exception as e:  # noqa: BLE001 - said, and the iteration goes on
             warnings.warn(f"{OP}: the random state {key!r} the helper's iter() changed could "
                           f"not be set here ({e}): this process's draws differ from an "
@@ -753,8 +746,10 @@ class HelperReader:
         #: The loader's own ``torch.Generator`` objects, by path (``_generators``): the states
         #: the helper changed are set on them here.
         self._generators = dict(_generators(iterable))
-        #: Their states once the helper's ``iter()`` ones were set here.
+        #: Their states when the helper's were last set here, and the paths of those this
+        #: process drew from since (left alone for the rest of the iteration).
         self._generators_set = {}
+        self._drawn_here = set()
         #: The device whose DMA reads the ring (it is registered for it); ``None``: a dry run.
         self._device = device
         self._ahead = ahead
@@ -965,10 +960,16 @@ class HelperReader:
     def _take_news(self, news):
         """Sets the loader's generators to the states the helper sent (as a sampler's lazy
         draws in this process would move them), except one this process drew from since its
-        state was last set here: it keeps its own draws."""
-        if news:
-            _apply_rng(self._generators, news, self._generators_set)
-            self._generators_set = _generator_states(self._generators)
+        state was last set here: it keeps its own draws, for the rest of the iteration."""
+        if not news:
+            return
+        now = _generator_states(self._generators)
+        for path in self._generators:
+            if now.get(path) != self._generators_set.get(path):
+                self._drawn_here.add(path)
+        _apply_rng(self._generators,
+                   {k: v for k, v in news.items() if k[1:] not in self._drawn_here})
+        self._generators_set = _generator_states(self._generators)
 
     def _item(self, msg):
         _, i, s, shape, place, rest, news = msg

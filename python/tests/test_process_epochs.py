@@ -381,3 +381,24 @@ def test_process_close_with_the_slot_pipe_held_elsewhere_ends_the_helper_itself(
     finally:
         pool.terminate()
         pool.join()
+
+
+def test_process_a_generator_drawn_here_once_is_left_alone_for_the_iteration():
+    # Drawn from here once, then a later state from the helper (a sampler's lazy draws) came
+    # with no draw here in between: it was set, and this process's draws were lost.
+    import pinstream.process as pp
+
+    g = torch.Generator()
+    g.manual_seed(1)
+    r = pp.HelperReader.__new__(pp.HelperReader)
+    r._generators = {("generator",): g}
+    r._generators_set = pp._generator_states(r._generators)
+    r._drawn_here = set()
+    helper = torch.Generator()
+    helper.manual_seed(2)
+    torch.rand(3, generator=g)  # this process draws
+    mine = g.get_state().clone()
+    for _ in range(2):
+        torch.rand(3, generator=helper)  # the helper's sampler draws
+        r._take_news({("loader", "generator"): bytes(helper.get_state().numpy())})
+        assert torch.equal(g.get_state(), mine)
