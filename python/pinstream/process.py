@@ -307,9 +307,10 @@ _FORKER = [0]
 
 
 def _die_with(helper):
-    """In a helper: makes each process it forks itself (a DataLoader's workers) end when the
-    helper does, also when the helper is killed (``PR_SET_PDEATHSIG``). Torch's workers notice
-    their parent's end only if it happens after they started; one forked just before the helper
+    """In a helper: makes each process its main thread forks (a DataLoader's workers) end when
+    the helper does, also when the helper is killed (``PR_SET_PDEATHSIG``, which comes when the
+    forking thread ends: another thread's forks are left alone). Torch's workers notice their
+    parent's end only if it happens after their check began; one that began after the helper
     died (inside the loader's ``iter()``) lived on."""
     import ctypes
 
@@ -545,10 +546,9 @@ def _pull(iterable, keys, slots, ring_fd, ready_fd, free_fd, theirs, own, ahead,
         if not finished:
             stopping.set()  # the sender stops at its next wait
     # The sender ends once it sent the last message, or when the training process closes the
-    # prefetcher or goes away (the free-slot pipe ends, or the pipe to it breaks; SIGTERM is
-    # ignored from here on, and the training process kills a helper that does not end).
-    # SIGTERM (the training process closing, where the free-slot pipe does not end because a
-    # process it forked holds it too) stops the sender now.
+    # prefetcher or goes away: the free-slot pipe ends, the pipe to it breaks, or SIGTERM comes
+    # (a close where the free-slot pipe does not end, a process forked there holding it too;
+    # the watchdog's, the training process gone). A helper that does not end is killed.
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
     while sender.is_alive() and not stopping.is_set():
         sender.join(POLL_SECONDS)
@@ -587,7 +587,6 @@ def _rng_states(source, loader_only=False):
     name: torch's default one, those found on ``source``, Python's ``random`` and numpy's
     global one (where imported); with ``loader_only``, those found on ``source`` only. Values
     are plain picklable objects."""
-
     if loader_only:
         return {("loader", *path): state
                 for path, state in _generator_states(dict(_generators(source))).items()}
@@ -636,7 +635,6 @@ def _generator_states(generators):
 def _apply_rng(generators, changes):
     """Sets, in the training process, the states the helper changed, on the same generators
     (``generators``: ``_generators`` of the loader as this process holds it, by path)."""
-
     torch = sys.modules.get("torch")
     np = sys.modules.get("numpy")
     for key, state in (changes or {}).items():
@@ -654,9 +652,9 @@ def _apply_rng(generators, changes):
                 generators[key[1:]].set_state(
                     torch.frombuffer(bytearray(state), dtype=torch.uint8))
         except Exception as e:  # noqa: BLE001 - said, and the iteration goes on
-            warnings.warn(f"{OP}: the random state {key!r} the helper's iter() changed could "
-                          f"not be set here ({e}): this process's draws differ from an "
-                          "iteration here", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{OP}: the random state {key!r} the helper changed could not be "
+                          f"set here ({e}): this process's draws differ from an iteration "
+                          "here", RuntimeWarning, stacklevel=3)
 
 
 def _copy_reraise_note(e, text):

@@ -1,12 +1,19 @@
 """``pinstream.prefetch(loader, process=True)`` across epochs: each epoch's helper is a new
 fork of the training process, iterating a copy of the loader.
 
-Checked here: the random state after each epoch (its order, its workers' seeds, and the
-training process's later draws, with torch's global generator and with the loader's own, as an
-iteration in this process gives them; before, every epoch repeated the first one's order), an
-``iter()`` that raises (from ``prefetch()`` itself), a worker stuck in the dataset when the
-prefetcher closes (the helper's workers do not outlive it). Dry runs; waits that could hang run
-in a child process with a limit. No test measures time.
+Checked here:
+- the random state after each epoch: its order, its workers' seeds, and the training process's
+  later draws, with torch's global generator, the loader's own and Python's ``random``, as an
+  iteration in this process gives them (before, every epoch repeated the first one's order);
+- epochs cut short not replayed; a generator drawn from here keeping its own draws; one
+  imported in the helper only left alone;
+- an ``iter()`` that raises (from ``prefetch()`` itself);
+- a consumer slower than the source getting every batch;
+- the helper's workers not outliving it (stuck in the dataset, or the helper killed inside
+  ``iter()``), a child forked from another helper thread living on, and ``close()`` ending
+  the helper where a process forked here holds its slot pipe.
+
+Dry runs; waits that could hang run in a child process with a limit. No test measures time.
 """
 
 import gc
