@@ -601,10 +601,9 @@ def _rng_states(source, loader_only=False):
     if torch is not None:
         try:
             states[("torch",)] = bytes(torch.get_rng_state().numpy())
-            for path, g in _generators(source):
-                states[("loader", *path)] = bytes(g.get_state().numpy())
         except Exception:  # noqa: BLE001 - not read: not synchronised
             pass
+    states.update(_rng_states(source, loader_only=True))
     return states
 
 
@@ -622,11 +621,14 @@ def _rng_changes(before, after):
 
 
 def _generator_states(generators):
-    """The states of ``generators`` (by path), as ``_rng_states`` reads them."""
-    out = {}
+    """The states of ``generators`` (by path), as ``_rng_states`` reads them: each generator
+    read once (a DataLoader's is found at two or three paths)."""
+    out, read = {}, {}
     for path, g in generators.items():
         try:
-            out[path] = bytes(g.get_state().numpy())
+            if id(g) not in read:
+                read[id(g)] = bytes(g.get_state().numpy())
+            out[path] = read[id(g)]
         except Exception:  # noqa: BLE001 - not read: never taken for unchanged
             pass
     return out
