@@ -188,7 +188,18 @@ struct Stats {
     direct: AtomicU64,
     /// Arrays held for the staging engine to copy at upload (`zero_copy=True`).
     staged: AtomicU64,
+    /// Held arrays of earlier batches released in a turn ([`Released`]), and the time that
+    /// took.
+    released: AtomicU64,
+    release_ns: AtomicU64,
 }
+
+/// The held arrays of recycled batches, put aside by the loader threads after their DMA has
+/// finished and released during the next turn, which holds the GIL already, rather than by
+/// taking the GIL once more a batch outside the turns. (Measured, BENCHMARKS.md 2026-11-28
+/// thirteenth session: the step gained nothing either way.) Nothing waits for these: a ring
+/// whose slots they hold gives its workers' batches the usual way meanwhile.
+type Released = Arc<Mutex<Vec<ForeignBytes>>>;
 
 fn add_ns(a: &AtomicU64, since: Instant) {
     let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -226,6 +237,7 @@ struct Items {
     side: Arc<Mutex<Side>>,
     stats: Arc<Stats>,
     take: Take,
+    released: Released,
 }
 
 impl Items {
@@ -438,6 +450,12 @@ fn finish(
     batch.spec = spec;
     batch.resize = None;
     batch.extras = extras;
+    let t0 = Instant::now();
+    // Python code may run on this thread from here (a held array's release, its finalizer):
+    // it counts as the iterable's, so that a `next()`, `close()` or last reference of this
+    // prefetcher from there is refused or ends it on a thread of its own, not waited for here.
+    let _pulling = Pulling::enter(take.id);
+    put_aside(batch, &take.released);
     let host = match pixels {
         Taken::Copied(px) => {
             batch.pixels = px;
@@ -445,7 +463,6 @@ fn finish(
         }
         Taken::Held(host) => host,
     };
-    let t0 = Instant::now();
     let result = take_after(i, host, batch, take);
     add_ns(&take.stats.after_ns, t0);
     result.map_err(|e| {
@@ -453,6 +470,19 @@ fn finish(
         lock(&take.side).causes.insert(i, Cause::Lib(e));
         message.into()
     })
+}
+
+/// Puts the recycled batch's held array aside for the next turn ([`Released`]) once its DMA
+/// has finished; one whose DMA cannot be known is dropped here (and leaked by its drop).
+fn put_aside(batch: &mut HostBatch<i64>, released: &Mutex<Vec<ForeignBytes>>) {
+    if !matches!(batch.pixels, Pixels::Foreign(_)) {
+        return;
+    }
+    if let Pixels::Foreign(old) = std::mem::take(&mut batch.pixels) {
+        if old.wait().is_ok() {
+            lock(released).push(old);
+        }
+    }
 }
 
 /// What `finish` needs of the prefetcher.
@@ -465,6 +495,10 @@ struct AfterTake {
     ring: bool,
     /// A device to DMA page-locked arrays to (not in the dry run).
     device: bool,
+    /// Where recycled batches' held arrays go.
+    released: Released,
+    /// The prefetcher's `Side` address, for `PULLING`.
+    id: usize,
     side: Arc<Mutex<Side>>,
     stats: Arc<Stats>,
 }
@@ -625,6 +659,26 @@ fn labels_of(i: u64, n: usize, labels: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> 
     Ok(v)
 }
 
+impl Items {
+    /// Releases the arrays put aside ([`Released`]), with the GIL held. Their release may run
+    /// Python code (a deleter, a finalizer): it counts as the iterable's, so a `next()` or
+    /// `close()` of this prefetcher from there is refused rather than waited for.
+    fn release(&self) {
+        let arrays = std::mem::take(&mut *lock(&self.released));
+        if arrays.is_empty() {
+            return;
+        }
+        let t0 = Instant::now();
+        let n = arrays.len() as u64;
+        {
+            let _pulling = Pulling::enter(self.id);
+            drop(arrays);
+        }
+        self.stats.released.fetch_add(n, Ordering::Relaxed);
+        add_ns(&self.stats.release_ns, t0);
+    }
+}
+
 impl Iterator for Items {
     type Item = Result<Pulled, LoadError>;
 
@@ -637,6 +691,7 @@ impl Iterator for Items {
         let asked = Instant::now();
         Python::attach(|py| {
             add_ns(&self.stats.gil_wait_ns, asked);
+            self.release();
             let t0 = Instant::now();
             let pulled = self.pull(py, i);
             add_ns(&self.stats.pull_ns, t0);
@@ -1087,7 +1142,8 @@ impl PyPrefetcher {
     /// on every loader thread at once); host copies of the pixels into page-locked memory
     /// `copied_in_turn` and `copied_after`; page-locked arrays handed to the upload as they
     /// are, one DMA each, `direct`; arrays the staging engine copied at upload (`zero_copy`)
-    /// `staged`; and `fresh`.
+    /// `staged`; recycled batches' held arrays released in a turn, `released`, and the time
+    /// that took, `release_seconds`; and `fresh`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let st = &self.stats;
@@ -1101,6 +1157,8 @@ impl PyPrefetcher {
         d.set_item("copied_after", n(&st.copied_after))?;
         d.set_item("direct", n(&st.direct))?;
         d.set_item("staged", n(&st.staged))?;
+        d.set_item("released", n(&st.released))?;
+        d.set_item("release_seconds", secs(&st.release_ns))?;
         d.set_item("fresh", self.fresh)?;
         Ok(d)
     }
@@ -1284,6 +1342,7 @@ pub(crate) fn prefetch(
     let side = Arc::new(Mutex::new(Side::default()));
     let stats = Arc::new(Stats::default());
     let iterable: Iterable = Arc::new(Mutex::new(Some(it.into_any().unbind())));
+    let released: Released = Arc::default();
     let items = Items {
         it: iterable.clone(),
         id: Arc::as_ptr(&side) as usize,
@@ -1296,11 +1355,14 @@ pub(crate) fn prefetch(
         side: side.clone(),
         stats: stats.clone(),
         take,
+        released: released.clone(),
     };
     let after = AfterTake {
         zero_copy,
         ring,
         device: c.is_some(),
+        released,
+        id: Arc::as_ptr(&side) as usize,
         side: side.clone(),
         stats: stats.clone(),
     };
