@@ -28,7 +28,7 @@ use pinstream::prefetch::{
     Source,
 };
 use pinstream::{bf16, f16, Error, HostKind, PinnedPool};
-use pyo3::exceptions::{PyStopIteration, PyTypeError};
+use pyo3::exceptions::{PyKeyboardInterrupt, PyStopIteration, PySystemExit, PyTypeError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict, PyList, PyTuple};
@@ -905,7 +905,8 @@ impl PyPrefetcher {
         if pulling(self.id()) {
             return Err(reentered(what));
         }
-        self.run_on_close(py);
+        // A Ctrl-C during the hook is raised once the close is done.
+        let interrupted = self.call_on_close(py);
         // The lock is taken without the GIL: a `__next__` on another thread holds it while it
         // waits for a batch, which the loader threads pull with the GIL.
         let p = py.detach(|| lock(&self.inner).take());
@@ -915,23 +916,54 @@ impl PyPrefetcher {
         // (`process=True`'s ring and pipes go with it).
         let it = lock(&self.iterable).take();
         drop(it);
-        Ok(())
+        match interrupted {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
 impl PyPrefetcher {
-    /// Calls `on_close` once; what it raises is reported as unraisable (the close goes on).
-    /// An exception already set (a drop while one propagates: the `for` loop's body raised)
-    /// is kept aside meanwhile and set again after, as it was.
+    /// Calls `on_close` once, from a drop or the garbage collector, where nothing can be
+    /// raised: what it raises is reported as unraisable, and the close goes on. A Ctrl-C
+    /// (`KeyboardInterrupt`) is raised again in the main thread (`_thread.interrupt_main`)
+    /// instead, so that it is not lost. An exception already set (a drop while one propagates:
+    /// the `for` loop's body raised) is kept aside meanwhile and set again after, as it was.
     fn run_on_close(&self, py: Python<'_>) {
-        let hook = lock(&self.on_close).take();
-        if let Some(hook) = hook {
-            let pending = PyErr::take(py);
-            if let Err(e) = hook.call0(py) {
-                e.write_unraisable(py, Some(hook.bind(py)));
+        let pending = PyErr::take(py);
+        if let Some(e) = self.call_on_close(py) {
+            if e.is_instance_of::<PyKeyboardInterrupt>(py) {
+                let again = py
+                    .import("_thread")
+                    .and_then(|t| t.call_method0("interrupt_main"));
+                if let Err(e2) = again {
+                    e2.write_unraisable(py, None);
+                }
+            } else {
+                e.write_unraisable(py, None);
             }
-            if let Some(e) = pending {
-                e.restore(py);
+        }
+        if let Some(e) = pending {
+            e.restore(py);
+        }
+    }
+
+    /// Calls `on_close` once. What it raises is reported as unraisable (the close goes on),
+    /// except a `KeyboardInterrupt` or `SystemExit`, which is returned: `close()` raises it
+    /// once the close is done.
+    fn call_on_close(&self, py: Python<'_>) -> Option<PyErr> {
+        let hook = lock(&self.on_close).take()?;
+        match hook.call0(py) {
+            Ok(_) => None,
+            Err(e)
+                if e.is_instance_of::<PyKeyboardInterrupt>(py)
+                    || e.is_instance_of::<PySystemExit>(py) =>
+            {
+                Some(e)
+            }
+            Err(e) => {
+                e.write_unraisable(py, Some(hook.bind(py)));
+                None
             }
         }
     }
