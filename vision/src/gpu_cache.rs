@@ -26,6 +26,35 @@ use pinstream::{Error, Result, Stream};
 
 use crate::util::lock;
 
+/// Failures of [`GpuCache::keep`] to make, for tests: `(budget, n)` fails the next `n` keeps of
+/// caches of exactly `budget` bytes ([`fail_keeps`]).
+static FAIL_KEEPS: Mutex<Option<(usize, u64)>> = Mutex::new(None);
+
+/// For tests of the cache's failure path, not for programs: the next `n` calls that keep a
+/// batch's images in a cache of exactly `budget` bytes fail once their copies are queued, as a
+/// CUDA error there would (the images are then not listed, and are decoded again the next time
+/// they come; their room is not given back). Only caches of that budget are affected, so tests
+/// running beside it are not; `n = 0` clears it.
+#[doc(hidden)]
+pub fn fail_keeps(budget: usize, n: u64) {
+    *lock(&FAIL_KEEPS) = (n > 0).then_some((budget, n));
+}
+
+/// Whether this keep of a cache of `budget` bytes is to fail ([`fail_keeps`]), counting it.
+fn failing(budget: usize) -> bool {
+    let mut f = lock(&FAIL_KEEPS);
+    match &mut *f {
+        Some((b, n)) if *b == budget => {
+            *n -= 1;
+            if *n == 0 {
+                *f = None;
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Where a kept image is: its pixels (interleaved RGB, `height * width * 3` bytes) at `offset`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Kept {
@@ -183,6 +212,12 @@ impl GpuCache {
         }
         if placed.placed.is_empty() {
             return Ok(0);
+        }
+        if failing(self.budget) {
+            return Err(Error::invalid(
+                "GpuCache::keep",
+                "a failure made by the tests (pinstream_vision::__fail_cache_keeps)",
+            ));
         }
         // Listed once written (by `placed`'s drop): a reader on another stream may use them at
         // once.

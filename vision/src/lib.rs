@@ -49,6 +49,8 @@ mod source;
 mod util;
 
 pub use feed::{FeedBatch, ImageFeed};
+#[doc(hidden)]
+pub use gpu_cache::fail_keeps as __fail_cache_keeps;
 pub use gpu_cache::GpuCacheStats;
 #[cfg(feature = "nvjpeg")]
 pub use gpu_feed::GpuBatch;

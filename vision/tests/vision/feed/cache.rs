@@ -31,6 +31,10 @@ pub fn trials() -> Vec<Trial> {
             .with_ignored_flag(no_gpu),
             trial(PREFIX, "gpu/budget_too_large_is_an_error", gpu::too_large)
                 .with_ignored_flag(no_gpu),
+            trial(PREFIX, "gpu/failed_keeps_lose_nothing", move || {
+                within("feed cache failures", watchdog, gpu::failed_keeps)
+            })
+            .with_ignored_flag(no_gpu),
         ]);
     }
     v
@@ -199,6 +203,84 @@ mod gpu {
             }
         }
         Ok(())
+    }
+
+    /// The cache's failure path (`__fail_cache_keeps`, as a CUDA error during a keep would):
+    /// the first `FAILS` batches' images are not kept. Every batch of three epochs is still
+    /// what a feed whose cache holds nothing gives, bit for bit; the failures are counted; the
+    /// images that failed are decoded again and kept later, so that by the end every image is.
+    pub fn failed_keeps() -> R {
+        const FAILS: u64 = 3;
+        let dev = Device::get(0)?;
+        let stream = dev.stream()?;
+        let (total, n) = decoded()?;
+        // Room for every image twice (the failed keeps' room is not given back), and a budget
+        // no other trial uses: the failures are made for this cache only.
+        let budget = 2 * total + 12_345;
+        let base = ImageFeedConfig {
+            decoding: Decoding::Gpu,
+            ..config(5)
+        };
+        let with = |bytes| ImageFeedConfig {
+            gpu_cache_bytes: bytes,
+            ..base.clone()
+        };
+        let mut none = ImageFeed::<f32>::new(&stream, list(), with(1))?;
+        pinstream_vision::__fail_cache_keeps(budget, FAILS);
+        let made = ImageFeed::<f32>::new(&stream, list(), with(budget));
+        let mut feed = match made {
+            Ok(f) => f,
+            Err(e) => {
+                pinstream_vision::__fail_cache_keeps(budget, 0);
+                return Err(e.into());
+            }
+        };
+        let per = feed.batches_per_epoch();
+        ensure(per as u64 > FAILS, || {
+            format!("{per} batches an epoch: too few for {FAILS} failures")
+        })?;
+        let host = |x: &FeedBatch<'_, f32>, poison: f32| -> Result<(Vec<f32>, Vec<i64>), Failed> {
+            let px = x.pixels()?;
+            let mut v = vec![poison; px.len()];
+            stream.copy_d2h(&px, &mut v[..])?.wait()?;
+            let mut l = vec![-1i64; x.dims()[0]];
+            stream.copy_d2h(&x.extras()?, &mut l[..])?.wait()?;
+            Ok((v, l))
+        };
+        for epoch in 0..3u64 {
+            let mut seen = 0;
+            loop {
+                let (z, b) = match (none.next(), feed.next()) {
+                    (None, None) => break,
+                    (Some(z), Some(b)) => (z?, b?),
+                    (z, b) => {
+                        return Err(format!(
+                            "epoch {epoch} batch {seen}: a feed ended ({} / {})",
+                            z.is_some(),
+                            b.is_some()
+                        )
+                        .into())
+                    }
+                };
+                let ((gz, lz), (gb, lb)) = (host(&z, -1e30)?, host(&b, 1e30)?);
+                ensure(
+                    gb.iter().all(|v| v.is_finite()) && gz == gb && lz == lb,
+                    || format!("epoch {epoch} batch {seen}: the batch differs from one decoded"),
+                )?;
+                seen += 1;
+            }
+            ensure(seen == per, || {
+                format!("epoch {epoch}: {seen} batches, want {per}")
+            })?;
+        }
+        let s = feed.gpu_cache();
+        pinstream_vision::__fail_cache_keeps(budget, 0);
+        ensure(s.failures == FAILS, || {
+            format!("{s:?}: {} failures, {FAILS} made", s.failures)
+        })?;
+        ensure(s.images == n && s.hits > 0 && s.used <= budget, || {
+            format!("{s:?}, {n} images: every image kept by the end")
+        })
     }
 
     /// A budget no device has: an error from `new`, before a thread starts.
