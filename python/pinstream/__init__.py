@@ -480,11 +480,18 @@ _LIVE = weakref.WeakSet()
 
 @atexit.register
 def _close_live_prefetchers():
+    # Every one is closed, also after a Ctrl-C during one's close (a DataLoader reader waiting
+    # for a stuck worker), which is raised again once all are.
+    interrupt = None
     for p in list(_LIVE):
         try:
             p.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+        except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt, SystemExit: raised after
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt
 
 
 def load_safetensors(path, device=0, direct="auto"):

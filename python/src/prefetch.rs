@@ -57,14 +57,42 @@ static HELD: AtomicUsize = AtomicUsize::new(0);
 /// Native prefetchers alive now (their threads and memory), for `memory_stats`.
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 
-/// The pixels of one item, held (a DLPack import or a buffer) until the upload has read them
-/// (`zero_copy=True` only).
-struct Held(Host);
+/// An item's pixels held (a DLPack import or a buffer) after its turn. Letting them go runs
+/// Python code (a buffer's release, a DLPack deleter, the array's finalizer: a ring slot's, a
+/// user's) on whatever thread drops them: a loader after its copy or at the end of the
+/// iteration, the feeder, the thread that closes. That code counts as the prefetcher's
+/// iterable's (`PULLING`), so that a `next()` or `close()` of the prefetcher from there is
+/// refused, and its last reference dropped there ends it on a thread of its own, rather than
+/// waiting for the very thread it runs on.
+struct Guarded {
+    host: Option<Host>,
+    /// The prefetcher's `Side` address, for `PULLING`.
+    id: usize,
+}
+
+impl Guarded {
+    fn host(&self) -> pinstream::Result<&Host> {
+        self.host
+            .as_ref()
+            .ok_or_else(|| Error::invalid(OP, "the held pixels are gone"))
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _pulling = Pulling::enter(self.id);
+        drop(self.host.take());
+    }
+}
+
+/// The pixels of one item, held until the upload has read them (`zero_copy=True`, and
+/// page-locked arrays), counted in `HELD`.
+struct Held(Guarded);
 
 impl Held {
-    fn new(h: Host) -> Held {
+    fn new(g: Guarded) -> Held {
         HELD.fetch_add(1, Ordering::Relaxed);
-        Held(h)
+        Held(g)
     }
 }
 
@@ -78,7 +106,7 @@ impl HostBytes for Held {
     fn bytes(&self) -> &[u8] {
         // Checked when the item was taken; an error here reads as no bytes (the batch's
         // length check then refuses it).
-        self.0.bytes().map_or(&[], |(b, _)| b)
+        self.0.host().and_then(Host::bytes).map_or(&[], |(b, _)| b)
     }
 }
 
@@ -188,18 +216,7 @@ struct Stats {
     direct: AtomicU64,
     /// Arrays held for the staging engine to copy at upload (`zero_copy=True`).
     staged: AtomicU64,
-    /// Held arrays of earlier batches released in a turn ([`Released`]), and the time that
-    /// took.
-    released: AtomicU64,
-    release_ns: AtomicU64,
 }
-
-/// The held arrays of recycled batches, put aside by the loader threads after their DMA has
-/// finished and released during the next turn, which holds the GIL already, rather than by
-/// taking the GIL once more a batch outside the turns. (Measured, BENCHMARKS.md 2026-11-28
-/// thirteenth session: the step gained nothing either way.) Nothing waits for these: a ring
-/// whose slots they hold gives its workers' batches the usual way meanwhile.
-type Released = Arc<Mutex<Vec<ForeignBytes>>>;
 
 fn add_ns(a: &AtomicU64, since: Instant) {
     let ns = u64::try_from(since.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -218,7 +235,7 @@ enum Taken {
     /// Copied during the turn.
     Copied(Pixels),
     /// The array itself, held (copied, or handed to the upload, after the turn).
-    Held(Host),
+    Held(Guarded),
 }
 
 /// The iterator the loader threads take turns on: each `next` attaches to Python, pulls one
@@ -237,7 +254,6 @@ struct Items {
     side: Arc<Mutex<Side>>,
     stats: Arc<Stats>,
     take: Take,
-    released: Released,
 }
 
 impl Items {
@@ -390,7 +406,12 @@ impl Items {
             self.stats.copied_in_turn.fetch_add(1, Ordering::Relaxed);
         }
         let px = match &self.take {
-            Take::Held => return Ok(Taken::Held(host)),
+            Take::Held => {
+                return Ok(Taken::Held(Guarded {
+                    host: Some(host),
+                    id: self.id,
+                }))
+            }
             Take::Pinned(pool) => {
                 let block = py.detach(|| -> pinstream::Result<_> {
                     let src = host.bytes()?.0;
@@ -450,12 +471,10 @@ fn finish(
     batch.spec = spec;
     batch.resize = None;
     batch.extras = extras;
-    let t0 = Instant::now();
-    // Python code may run on this thread from here (a held array's release, its finalizer):
-    // it counts as the iterable's, so that a `next()`, `close()` or last reference of this
-    // prefetcher from there is refused or ends it on a thread of its own, not waited for here.
+    // Python code may run on this thread from here (a recycled batch's held array let go,
+    // its finalizer): it counts as the iterable's, as in `Guarded`.
     let _pulling = Pulling::enter(take.id);
-    put_aside(batch, &take.released);
+    let t0 = Instant::now();
     let host = match pixels {
         Taken::Copied(px) => {
             batch.pixels = px;
@@ -472,19 +491,6 @@ fn finish(
     })
 }
 
-/// Puts the recycled batch's held array aside for the next turn ([`Released`]) once its DMA
-/// has finished; one whose DMA cannot be known is dropped here (and leaked by its drop).
-fn put_aside(batch: &mut HostBatch<i64>, released: &Mutex<Vec<ForeignBytes>>) {
-    if !matches!(batch.pixels, Pixels::Foreign(_)) {
-        return;
-    }
-    if let Pixels::Foreign(old) = std::mem::take(&mut batch.pixels) {
-        if old.wait().is_ok() {
-            lock(released).push(old);
-        }
-    }
-}
-
 /// What `finish` needs of the prefetcher.
 struct AfterTake {
     /// Hold pageable arrays for the staging engine (`zero_copy=True`) instead of copying them.
@@ -495,8 +501,6 @@ struct AfterTake {
     ring: bool,
     /// A device to DMA page-locked arrays to (not in the dry run).
     device: bool,
-    /// Where recycled batches' held arrays go.
-    released: Released,
     /// The prefetcher's `Side` address, for `PULLING`.
     id: usize,
     side: Arc<Mutex<Side>>,
@@ -535,11 +539,11 @@ fn copy_pixels(dst: &mut [u8], src: &[u8], for_dma: bool) -> pinstream::Result<(
 
 fn take_after(
     i: u64,
-    host: Host,
+    host: Guarded,
     batch: &mut HostBatch<i64>,
     take: &AfterTake,
 ) -> pinstream::Result<()> {
-    let (len, kind) = host.bytes().map(|(b, k)| (b.len(), k))?;
+    let (len, kind) = host.host()?.bytes().map(|(b, k)| (b.len(), k))?;
     if take.device && (take.ring || kind != HostKind::Pageable) {
         take.stats.direct.fetch_add(1, Ordering::Relaxed);
         // SAFETY: nothing writes the bytes while `Held` lives, and they stay allocated:
@@ -567,7 +571,7 @@ fn take_after(
         message: e.to_string(),
     })?;
     // The dry run's CPU reference reads the copy next; otherwise the DMA does.
-    copy_pixels(dst, host.bytes()?.0, take.device)?;
+    copy_pixels(dst, host.host()?.bytes()?.0, take.device)?;
     take.stats.copied_after.fetch_add(1, Ordering::Relaxed);
     // The export ends here, on this thread, without the GIL: a DLPack producer's deleter takes
     // it where it needs it, and the memory (a worker's shared memory) is unmapped here, not on
@@ -659,26 +663,6 @@ fn labels_of(i: u64, n: usize, labels: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> 
     Ok(v)
 }
 
-impl Items {
-    /// Releases the arrays put aside ([`Released`]), with the GIL held. Their release may run
-    /// Python code (a deleter, a finalizer): it counts as the iterable's, so a `next()` or
-    /// `close()` of this prefetcher from there is refused rather than waited for.
-    fn release(&self) {
-        let arrays = std::mem::take(&mut *lock(&self.released));
-        if arrays.is_empty() {
-            return;
-        }
-        let t0 = Instant::now();
-        let n = arrays.len() as u64;
-        {
-            let _pulling = Pulling::enter(self.id);
-            drop(arrays);
-        }
-        self.stats.released.fetch_add(n, Ordering::Relaxed);
-        add_ns(&self.stats.release_ns, t0);
-    }
-}
-
 impl Iterator for Items {
     type Item = Result<Pulled, LoadError>;
 
@@ -691,7 +675,6 @@ impl Iterator for Items {
         let asked = Instant::now();
         Python::attach(|py| {
             add_ns(&self.stats.gil_wait_ns, asked);
-            self.release();
             let t0 = Instant::now();
             let pulled = self.pull(py, i);
             add_ns(&self.stats.pull_ns, t0);
@@ -925,27 +908,24 @@ impl PyPrefetcher {
 
 impl PyPrefetcher {
     /// Calls `on_close` once, from a drop or the garbage collector, where nothing can be
-    /// raised: what it raises is reported as unraisable, and the close goes on. A Ctrl-C
-    /// (`KeyboardInterrupt`) is raised again in the main thread (`_thread.interrupt_main`)
-    /// instead, so that it is not lost. An exception already set (a drop while one propagates:
-    /// the `for` loop's body raised) is kept aside meanwhile and set again after, as it was.
-    fn run_on_close(&self, py: Python<'_>) {
+    /// raised: what it raises is reported as unraisable, and the close goes on; a Ctrl-C
+    /// (`KeyboardInterrupt`) is returned instead, for [`interrupt_later`] once the rest of the
+    /// drop has run. An exception already set (a drop while one propagates: the `for` loop's
+    /// body raised) is kept aside meanwhile and set again after, as it was.
+    fn run_on_close(&self, py: Python<'_>) -> Option<PyErr> {
         let pending = PyErr::take(py);
-        if let Some(e) = self.call_on_close(py) {
-            if e.is_instance_of::<PyKeyboardInterrupt>(py) {
-                let again = py
-                    .import("_thread")
-                    .and_then(|t| t.call_method0("interrupt_main"));
-                if let Err(e2) = again {
-                    e2.write_unraisable(py, None);
-                }
-            } else {
+        let kept = match self.call_on_close(py) {
+            Some(e) if e.is_instance_of::<PyKeyboardInterrupt>(py) => Some(e),
+            Some(e) => {
                 e.write_unraisable(py, None);
+                None
             }
-        }
+            None => None,
+        };
         if let Some(e) = pending {
             e.restore(py);
         }
+        kept
     }
 
     /// Calls `on_close` once. What it raises is reported as unraisable (the close goes on),
@@ -1021,9 +1001,42 @@ impl Drop for PyPrefetcher {
             return;
         }
         let own_loader = pulling(self.id());
-        Python::attach(|py| self.run_on_close(py));
+        let interrupt = Python::attach(|py| self.run_on_close(py));
         let p = lock(&self.inner).take();
         retire(p, own_loader);
+        // The iterable goes here, before a Ctrl-C of the hook is raised again: its own
+        // clean-up (a DataLoader's workers ended, a generator's `finally`) runs whole.
+        let it = lock(&self.iterable).take();
+        Python::attach(|py| {
+            drop(it);
+            interrupt_later(py, interrupt);
+        });
+    }
+}
+
+/// Raises a Ctrl-C that a drop's `on_close` raised (and could not raise itself) again in the
+/// main thread, as the signal would (`_thread.interrupt_main`), where SIGINT has a Python
+/// handler; otherwise (ignored) it is reported as unraisable. Any exception already set is
+/// kept aside meanwhile.
+fn interrupt_later(py: Python<'_>, interrupt: Option<PyErr>) {
+    let Some(e) = interrupt else {
+        return;
+    };
+    let pending = PyErr::take(py);
+    let handled = py
+        .import("signal")
+        .and_then(|m| m.call_method1("getsignal", (m.getattr("SIGINT")?,)))
+        .is_ok_and(|h| h.is_callable());
+    let raised = handled
+        && py
+            .import("_thread")
+            .and_then(|t| t.call_method0("interrupt_main"))
+            .is_ok();
+    if !raised {
+        e.write_unraisable(py, None);
+    }
+    if let Some(p) = pending {
+        p.restore(py);
     }
 }
 
@@ -1174,8 +1187,7 @@ impl PyPrefetcher {
     /// on every loader thread at once); host copies of the pixels into page-locked memory
     /// `copied_in_turn` and `copied_after`; page-locked arrays handed to the upload as they
     /// are, one DMA each, `direct`; arrays the staging engine copied at upload (`zero_copy`)
-    /// `staged`; recycled batches' held arrays released in a turn, `released`, and the time
-    /// that took, `release_seconds`; and `fresh`.
+    /// `staged`; and `fresh`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         let st = &self.stats;
@@ -1189,8 +1201,6 @@ impl PyPrefetcher {
         d.set_item("copied_after", n(&st.copied_after))?;
         d.set_item("direct", n(&st.direct))?;
         d.set_item("staged", n(&st.staged))?;
-        d.set_item("released", n(&st.released))?;
-        d.set_item("release_seconds", secs(&st.release_ns))?;
         d.set_item("fresh", self.fresh)?;
         Ok(d)
     }
@@ -1220,9 +1230,10 @@ impl PyPrefetcher {
             return;
         }
         let own_loader = pulling(self.id());
-        Python::attach(|py| self.run_on_close(py));
+        let interrupt = Python::attach(|py| self.run_on_close(py));
         let p = lock(&self.inner).take();
         retire(p, own_loader);
+        Python::attach(|py| interrupt_later(py, interrupt));
     }
 
     fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
@@ -1374,7 +1385,6 @@ pub(crate) fn prefetch(
     let side = Arc::new(Mutex::new(Side::default()));
     let stats = Arc::new(Stats::default());
     let iterable: Iterable = Arc::new(Mutex::new(Some(it.into_any().unbind())));
-    let released: Released = Arc::default();
     let items = Items {
         it: iterable.clone(),
         id: Arc::as_ptr(&side) as usize,
@@ -1387,13 +1397,11 @@ pub(crate) fn prefetch(
         side: side.clone(),
         stats: stats.clone(),
         take,
-        released: released.clone(),
     };
     let after = AfterTake {
         zero_copy,
         ring,
         device: c.is_some(),
-        released,
         id: Arc::as_ptr(&side) as usize,
         side: side.clone(),
         stats: stats.clone(),

@@ -109,3 +109,80 @@ def test_a_ctrl_c_of_the_hook_in_a_drop_reaches_the_main_thread():
         """,
         timeout=90,
     )
+
+
+def test_a_ctrl_c_of_the_hook_in_a_drop_comes_after_the_iterables_clean_up():
+    """The drop lets the iterable go before the Ctrl-C is raised again: its clean-up (a
+    generator's ``finally``, a DataLoader iterator's workers ended) runs whole instead of being
+    cut short by the interrupt. (Found by review: the interrupt fired inside that clean-up, was
+    swallowed there, and the Ctrl-C was lost.)"""
+    run_child(
+        MAKE
+        + """
+        cleanup = []
+
+        def gen():
+            try:
+                for i in range(50):
+                    yield np.full((2, 3, 4, 4), i, np.uint8)
+            finally:
+                cleanup.append("started")
+                for _ in range(200):
+                    sum(range(100))  # Python code, where a pending interrupt would fire
+                cleanup.append("finished")
+
+        def hook():
+            raise KeyboardInterrupt
+
+        p = _native.prefetch(gen(), 0, 2, None, None, "uint8", "nchw", "nchw", 1, False, True,
+                             False, None, None, hook, False)
+        next(p)
+        got = "lost"
+        try:
+            del p
+            for _ in range(20_000):
+                time.sleep(0.001)
+        except KeyboardInterrupt:
+            got = "interrupted"
+        assert cleanup == ["started", "finished"], cleanup
+        assert got == "interrupted", "the Ctrl-C was lost"
+        print("ok")
+        """,
+        timeout=90,
+    )
+
+
+def test_the_exit_handler_closes_every_prefetcher_after_a_ctrl_c_in_one():
+    """pinstream's exit handler closes every live prefetcher; a Ctrl-C during one's close (a
+    reader waiting for a stuck worker) does not leave the others running into the
+    interpreter's finalization. (Found by review: it stopped at the first.)"""
+    r = run_child(
+        MAKE
+        + """
+        import atexit
+
+        def after():
+            print("live after the handler:", pinstream.memory_stats()["prefetchers"], flush=True)
+
+        # Handlers run last registered first: pinstream's again after this one, to run before.
+        atexit.unregister(pinstream._close_live_prefetchers)
+        atexit.register(after)
+        atexit.register(pinstream._close_live_prefetchers)
+        first = [True]
+
+        def hook():
+            if first[0]:
+                first[0] = False
+                raise KeyboardInterrupt
+
+        keep = []
+        for _ in range(4):
+            p = make(hook)
+            pinstream._LIVE.add(p)  # as pinstream.prefetch does
+            next(p)
+            keep.append(p)
+        print("ok")
+        """,
+        timeout=90,
+    )
+    assert "live after the handler: 0" in r.stdout.splitlines(), r.stdout

@@ -142,20 +142,6 @@ impl ForeignBytes {
         }
     }
 
-    /// Blocks until the feeder's DMA from these bytes has finished: at once for bytes given as
-    /// ordinary memory (the staging engine has copied them by the time the batch comes back),
-    /// and for page-locked ones that no DMA has read yet. The drop then does not wait, so the
-    /// owner can be dropped where waiting would cost (holding Python's GIL, say).
-    ///
-    /// Errors: the runtime's, where the DMA's end cannot be known (the drop then leaks the
-    /// owner, as it would have).
-    pub fn wait(&self) -> Result<()> {
-        match &self.locked {
-            Some(t) => t.synchronize(),
-            None => Ok(()),
-        }
-    }
-
     /// The owner's bytes; its panic comes back as the message.
     pub(crate) fn get(&self) -> std::result::Result<&[u8], String> {
         match &self.owner {

@@ -11,7 +11,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::common::threads::thread_cpus;
@@ -52,7 +52,6 @@ pub fn trials() -> Vec<Trial> {
     gpu("source/iterator", iterator_source);
     gpu("source/iter_then_pinned", iter_then_pinned);
     gpu("foreign/page_locked_one_dma", foreign_page_locked);
-    gpu("foreign/wait_then_drop_later", foreign_wait_then_drop_later);
     gpu("loaders/window_adapts", window_adapts);
     gpu("shards/two_on_one_device", shards_one_device);
     gpu("soak/memory_flat_10000", soak);
@@ -796,72 +795,6 @@ fn foreign_page_locked() -> R {
     ensure(i == 10, || format!("{i} batches of 10"))?;
     ensure(dropped.load(Ordering::SeqCst) == 10, || {
         format!("{} owners dropped of 10", dropped.load(Ordering::SeqCst))
-    })
-}
-
-/// `ForeignBytes::wait`: a recycled batch's foreign pixels taken out, waited for (the owner
-/// still alive) and dropped only in a later call of the source, as the Python loaders do with
-/// held arrays: every batch intact and in order, every owner dropped by the end, none by
-/// `wait` itself.
-fn foreign_wait_then_drop_later() -> R {
-    let dev = Device::get(0)?;
-    let stream = dev.stream()?;
-    let dropped = Arc::new(AtomicU64::new(0));
-    let aside = Arc::new(Mutex::new(Vec::new()));
-    let (d2, aside2) = (dropped.clone(), aside.clone());
-    let source = Source::iter_then((0..12u64).map(Ok), move |i, _, b: &mut HostBatch<i64>| {
-        // Last call's put-aside owners go now.
-        let earlier: Vec<pinstream::prefetch::ForeignBytes> =
-            std::mem::take(&mut *aside2.lock().unwrap());
-        drop(earlier);
-        if let Pixels::Foreign(old) = std::mem::take(&mut b.pixels) {
-            let before = d2.load(Ordering::SeqCst);
-            old.wait().map_err(|e| e.to_string())?;
-            if d2.load(Ordering::SeqCst) != before {
-                return Err("wait() dropped the owner".into());
-            }
-            aside2.lock().unwrap().push(old);
-        }
-        let want = uniform_want(i, 2, 16);
-        let Pixels::Pageable(v) = &want.pixels else {
-            return Err("not pageable".into());
-        };
-        let bytes = if i % 3 != 2 {
-            Ok(PinnedBuffer::from_slice(&dev, v, HostAlloc::DEFAULT)?)
-        } else {
-            Err(v.clone())
-        };
-        let owner = LockedOwner {
-            bytes,
-            dropped: d2.clone(),
-        };
-        // SAFETY: as in `foreign_page_locked`: one `PinnedBuffer` that lives, unwritten, as long
-        // as the owner, or pageable bytes (staged).
-        b.pixels =
-            Pixels::Foreign(unsafe { pinstream::prefetch::ForeignBytes::page_locked(owner) });
-        b.spec = want.spec.clone();
-        b.resize = None;
-        b.extras = want.extras.clone();
-        Ok(())
-    });
-    let mut p = Prefetcher::<f32, i64>::new(&stream, source, config(2, 2))?;
-    let mut i = 0;
-    while let Some(b) = p.next() {
-        let b = b?;
-        check(
-            &stream,
-            &b.pixels()?,
-            &b.extras()?,
-            &uniform_want(i, 2, 16),
-            &format!("batch {i}"),
-        )?;
-        i += 1;
-    }
-    drop(p);
-    aside.lock().unwrap().clear();
-    ensure(i == 12, || format!("{i} batches of 12"))?;
-    ensure(dropped.load(Ordering::SeqCst) == 12, || {
-        format!("{} owners dropped of 12", dropped.load(Ordering::SeqCst))
     })
 }
 
