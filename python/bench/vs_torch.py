@@ -693,8 +693,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 k = max(st["items"], 1)
                 st = {"turn_ms": round(st["pull_seconds"] / k * 1e3, 3),
                       "gil_wait_ms": round(st["gil_wait_seconds"] / k * 1e3, 3),
-                      "after_ms": round(st["after_seconds"] / k * 1e3, 3),
-                      "release_ms": round(st.get("release_seconds", 0.0) / k * 1e3, 3), **ring}
+                      "after_ms": round(st["after_seconds"] / k * 1e3, 3), **ring}
             return wall / n * 1e3, cpu / n * 1e3, {**main, **(st or {})}
 
         resident = [(((gen_data[i][0].to(DEV).float() - torch.tensor(mean, device=DEV).view(1, 3, 1, 1))
