@@ -15,7 +15,7 @@
 //! With `dry_run=True` the same loaders and pipeline run without a device (the CPU reference
 //! normalizes; batches are numpy arrays), for testing an iterable where there is no GPU.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -111,30 +111,39 @@ impl HostBytes for Held {
 }
 
 thread_local! {
-    /// The prefetcher (the address of its `Side`) whose next item this thread is pulling, or 0.
-    static PULLING: Cell<usize> = const { Cell::new(0) };
+    /// The prefetchers (the addresses of their `Side`s) whose iterable's code this thread runs
+    /// now, innermost last: a loader in its turn, or Python code run where held pixels are let
+    /// go (`Guarded`). More than one where they nest (one prefetcher's release running
+    /// another's).
+    static PULLING: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Marks the current thread as pulling an item of prefetcher `id` while it lives.
-struct Pulling(usize);
+/// Marks the current thread as running prefetcher `id`'s iterable's code while it lives.
+struct Pulling(bool);
 
 impl Pulling {
     fn enter(id: usize) -> Pulling {
-        Pulling(PULLING.with(|p| p.replace(id)))
+        // `try_with`: not while the thread's locals are being destroyed (nothing to mark then).
+        Pulling(PULLING.try_with(|p| p.borrow_mut().push(id)).is_ok())
     }
 }
 
 impl Drop for Pulling {
     fn drop(&mut self) {
-        PULLING.with(|p| p.set(self.0));
+        if self.0 {
+            let _ = PULLING.try_with(|p| p.borrow_mut().pop());
+        }
     }
 }
 
-/// Whether this thread is one of prefetcher `id`'s loaders, inside its iterable's code: there,
-/// `__next__` and `close` would wait for the loaders, this one included (a deadlock), and the
-/// last reference's drop would join this thread from itself.
+/// Whether this thread runs prefetcher `id`'s iterable's code (one of its loaders in its turn,
+/// or a release of its held pixels), at any depth: there, `__next__` and `close` would wait
+/// for the loaders, this one included (a deadlock), and the last reference's drop would join
+/// this thread from itself.
 fn pulling(id: usize) -> bool {
-    PULLING.with(|p| p.get() == id)
+    PULLING
+        .try_with(|p| p.borrow().contains(&id))
+        .unwrap_or(false)
 }
 
 /// The iterable, held once for the prefetcher (so that the garbage collector sees the one
