@@ -480,10 +480,6 @@ fn finish(
     batch.spec = spec;
     batch.resize = None;
     batch.extras = extras;
-    // Python code may run on this thread from here (a recycled batch's held array let go,
-    // its finalizer): it counts as the iterable's, as in `Guarded`.
-    let _pulling = Pulling::enter(take.id);
-    let t0 = Instant::now();
     let host = match pixels {
         Taken::Copied(px) => {
             batch.pixels = px;
@@ -491,6 +487,7 @@ fn finish(
         }
         Taken::Held(host) => host,
     };
+    let t0 = Instant::now();
     let result = take_after(i, host, batch, take);
     add_ns(&take.stats.after_ns, t0);
     result.map_err(|e| {
@@ -510,8 +507,6 @@ struct AfterTake {
     ring: bool,
     /// A device to DMA page-locked arrays to (not in the dry run).
     device: bool,
-    /// The prefetcher's `Side` address, for `PULLING`.
-    id: usize,
     side: Arc<Mutex<Side>>,
     stats: Arc<Stats>,
 }
@@ -1411,7 +1406,6 @@ pub(crate) fn prefetch(
         zero_copy,
         ring,
         device: c.is_some(),
-        id: Arc::as_ptr(&side) as usize,
         side: side.clone(),
         stats: stats.clone(),
     };
