@@ -61,6 +61,9 @@ except ImportError:  # an older pinstream
 #: ``--main-cpu``: the CPUs the sources run on (every CPU but the training thread's core), or
 #: ``None`` (no pinning).
 _OTHERS = [None]
+#: ``--trace DIR``: each source's timed steps in the first round under torch.profiler (CUDA
+#: activity), its GPU timeline summed up (``gpu_summary``) and saved to DIR; the source's name.
+_TRACE = {"dir": None, "source": None, "done": set()}
 
 
 def pin_main(cpu):
@@ -98,6 +101,76 @@ def ring_counts():
     r = _RING_READERS[-1]() if _RING_READERS else None
     _RING_READERS.clear()
     return {"in_ring": r.in_ring, "stacked": r.stacked, "usual": r.usual} if r is not None else {}
+
+
+def gil_waited():
+    """This thread's waits in pthread condition variables, ``{condition: (ns, count)}``, where
+    python/bench/gilwait.c is preloaded (``LD_PRELOAD``), else ``None``: CPython's GIL waits
+    apart from the CUDA driver's."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None).gilwait_table
+    except (AttributeError, OSError):
+        return None
+    cond, ns, n = ((ctypes.c_ulonglong * 16)() for _ in range(3))
+    k = f(cond, ns, n, 16)
+    return {cond[i]: (ns[i], n[i]) for i in range(k)}
+
+
+def gil_waits_per_step(before, after, steps):
+    """``gil_waited``'s waits between two readings, per step: ``[(ms, count)]``, longest first."""
+    out = []
+    for c, (ns, n) in after.items():
+        ns0, n0 = before.get(c, (0, 0))
+        if n > n0:
+            out.append((round((ns - ns0) / steps / 1e6, 3), round((n - n0) / steps, 2)))
+    return sorted(out, reverse=True)
+
+
+#: Garbage collections while a source is timed: ``[(generation, seconds, thread name)]``.
+_GC = {"on": False, "start": 0.0, "gen": 0, "runs": []}
+
+
+def _gc_callback(phase, info):
+    if not _GC["on"]:
+        return
+    if phase == "start":
+        _GC["start"], _GC["gen"] = time.perf_counter(), info.get("generation", -1)
+    else:
+        _GC["runs"].append((_GC["gen"], time.perf_counter() - _GC["start"], time.perf_counter(),
+                            threading.current_thread().name))
+
+
+def gpu_summary(trace_file, steps):
+    """A CUDA trace's GPU timeline per step: on the stream with the most kernels (the step's),
+    the time it was idle between its first and last kernel; every other stream's kernels and
+    copies (a prefetcher's); host-to-device copies' count and mean time."""
+    import gzip
+
+    with gzip.open(trace_file, "rt") if trace_file.endswith(".gz") else open(trace_file) as f:
+        ev = json.load(f)["traceEvents"]
+    gpu = [e for e in ev if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    by = {}
+    for e in gpu:
+        by.setdefault(e.get("args", {}).get("stream"), []).append(e)
+    main = max(by, key=lambda k: sum(e["cat"] == "kernel" for e in by[k]))
+    ks = sorted(by[main], key=lambda e: e["ts"])
+    idle, end = 0.0, ks[0]["ts"]
+    gaps = []
+    for e in ks:
+        if e["ts"] > end:
+            idle += e["ts"] - end
+            gaps.append(e["ts"] - end)
+        end = max(end, e["ts"] + e["dur"])
+    span = end - ks[0]["ts"]
+    h2d = [e["dur"] for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e.get("name", "")]
+    others = {str(k): (len(v), round(sum(e["dur"] for e in v) / 1e3 / steps, 3)) for k, v in by.items() if k != main}
+    gaps.sort(reverse=True)
+    return {"step_gpu_ms": round(span / 1e3 / steps, 3), "idle_ms": round(idle / 1e3 / steps, 3),
+            "largest_gaps_ms": [round(g / 1e3, 3) for g in gaps[:6]],
+            "h2d": (len(h2d), round(sum(h2d) / max(len(h2d), 1) / 1e3, 3)),
+            "other_streams_ms": others}
 
 
 def median_ms(fn, reps, warmup=2):
@@ -647,12 +720,24 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             # ideal with the same CPU time waited (for its batch, the GIL); one with more CPU time
             # ran slower beside the source (caches, memory).
             main0, waited, native = time.thread_time(), 0.0, 0.0
+            gil0 = gil_waited()
             flt0 = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt,
                     resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
             # pinstream.torch's prefetcher: its native next() and the DLPack conversion timed
             # apart (the same conversion as its __next__, `pt._handed`).
             inner = getattr(batches, "_inner", None)
             n = 0
+            import gc
+
+            if _gc_callback not in gc.callbacks:
+                gc.callbacks.append(_gc_callback)
+            _GC["runs"].clear()
+            _GC["on"] = True
+            per_step = []  # (end, step seconds, seconds in next(), main GIL ns so far)
+            prof = None
+            if _TRACE["dir"] and _TRACE["source"] not in _TRACE["done"]:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             while True:
                 tw = time.perf_counter()
                 try:
@@ -666,12 +751,25 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 except StopIteration:
                     break
                 waited += time.perf_counter() - tw
+                t_next = time.perf_counter() - tw
                 x, y = prep(x, y)
                 step(x, y)
                 n += 1
+                te = time.perf_counter()
+                gw = gil_waited()
+                per_step.append((te, te - tw, t_next, gw or {}))
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+            _GC["on"] = False
             main_cpu = time.thread_time() - main0
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                name = str(_TRACE["source"])
+                _TRACE["done"].add(_TRACE["source"])
+                path = os.path.join(_TRACE["dir"], f"{name}.json")
+                prof.export_chrome_trace(path)
+                print(f"    trace {name}: {gpu_summary(path, n)}", flush=True)
+            gil1 = gil_waited()
             flt = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - flt0[0],
                    resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt0[1])
             ch1 = os.times()
@@ -684,9 +782,34 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             close = getattr(batches, "close", None)
             if close is not None:
                 close()
-            main = {"main_cpu_ms": round(main_cpu / n * 1e3, 3), "next_ms": round(waited / n * 1e3, 3),
+            steps_ms = sorted(p[1] * 1e3 for p in per_step)
+            slow = []
+            # The CUDA sync's condition: the one waited on about once a step, longest; the GIL's:
+            # every other.
+            last = per_step[-1][3] if per_step else {}
+            sync = max((c for c in last if abs(last[c][1] - (gil0 or {}).get(c, (0, 0))[1] - n) <= n // 4),
+                       key=lambda c: last[c][0], default=None)
+
+            def gil_ns(g):
+                return sum(v[0] for c, v in g.items() if c != sync)
+
+            for j in sorted(range(len(per_step)), key=lambda j: -per_step[j][1])[:3]:
+                end, dt, tn, g = per_step[j]
+                gil = (gil_ns(g) - gil_ns(per_step[j - 1][3])) / 1e6 if j else 0.0
+                gcs = [(gen, round(d * 1e3, 2), th[:12]) for gen, d, at, th in _GC["runs"] if end - dt <= at <= end]
+                slow.append((j, round(dt * 1e3, 2), round(tn * 1e3, 2), round(gil, 2), gcs))
+            main = {"step_median_ms": round(statistics.median(steps_ms), 3),
+                    "step_mean_ms": round(statistics.mean(steps_ms), 3),
+                    "slowest": slow,
+                    "gc": {g: (sum(1 for r in _GC["runs"] if r[0] == g),
+                               round(sum(r[1] for r in _GC["runs"] if r[0] == g) * 1e3, 2)) for g in (0, 1, 2)},
+                    "main_cpu_ms": round(main_cpu / n * 1e3, 3), "next_ms": round(waited / n * 1e3, 3),
                     # Minor page faults per step: the training thread's, the whole process's.
                     "main_faults": round(flt[0] / n, 1), "faults": round(flt[1] / n, 1)}
+            if gil0 is not None:
+                # The training thread's waits in pthread condition variables (CPython's GIL):
+                # only with python/bench/gilwait.c preloaded.
+                main["main_cond_waits"] = gil_waits_per_step(gil0, gil1, n)
             if inner is not None:
                 main["native_next_ms"] = round(native / n * 1e3, 3)
             if st:
@@ -1010,6 +1133,8 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             "dl4s_process": ("samples: ... process=True", ours(dls(4), process=True)),
             "dl4s_worker_ring": ("samples: ... worker_ring=True (stacked into the ring)",
                                  ours(dls(4), worker_ring=True)),
+            "dl4s_worker_ring_unkept": ("samples: ... worker_ring=True, the ring not kept (KEEP_RING=False)",
+                                        ring_setting("KEEP_RING", False, ours(dls(4), worker_ring=True))),
             "dl4s_worker_ring_copy1": ("samples: ... worker_ring=True, 1 copy thread a worker",
                                        worker_copy_threads(1, ours(dls(4), worker_ring=True))),
             "dl4s_worker_ring_staged": ("samples: ... worker_ring=True, the ring not page-locked (copied)",
@@ -1022,11 +1147,14 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         # Rounds of the ideal and every source in turn, each source's time over the faster of the
         # ideals just before and after it, the median over the rounds: a machine whose speed
         # drifts within a run (up to 10 % on these) moves both alike.
+        _TRACE["source"] = "ideal"
         ideals = [ideal()]
         per = {k: [] for k in sources}
         for _ in range(rounds):
             for k, (_, f) in sources.items():
+                _TRACE["source"] = k
                 per[k].append(f())
+            _TRACE["source"] = "ideal_between"
             ideals.append(ideal())
         ratios = {k: [r[0] / min(ideals[j][0], ideals[j + 1][0]) for j, r in enumerate(v)]
                   for k, v in per.items()}
@@ -1089,7 +1217,11 @@ def main():
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds) for the whole run: how long a thread "
                          "waiting for the GIL lets the holder run before asking for it")
+    ap.add_argument("--trace", default=None,
+                    help="models: each source's first round under torch.profiler, its GPU timeline "
+                         "summed up and the trace saved in this folder")
     a = ap.parse_args()
+    _TRACE["dir"] = a.trace
     if a.process_copy_threads is not None:
         from pinstream import process as process_mod
 

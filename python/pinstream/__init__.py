@@ -49,7 +49,6 @@ from ._native import (
     __version__,
     device_count,
     device_name,
-    empty_cache,
     memory_stats,
     stream_handle,
     synchronize,
@@ -492,6 +491,18 @@ def _close_live_prefetchers():
             interrupt = interrupt or e
     if interrupt is not None:
         raise interrupt
+
+
+def empty_cache(device=0):
+    """Gives the memory pinstream keeps for reuse back: the device memory of freed uploads and
+    of tensors their consumers released (as ``torch.cuda.empty_cache()`` does for PyTorch's;
+    call it where PyTorch needs the room), the idle page-locked host memory of released
+    downloads, and the page-locked ring a DataLoader's workers wrote (``worker_ring``), kept
+    for the next iteration. Memory still in use stays."""
+    from . import worker_ring
+
+    worker_ring.release_kept()
+    _native.empty_cache(_device(device))
 
 
 def load_safetensors(path, device=0, direct="auto"):

@@ -18,8 +18,16 @@ refers to its images any more, which is after the DMA. The ring is made from the
 images' size), so the first few batches, and any batch when no slot is free or its images do not
 fit, come the usual way; nothing is ever lost or waits for a slot. The loader itself is left as it
 was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
+
+The ring outlives its iteration (``KEEP_RING``): once the iteration is over and nothing refers to
+its slots any more, it waits, mapped and page-locked, for the next iteration on the same device,
+which takes it over before its workers fork (one ring is kept at a time; ``pinstream.empty_cache()``
+and the interpreter's exit give it back). Page-locking a ring of hundreds of megabytes, and
+unpinning it, takes milliseconds during which the CUDA driver holds up the training thread's own
+calls: once an epoch, at its end and at the next one's first batch, without it.
 """
 
+import atexit
 import os
 import struct
 import sys
@@ -82,6 +90,19 @@ STACK_MIN_BYTES = 64 << 10
 #: any other array (a benchmark's control; read when the ring is made).
 REGISTER = True
 
+#: Whether a ring is kept for the next iteration once its own is over and nothing refers to its
+#: slots (read when the ring goes); ``False``: unpinned, unmapped and closed then.
+KEEP_RING = True
+
+#: The ring kept for the next iteration (its ``_Ring`` state), or ``None``; under ``_KEPT_LOCK``.
+_KEPT = [None]
+_KEPT_LOCK = threading.Lock()
+#: Set at the interpreter's exit: rings that go from then on are closed, not kept.
+_EXITING = [False]
+#: Kept rings inherited by a forked child: never let go there (their page-locking is the
+#: parent's: unpinning it in a child would be the parent's CUDA call).
+_INHERITED = []
+
 #: The module of torch's own ``default_collate`` and of the functions its table holds.
 _TORCH_COLLATE = "torch.utils.data._utils.collate"
 
@@ -124,6 +145,9 @@ _FORKING = threading.local()
 
 def _after_fork_in_child():
     global _FDS, _MY_RING
+    if _KEPT[0] is not None:
+        _INHERITED.append(_KEPT[0])
+        _KEPT[0] = None
     keep = getattr(_FORKING, "ring", None)
     _FORKING.ring = None  # this process's own forks are for no ring
     for ring, fds in list(_FDS.items()):
@@ -516,6 +540,12 @@ class WorkerRingReader:
         self._made = 0
         self._tried = False
         self._registration = None
+        #: The ring's state (``_Ring``), shared with the views of its slots: the ring is kept or
+        #: closed once the last of them lets it go.
+        self._state = None
+        #: The ring was taken over from an earlier iteration (its slots' size checked against
+        #: the first batch that comes the usual way).
+        self._adopted = False
         self._slots = None
         self._out = set()
         #: Batches that came in a slot, and the usual way.
@@ -536,15 +566,28 @@ class WorkerRingReader:
         loader, self._loader = self._loader, None
         fds = []
         try:
+            kept = _take_kept(self._device)
             # Made and entered in the table under the lock every fork takes: no fork between.
             with forklock.LOCK:
                 try:
-                    ring_fd = os.memfd_create("pinstream-worker-ring", os.MFD_CLOEXEC)
+                    if kept is not None:
+                        # The kept ring's descriptor moves to this ring's entry.
+                        rest = tuple(f for f in _FDS.get(kept.ring_id, ()) if f != kept.fd)
+                        if rest:
+                            _FDS[kept.ring_id] = rest
+                        else:
+                            _FDS.pop(kept.ring_id, None)
+                        ring_fd = kept.fd
+                    else:
+                        ring_fd = os.memfd_create("pinstream-worker-ring", os.MFD_CLOEXEC)
                     fds.append(ring_fd)
                     free_r, free_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                     fds += [free_r, free_w]
                 finally:
                     _FDS[self._ring_id] = tuple(fds)
+            state = kept if kept is not None else _Ring(ring_fd, self._device)
+            state.ring_id = self._ring_id
+            self._state = _Hold(state)
             with _loader_lock(loader):
                 collate = loader.collate_fn
                 while isinstance(collate, RingCollate):
@@ -560,6 +603,9 @@ class WorkerRingReader:
                     if loader.collate_fn is wrapper:
                         loader.collate_fn = collate
         except BaseException:
+            hold, self._state = self._state, None
+            if hold is not None:
+                hold.state.fd = -1  # closed below, with the rest
             for fd in fds:
                 _close_fd(self._ring_id, fd)
             with forklock.LOCK:
@@ -571,8 +617,15 @@ class WorkerRingReader:
         self._ring_fd = ring_fd
         ring = self._ring_id
         self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
-        self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._ring_id, self._slots,
-                                           ring_fd)
+        self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._slots)
+        st = self._state.state
+        if st.map is not None:
+            # A kept ring: its slots go to these workers from the first batch.
+            self._adopted = self._tried = True
+            self._ring, self._registration = st.map, st.registration
+            self._slot_bytes, self._made = st.slot_bytes, st.slots
+            for s in range(st.slots):
+                self._slots.release(s)
         return self
 
     def close(self):
@@ -604,6 +657,8 @@ class WorkerRingReader:
                 self._slots.close()
             self._ring = None
             self._registration = None
+            # The ring is kept (or closed) once the views still out are gone too.
+            self._state = None
 
     def __next__(self):
         it = self._it
@@ -635,6 +690,9 @@ class WorkerRingReader:
             self.stacked += stacked
             return item
         self.usual += 1
+        if self._adopted:
+            self._adopted = False
+            self._check_kept_fits(item)
         if not self._tried:
             self._tried = True
             try:
@@ -645,6 +703,28 @@ class WorkerRingReader:
                 warnings.warn(f"{OP}: no ring ({e}); every batch comes the usual way",
                               RuntimeWarning, stacklevel=2)
         return item
+
+    def _check_kept_fits(self, item):
+        """The first batch that came the usual way through a ring taken over from an earlier
+        iteration: where its images are larger than that ring's slots (the images' size
+        changed), every batch of this iteration comes the usual way, a warning says so, and the
+        ring is not kept again (the next iteration makes one of the new size)."""
+        np = self._np
+        place = _images_place(item, self._keys)
+        if place is None:
+            return
+        images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
+        if images is None or images.nbytes <= self._slot_bytes:
+            return
+        with self._lock:
+            if self._state is not None:
+                self._state.state.keep = False
+        import warnings
+
+        warnings.warn(f"{OP}: the ring kept from the last iteration has slots of "
+                      f"{self._slot_bytes} bytes, and this iteration's batches have "
+                      f"{images.nbytes}: they come the usual way until the next iteration "
+                      "makes a ring of their size", RuntimeWarning, stacklevel=3)
 
     def _make_ring(self, item):
         """The ring, sized for the first batch's images, and every slot handed to the
@@ -676,6 +756,8 @@ class WorkerRingReader:
             self._registration = _register(memoryview(ring)[_HEADER:], self._device)
         os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
+        st = self._state.state
+        st.map, st.registration, st.slot_bytes, st.slots = ring, self._registration, slot_bytes, slots
         for s in range(slots):
             self._slots.release(s)
 
@@ -688,7 +770,8 @@ class WorkerRingReader:
         except (TypeError, ValueError):
             n = -1
         with self._lock:
-            ok = (msg.ring == self._ring_id and self._ring is not None
+            hold = self._state
+            ok = (msg.ring == self._ring_id and self._ring is not None and hold is not None
                   and isinstance(s, int) and 0 <= s < self._made
                   and 0 < n <= self._slot_bytes and s not in self._out)
             if ok:
@@ -705,23 +788,102 @@ class WorkerRingReader:
         # it until its DMA is over), and the ring stays registered until then: the finalizer
         # holds the registration.
         weakref.finalize(images, _release, self._slots, self._out, self._lock, s,
-                         self._registration).atexit = False
+                         hold).atexit = False
         return _with_images(msg.rest, msg.place, images)
 
 
-def _release(slots, out, lock, s, registration):
-    """A slot's view is gone: the slot goes back to the workers (``registration`` was only
-    kept alive until now)."""
+def _release(slots, out, lock, s, hold):
+    """A slot's view is gone: the slot goes back to the workers (``hold``, the ring's state,
+    was only kept alive until now: the ring is kept or closed once nothing holds it)."""
     with lock:
         out.discard(s)
     slots.release(s)
 
 
-def _stop(pid, ring, slots, ring_fd):
-    """The reader is gone: its descriptors are closed (in the process that made them only)."""
+def _stop(pid, slots):
+    """The reader is closed or gone: no slot goes back to the workers any more (in the process
+    that made the pipe only). The ring's own descriptor goes with the ring (``_ring_gone``)."""
     if os.getpid() != pid:
         return
     slots.close()
-    _close_fd(ring, ring_fd)
+
+
+class _Ring:
+    """A ring's memory: its memfd, this process's mapping of it and the mapping's page-locking
+    (``map`` is ``None`` until the first batch sized it), its slots' size and count, and the
+    ``_FDS`` entry its descriptor is in."""
+
+    __slots__ = ("fd", "device", "map", "registration", "slot_bytes", "slots", "ring_id", "pid",
+                 "keep")
+
+    def __init__(self, fd, device):
+        self.fd, self.device, self.pid = fd, device, os.getpid()
+        #: ``False``: closed, not kept, when it goes (its slots were too small for a batch).
+        self.keep = True
+        self.map = self.registration = None
+        self.slot_bytes = self.slots = 0
+        self.ring_id = None
+
+
+class _Hold:
+    """What the reader and every view of a slot hold: once the last of them is gone, the ring
+    is kept for the next iteration, or closed (``_ring_gone``)."""
+
+    __slots__ = ("state", "__weakref__")
+
+    def __init__(self, state):
+        self.state = state
+        weakref.finalize(self, _ring_gone, state).atexit = False
+
+
+def _ring_gone(state):
+    """Nothing refers to the ring any more: kept for the next iteration (the ring kept before
+    it, if any, is closed), or closed; in the process that made it only."""
+    if os.getpid() != state.pid or state.fd < 0:
+        return
+    if KEEP_RING and state.keep and state.map is not None and not _EXITING[0]:
+        # Its descriptor stays in the table under its entry (a fork closes it).
+        with _KEPT_LOCK:
+            old, _KEPT[0] = _KEPT[0], state
+        if old is not None:
+            _close_ring(old)
+        return
+    _close_ring(state)
+
+
+def _close_ring(state):
+    """Unpins (without the GIL), unmaps and closes a ring."""
+    state.registration = None
+    state.map = None
+    fd, state.fd = state.fd, -1
+    if fd >= 0:
+        _close_fd(state.ring_id, fd)
     with forklock.LOCK:
-        _FDS.pop(ring, None)
+        fds = _FDS.get(state.ring_id)
+        if fds is not None and not fds:
+            _FDS.pop(state.ring_id, None)
+
+
+def _take_kept(device):
+    """The kept ring, taken, where it is page-locked for ``device`` (``None`` in a dry run);
+    otherwise ``None`` (a ring kept for another device stays)."""
+    with _KEPT_LOCK:
+        st = _KEPT[0]
+        if st is None or st.device != device:
+            return None
+        _KEPT[0] = None
+        return st
+
+
+def release_kept():
+    """Gives back the ring kept for the next iteration, if any (``pinstream.empty_cache()``)."""
+    with _KEPT_LOCK:
+        st, _KEPT[0] = _KEPT[0], None
+    if st is not None:
+        _close_ring(st)
+
+
+@atexit.register
+def _at_exit():
+    _EXITING[0] = True
+    release_kept()

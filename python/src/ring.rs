@@ -16,10 +16,22 @@ const OP: &str = "pinstream.HostRegistration";
 /// keeps it alive (in each slot view's finalizer) until every DMA from the ring is over.
 #[pyclass(module = "pinstream", name = "HostRegistration", frozen)]
 pub(crate) struct PyHostRegistration {
-    // Fields drop in order: unregistered first, while the buffer is still exported (an
-    // exporting mmap can be neither closed nor resized), then the export is released.
-    registration: HostRegistration,
+    // Unregistered first (in `drop`), while the buffer is still exported (an exporting mmap
+    // can be neither closed nor resized), then the export is released.
+    registration: Option<HostRegistration>,
     _buffer: PyUntypedBuffer,
+}
+
+impl Drop for PyHostRegistration {
+    fn drop(&mut self) {
+        // Unpinning a ring of hundreds of megabytes takes milliseconds (9 ms for the ring of a
+        // DataLoader of 256 x 3x224x224 batches, BENCHMARKS.md, fourteenth session): without
+        // the GIL, which the training thread needs meanwhile. The last slot view's finalizer
+        // drops this object, on whatever thread lets that view go, at the end of an epoch.
+        if let Some(r) = self.registration.take() {
+            Python::attach(|py| py.detach(move || drop(r)));
+        }
+    }
 }
 
 #[pymethods]
@@ -48,12 +60,12 @@ impl PyHostRegistration {
             })
             .py_err()?;
         Ok(PyHostRegistration {
-            registration,
+            registration: Some(registration),
             _buffer: buf,
         })
     }
 
     fn __len__(&self) -> usize {
-        self.registration.len()
+        self.registration.as_ref().map_or(0, HostRegistration::len)
     }
 }

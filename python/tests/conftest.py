@@ -52,6 +52,16 @@ def make_jpegs(folder, n, seed=0, side=(96, 400), subsampling=None):
     return items
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_ring():
+    """Each test starts without a ring kept from an earlier test's DataLoader
+    (``worker_ring.KEEP_RING``): which of its batches come in a slot is its own."""
+    wr = sys.modules.get("pinstream.worker_ring")
+    if wr is not None:
+        wr.release_kept()
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _sigint_raises_keyboard_interrupt():
     """The Ctrl-C tests send a real SIGINT and expect ``KeyboardInterrupt``. A process started
