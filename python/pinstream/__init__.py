@@ -501,8 +501,9 @@ def empty_cache(device=0):
     for the next iteration. Memory still in use stays."""
     from . import worker_ring
 
-    worker_ring.release_kept()
-    _native.empty_cache(_device(device))
+    device = _device(device)
+    worker_ring.release_kept(device)
+    _native.empty_cache(device)
 
 
 def load_safetensors(path, device=0, direct="auto"):

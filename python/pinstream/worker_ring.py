@@ -19,10 +19,12 @@ images' size), so the first few batches, and any batch when no slot is free or i
 fit, come the usual way; nothing is ever lost or waits for a slot. The loader itself is left as it
 was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 
-The ring outlives its iteration (``KEEP_RING``): once the iteration is over and nothing refers to
-its slots any more, it waits, mapped and page-locked, for the next iteration on the same device,
-which takes it over before its workers fork (one ring is kept at a time; ``pinstream.empty_cache()``
-and the interpreter's exit give it back). Page-locking a ring of hundreds of megabytes, and
+The ring outlives its iteration (``KEEP_RING``): once the iteration is over, nothing refers to its
+slots any more and every worker of that iteration has exited, it waits, mapped and page-locked,
+for the next iteration of the same loader on the same device (or, once that loader is gone, of
+any loader), which takes it over before its workers fork. At most ``KEEP_MAX`` rings and
+``MAX_RING_BYTES`` are kept (the oldest go first); ``pinstream.empty_cache()``, ``release_kept()``
+and the interpreter's exit give them back. Page-locking a ring of hundreds of megabytes, and
 unpinning it, takes milliseconds during which the CUDA driver holds up the training thread's own
 calls: once an epoch, at its end and at the next one's first batch, without it.
 """
@@ -94,8 +96,13 @@ REGISTER = True
 #: slots (read when the ring goes); ``False``: unpinned, unmapped and closed then.
 KEEP_RING = True
 
-#: The ring kept for the next iteration (its ``_Ring`` state), or ``None``; under ``_KEPT_LOCK``.
-_KEPT = [None]
+#: The most rings kept at once (a training and a validation loader, say); together they hold at
+#: most ``MAX_RING_BYTES``.
+KEEP_MAX = 4
+
+#: The rings kept for a next iteration (their ``_Ring`` states), oldest first; under
+#: ``_KEPT_LOCK``.
+_KEPT = []
 _KEPT_LOCK = threading.Lock()
 #: Set at the interpreter's exit: rings that go from then on are closed, not kept.
 _EXITING = [False]
@@ -144,10 +151,11 @@ _FORKING = threading.local()
 
 
 def _after_fork_in_child():
-    global _FDS, _MY_RING
-    if _KEPT[0] is not None:
-        _INHERITED.append(_KEPT[0])
-        _KEPT[0] = None
+    global _FDS, _MY_RING, _KEPT_LOCK
+    # Another thread of the parent may have held the lock at the fork.
+    _KEPT_LOCK = threading.Lock()
+    _INHERITED.extend(_KEPT)
+    _KEPT.clear()
     keep = getattr(_FORKING, "ring", None)
     _FORKING.ring = None  # this process's own forks are for no ring
     for ring, fds in list(_FDS.items()):
@@ -565,8 +573,9 @@ class WorkerRingReader:
         self._started = True
         loader, self._loader = self._loader, None
         fds = []
+        kept = None
         try:
-            kept = _take_kept(self._device)
+            kept = _take_kept(self._device, loader)
             # Made and entered in the table under the lock every fork takes: no fork between.
             with forklock.LOCK:
                 try:
@@ -587,6 +596,7 @@ class WorkerRingReader:
                     _FDS[self._ring_id] = tuple(fds)
             state = kept if kept is not None else _Ring(ring_fd, self._device)
             state.ring_id = self._ring_id
+            state.owner = _owner(loader)
             self._state = _Hold(state)
             with _loader_lock(loader):
                 collate = loader.collate_fn
@@ -602,6 +612,10 @@ class WorkerRingReader:
                     _FORKING.ring = None
                     if loader.collate_fn is wrapper:
                         loader.collate_fn = collate
+                # This iteration's workers: the ring is kept only once all of them have exited
+                # (one that outlives its iteration could still write a slot).
+                state.workers = list(getattr(it, "_workers", None) or [])
+                state.known_workers = hasattr(it, "_workers")
         except BaseException:
             hold, self._state = self._state, None
             if hold is not None:
@@ -610,6 +624,13 @@ class WorkerRingReader:
                 _close_fd(self._ring_id, fd)
             with forklock.LOCK:
                 _FDS.pop(self._ring_id, None)
+            if kept is not None:
+                # Taken over and not used: its descriptor is closed above if it got that far,
+                # by `_close_ring` otherwise; its page-locking and mapping go now, not with the
+                # traceback.
+                if kept.fd in fds:
+                    kept.fd = -1
+                _close_ring(kept)
             raise
         # The workers hold their own copies of the read end; this process only gives back.
         _close_fd(self._ring_id, free_r)
@@ -814,7 +835,7 @@ class _Ring:
     ``_FDS`` entry its descriptor is in."""
 
     __slots__ = ("fd", "device", "map", "registration", "slot_bytes", "slots", "ring_id", "pid",
-                 "keep")
+                 "keep", "owner", "workers", "known_workers")
 
     def __init__(self, fd, device):
         self.fd, self.device, self.pid = fd, device, os.getpid()
@@ -823,6 +844,36 @@ class _Ring:
         self.map = self.registration = None
         self.slot_bytes = self.slots = 0
         self.ring_id = None
+        #: The loader it was last iterated for (a weak reference; ``None``: none, or gone).
+        self.owner = None
+        #: That iteration's worker processes, and whether the loader's iterator said which.
+        self.workers = []
+        self.known_workers = False
+
+    def nbytes(self):
+        return _HEADER + self.slot_bytes * self.slots
+
+    def orphan(self):
+        return self.owner is None or self.owner() is None
+
+
+def _owner(loader):
+    try:
+        return weakref.ref(loader)
+    except TypeError:
+        return None
+
+
+def _workers_gone(workers, known):
+    """Whether every one of a ring's last iteration's ``workers`` has exited (a process that
+    outlives its iteration, stuck in its dataset with SIGTERM ignored, may still write a slot);
+    ``known``: the loader's iterator said which they were."""
+    if not known:
+        return False
+    try:
+        return not any(w.is_alive() for w in workers)
+    except Exception:  # noqa: BLE001 - not a worker we can ask: not kept
+        return False
 
 
 class _Hold:
@@ -837,22 +888,33 @@ class _Hold:
 
 
 def _ring_gone(state):
-    """Nothing refers to the ring any more: kept for the next iteration (the ring kept before
-    it, if any, is closed), or closed; in the process that made it only."""
+    """Nothing refers to the ring any more: kept for a next iteration (the oldest kept rings
+    closed where there are more than ``KEEP_MAX`` or ``MAX_RING_BYTES``), or closed; in the
+    process that made it only."""
     if os.getpid() != state.pid or state.fd < 0:
         return
-    if KEEP_RING and state.keep and state.map is not None and not _EXITING[0]:
+    workers, state.workers = state.workers, []
+    if (KEEP_RING and state.keep and state.map is not None and not _EXITING[0]
+            and _workers_gone(workers, state.known_workers)):
         # Its descriptor stays in the table under its entry (a fork closes it).
+        out = []
         with _KEPT_LOCK:
-            old, _KEPT[0] = _KEPT[0], state
-        if old is not None:
+            _KEPT.append(state)
+            while len(_KEPT) > max(0, KEEP_MAX) or sum(r.nbytes() for r in _KEPT) > MAX_RING_BYTES:
+                # The oldest whose loader is gone first, else the oldest.
+                old = next((r for r in _KEPT if r.orphan()), _KEPT[0])
+                _KEPT.remove(old)
+                out.append(old)
+        for old in out:
             _close_ring(old)
         return
     _close_ring(state)
 
 
+
 def _close_ring(state):
     """Unpins (without the GIL), unmaps and closes a ring."""
+    state.workers = []
     state.registration = None
     state.map = None
     fd, state.fd = state.fd, -1
@@ -864,23 +926,33 @@ def _close_ring(state):
             _FDS.pop(state.ring_id, None)
 
 
-def _take_kept(device):
-    """The kept ring, taken, where it is page-locked for ``device`` (``None`` in a dry run);
-    otherwise ``None`` (a ring kept for another device stays)."""
+def _take_kept(device, loader):
+    """A kept ring for ``device`` (``None`` in a dry run), taken: the one last iterated for
+    ``loader`` (its batches' size), else one whose loader is gone; otherwise ``None``."""
     with _KEPT_LOCK:
-        st = _KEPT[0]
-        if st is None or st.device != device:
-            return None
-        _KEPT[0] = None
+        mine = [r for r in _KEPT if r.device == device and not r.orphan() and r.owner() is loader]
+        free = [r for r in _KEPT if r.device == device and r.orphan()]
+        st = (mine or free or [None])[-1]
+        if st is not None:
+            _KEPT.remove(st)
         return st
 
 
-def release_kept():
-    """Gives back the ring kept for the next iteration, if any (``pinstream.empty_cache()``)."""
+def kept_rings():
+    """The rings kept for a next iteration now, oldest first (``_Ring`` states)."""
     with _KEPT_LOCK:
-        st, _KEPT[0] = _KEPT[0], None
-    if st is not None:
-        _close_ring(st)
+        return list(_KEPT)
+
+
+def release_kept(device=...):
+    """Gives back the rings kept for a next iteration: all of them, or those page-locked for
+    ``device`` (``None``: the dry runs')."""
+    with _KEPT_LOCK:
+        out = [r for r in _KEPT if device is ... or r.device == device]
+        for r in out:
+            _KEPT.remove(r)
+    for r in out:
+        _close_ring(r)
 
 
 @atexit.register

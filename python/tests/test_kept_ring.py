@@ -1,12 +1,18 @@
 """The ring a DataLoader's workers write (``worker_ring``) outlives its iteration: once nothing
-refers to its slots, it waits, mapped and page-locked, for the next iteration, which takes it
-over (no page-locking or unpinning at each epoch's edges). Checked: the next epoch takes it and
-its batches are whole; views still alive keep it from being taken; a ring too small for the
-next epoch's batches is not kept again; ``KEEP_RING = False``, ``release_kept`` and
-``empty_cache`` give it back; a forked process neither keeps its descriptor nor lets it go."""
+refers to its slots and its workers have exited, it waits, mapped and page-locked, for the next
+iteration of its loader (or of any, once its loader is gone), which takes it over (no
+page-locking or unpinning at each epoch's edges). Checked: the next epoch takes it and its
+batches are whole; views still alive, or a worker that outlives its iteration, keep it from
+being kept; two loaders that alternate keep one each; a ring too small for the next epoch's
+batches is not kept again; an interrupted ``iter()`` loses nothing; ``KEEP_RING = False``,
+``release_kept`` and ``empty_cache`` give it back; a forked process neither keeps its
+descriptor nor lets it go, nor waits for a lock a parent thread held."""
 
 import gc
 import os
+import signal
+import threading
+import time
 import warnings
 
 import numpy as np
@@ -71,20 +77,20 @@ def test_the_next_epoch_takes_the_ring_over_and_its_batches_are_whole(dry):
     dl = loader(Batches(24))
     first = epoch(dl, dry, 24)
     assert first.in_ring > 0
-    kept = wr._KEPT[0]
-    assert kept is not None and kept.map is not None and kept.device == device_of(dry)
+    (kept,) = wr.kept_rings()
+    assert kept.map is not None and kept.device == device_of(dry)
     registration = kept.registration
     assert (registration is None) == dry
     second = epoch(dl, dry, 24)
     # The same ring (its mapping and, on a GPU, its page-locking), from the first batches on.
-    assert wr._KEPT[0] is kept
+    assert wr.kept_rings() == [kept]
     assert kept.registration is registration
     assert second.in_ring >= 24 - 4, (second.in_ring, second.usual)
     assert second.in_ring + second.usual == 24
     assert ring_fds() == 1 and _maps_ring() == 1
     del registration  # (it holds the mapping)
     wr.release_kept()
-    assert wr._KEPT[0] is None
+    assert wr.kept_rings() == []
     assert ring_fds() == 0 and _maps_ring() == 0
 
 
@@ -96,7 +102,7 @@ def test_views_still_alive_keep_the_ring_from_the_next_iteration():
     held = [next(it) for _ in range(15)]
     assert r.in_ring > 0
     r.close()
-    assert wr._KEPT[0] is None
+    assert wr.kept_rings() == []
     # A reader started now makes a ring of its own; the views stay whole meanwhile.
     other = wr.WorkerRingReader(loader(Batches(30)), None, 12, None)
     it2 = iter(other)
@@ -108,8 +114,8 @@ def test_views_still_alive_keep_the_ring_from_the_next_iteration():
     other.close()
     del held, it, r, x, _, more, it2, other
     gc.collect()
-    assert wr._KEPT[0] is not None  # one of the two, the other closed
-    assert _maps_ring() == 1
+    assert len(wr.kept_rings()) == 2
+    assert _maps_ring() == 2
 
 
 @pytest.mark.parametrize("dry", MODES)
@@ -140,47 +146,46 @@ def test_a_kept_ring_too_small_for_the_next_batches_is_not_kept_again(dry):
         gc.collect()
 
     run(4)
-    small = wr._KEPT[0]
-    assert small is not None and small.slot_bytes == 2 << 20
+    (small,) = wr.kept_rings()
+    assert small.slot_bytes == 2 << 20
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         run(16)
     assert any("kept from the last iteration" in str(w.message) for w in seen), [str(w.message) for w in seen]
     # Closed once its iteration was over, not kept again; the next epoch sizes a ring anew.
-    assert wr._KEPT[0] is None and small.fd == -1
+    assert wr.kept_rings() == [] and small.fd == -1
     run(16)
-    assert wr._KEPT[0] is not None and wr._KEPT[0].slot_bytes == 4 << 20
+    assert [r.slot_bytes for r in wr.kept_rings()] == [4 << 20]
     wr.release_kept()
 
 
 def test_keep_ring_false_closes_the_ring_with_its_iteration(monkeypatch):
     monkeypatch.setattr(wr, "KEEP_RING", False)
     epoch(loader(Batches(16)), True, 16)
-    assert wr._KEPT[0] is None
+    assert wr.kept_rings() == []
     assert ring_fds() == 0 and _maps_ring() == 0
 
 
 @needs_gpu
 def test_empty_cache_gives_the_kept_ring_back():
     epoch(loader(Batches(16)), False, 16)
-    assert wr._KEPT[0] is not None
+    assert len(wr.kept_rings()) == 1
     pinstream.empty_cache()
-    assert wr._KEPT[0] is None
+    assert wr.kept_rings() == []
     assert ring_fds() == 0 and _maps_ring() == 0
 
 
 def test_a_forked_process_neither_keeps_the_ring_nor_lets_it_go():
     epoch(loader(Batches(16)), True, 16)
-    kept = wr._KEPT[0]
-    assert kept is not None
+    (kept,) = wr.kept_rings()
     rd, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            ok = wr._KEPT[0] is None and ring_fds() == 0 and _maps_ring() == 0
+            ok = wr.kept_rings() == [] and ring_fds() == 0 and _maps_ring() == 0
             wr.release_kept()  # nothing to give back here
-            os.write(w, b"ok" if ok else f"{wr._KEPT[0]} {ring_fds()} {_maps_ring()}".encode())
+            os.write(w, b"ok" if ok else f"{wr.kept_rings()} {ring_fds()} {_maps_ring()}".encode())
             code = 0
         finally:
             os._exit(code)
@@ -190,7 +195,156 @@ def test_a_forked_process_neither_keeps_the_ring_nor_lets_it_go():
     _, status = os.waitpid(pid, 0)
     assert said == b"ok" and status == 0, said
     # Still the parent's, whole.
-    assert wr._KEPT[0] is kept and ring_fds() == 1 and _maps_ring() == 1
+    assert wr.kept_rings() == [kept] and ring_fds() == 1 and _maps_ring() == 1
     second = epoch(loader(Batches(16)), True, 16)
     assert second.in_ring > 0
     wr.release_kept()
+
+
+def _ignore_sigterm(_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class SlowFrom(Batches):
+    """``Batches`` whose items from ``k`` on take ``seconds`` (a worker stuck in its dataset)."""
+
+    def __init__(self, n, k, seconds):
+        super().__init__(n)
+        self.k, self.seconds = k, seconds
+
+    def __getitem__(self, i):
+        if i >= self.k:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
+def test_a_worker_that_outlives_its_iteration_keeps_the_ring_from_being_kept():
+    """A worker stuck in its dataset with SIGTERM ignored outlives its iteration, and still has
+    the ring and its free slots: it could write a slot of the next iteration's. The ring is then
+    closed, not kept, and the next iteration's batches are whole (found by the review: epoch
+    2's batch 2 showed epoch 1's batch 4)."""
+    dl = loader(SlowFrom(40, 8, 10), workers=1, worker_init_fn=_ignore_sigterm)
+    r = wr.WorkerRingReader(dl, None, 8, None)
+    it = iter(r)
+    pids = [w.pid for w in r._it._workers]
+    got = [next(it) for _ in range(8)]
+    assert r.in_ring > 0  # the ring was made, and used
+    r.close()
+    del got, it, r
+    gc.collect()
+    try:
+        assert any(os.path.exists(f"/proc/{p}") for p in pids), "the worker was to outlive its iteration"
+        assert wr.kept_rings() == []
+        other = wr.WorkerRingReader(loader(Batches(40)), None, 8, None)
+        it2 = iter(other)
+        held = [next(it2) for _ in range(8)]
+        time.sleep(6)  # the stray worker wakes and takes a slot, if it has one
+        for i, (x, _) in enumerate(held):
+            assert np.array_equal(np.asarray(x), pixels(i)), i
+        other.close()
+        del held, it2, other, x, _
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_two_loaders_that_alternate_keep_a_ring_each():
+    """A training and a validation loader of different sizes, epoch after epoch: each takes its
+    own kept ring back, no warning, and their batches come in the ring from the first epoch on
+    (found by the review: the larger one was given the smaller one's ring, warned every epoch
+    and never had a ring)."""
+
+    class Sized(torch.utils.data.Dataset):
+        def __init__(self, n, k):
+            self.n, self.k = n, k
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            x = torch.arange(self.k * 3 * 256 * 256, dtype=torch.int64).reshape(self.k, 3, 256, 256)
+            return ((x * 5 + i * 11 + self.k) % 253).to(torch.uint8), torch.arange(self.k) + 100 * i
+
+    train, val = loader(Sized(12, 4)), loader(Sized(12, 16))
+    for e in range(3):
+        for dl, ds in ((train, Sized(12, 4)), (val, Sized(12, 16))):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=True)
+                for i, (x, y) in enumerate(p):
+                    assert np.array_equal(host(x), ds[i][0].numpy()), (e, i)
+                    assert np.array_equal(host(y), ds[i][1].numpy()), (e, i)
+                p.close()
+                del p, x, y
+                gc.collect()
+            assert not [w for w in seen if "kept" in str(w.message)], [str(w.message) for w in seen]
+    assert sorted(r.slot_bytes for r in wr.kept_rings()) == [2 << 20, 4 << 20]
+
+
+def test_ctrl_c_in_iter_after_the_kept_ring_was_taken_loses_nothing():
+    """Ctrl-C while ``iter()`` waits for the fork lock (another thread forking), after it took
+    the kept ring: the ring is closed, its descriptor too, and nothing is left in the table
+    (found by the review: the memfd stayed open, owned by nobody)."""
+    import pinstream.forklock as forklock
+
+    epoch(loader(Batches(16)), True, 16)
+    assert len(wr.kept_rings()) == 1
+    busy, done = threading.Event(), threading.Event()
+
+    def forking_elsewhere():
+        with forklock.LOCK:
+            busy.set()
+            done.wait(10)
+
+    th = threading.Thread(target=forking_elsewhere)
+    th.start()
+    busy.wait()
+    main = threading.get_ident()
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    r = wr.WorkerRingReader(loader(Batches(16)), None, 8, None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            iter(r)
+    finally:
+        done.set()
+        th.join()
+        timer.cancel()
+    del r
+    gc.collect()
+    assert wr.kept_rings() == []
+    assert ring_fds() == 0 and _maps_ring() == 0
+    assert not any(wr._FDS.values())
+
+
+def test_empty_cache_checks_its_device_before_giving_anything_back():
+    epoch(loader(Batches(16)), True, 16)
+    with pytest.raises(pinstream.InvalidArgumentError):
+        pinstream.empty_cache(True)
+    assert len(wr.kept_rings()) == 1  # a dry run's ring: not the device's
+
+
+def test_a_child_forked_while_the_lock_is_held_can_give_rings_back():
+    """The kept rings' lock held by a thread of the parent at the fork (here the forking thread
+    itself) is a new lock in the child: its exit handler does not wait for it forever."""
+    rd, w = os.pipe()
+    with wr._KEPT_LOCK:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)  # a watchdog: a hang ends the child, and the test fails
+                wr.release_kept()
+                wr._at_exit()
+                os.write(w, b"ok")
+                code = 0
+            finally:
+                os._exit(code)
+    os.close(w)
+    said = os.read(rd, 10)
+    os.close(rd)
+    _, status = os.waitpid(pid, 0)
+    assert said == b"ok" and status == 0, (said, status)
