@@ -101,9 +101,11 @@ KEEP_RING = True
 KEEP_MAX = 4
 
 #: The rings kept for a next iteration (their ``_Ring`` states), oldest first; under
-#: ``_KEPT_LOCK``.
+#: ``_KEPT_LOCK``. Reentrant: a collection while it is held (any allocation) may let a ring's
+#: last view go, whose finalizer keeps the ring on this very thread; every section under it
+#: reads the list again after anything that allocates.
 _KEPT = []
-_KEPT_LOCK = threading.Lock()
+_KEPT_LOCK = threading.RLock()
 #: Set at the interpreter's exit: rings that go from then on are closed, not kept.
 _EXITING = [False]
 #: Kept rings inherited by a forked child: never let go there (their page-locking is the
@@ -153,7 +155,7 @@ _FORKING = threading.local()
 def _after_fork_in_child():
     global _FDS, _MY_RING, _KEPT_LOCK
     # Another thread of the parent may have held the lock at the fork.
-    _KEPT_LOCK = threading.Lock()
+    _KEPT_LOCK = threading.RLock()
     _INHERITED.extend(_KEPT)
     _KEPT.clear()
     keep = getattr(_FORKING, "ring", None)
@@ -574,8 +576,9 @@ class WorkerRingReader:
         loader, self._loader = self._loader, None
         fds = []
         kept = None
+        taken = []  # the kept ring, from before it leaves the list (a Ctrl-C between loses it not)
         try:
-            kept = _take_kept(self._device, loader)
+            kept, own = _take_kept(self._device, loader, taken)
             # Made and entered in the table under the lock every fork takes: no fork between.
             with forklock.LOCK:
                 try:
@@ -617,6 +620,11 @@ class WorkerRingReader:
                 state.workers = list(getattr(it, "_workers", None) or [])
                 state.known_workers = hasattr(it, "_workers")
         except BaseException:
+            if kept is None and taken:
+                kept = taken[0]
+                with _KEPT_LOCK:
+                    if kept in _KEPT:
+                        _KEPT.remove(kept)
             hold, self._state = self._state, None
             if hold is not None:
                 hold.state.fd = -1  # closed below, with the rest
@@ -640,13 +648,16 @@ class WorkerRingReader:
         self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
         self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._slots)
         st = self._state.state
-        if st.map is not None:
-            # A kept ring: its slots go to these workers from the first batch.
+        if st.map is not None and own:
+            # This loader's own kept ring: its slots go to these workers from the first batch.
             self._adopted = self._tried = True
             self._ring, self._registration = st.map, st.registration
             self._slot_bytes, self._made = st.slot_bytes, st.slots
             for s in range(st.slots):
                 self._slots.release(s)
+        # Another loader's (one that is gone): its slots go out once the first batch says
+        # they fit (no worker maps the ring before it has a slot); else it is made anew
+        # (`_make_ring_locked`).
         return self
 
     def close(self):
@@ -767,6 +778,18 @@ class WorkerRingReader:
         slots = min(self._slots_n, MAX_RING_BYTES // slot_bytes)
         if slots < 2:
             return
+        st = self._state.state
+        if st.map is not None:
+            # A ring kept for another loader, taken over: used as it is where this batch fits
+            # its slots; otherwise let go (unpinned, unmapped) and made anew from its memfd,
+            # before any worker has mapped it.
+            if images.nbytes <= st.slot_bytes and st.slots >= 2:
+                self._ring, self._registration = st.map, st.registration
+                self._slot_bytes, self._made = st.slot_bytes, st.slots
+                for s in range(st.slots):
+                    self._slots.release(s)
+                return
+            st.registration = st.map = None
         size = _HEADER + slot_bytes * slots
         os.ftruncate(self._ring_fd, size)
         # Mapped here only: a process forked later (another loader's workers, a pool) does not
@@ -777,7 +800,6 @@ class WorkerRingReader:
             self._registration = _register(memoryview(ring)[_HEADER:], self._device)
         os.pwrite(self._ring_fd, _SIZE.pack(slot_bytes) + _SIZE.pack(slots), 0)
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
-        st = self._state.state
         st.map, st.registration, st.slot_bytes, st.slots = ring, self._registration, slot_bytes, slots
         for s in range(slots):
             self._slots.release(s)
@@ -902,14 +924,18 @@ def _ring_gone(state):
             _KEPT.append(state)
             while len(_KEPT) > max(0, KEEP_MAX) or sum(r.nbytes() for r in _KEPT) > MAX_RING_BYTES:
                 # The oldest whose loader is gone first, else the oldest.
-                old = next((r for r in _KEPT if r.orphan()), _KEPT[0])
-                _KEPT.remove(old)
-                out.append(old)
+                old = next((r for r in _KEPT if r.orphan()), None)
+                if old is None:
+                    old = _KEPT[0] if _KEPT else None
+                if old is None:
+                    break
+                if old in _KEPT:  # (a collection above may have taken it meanwhile)
+                    _KEPT.remove(old)
+                    out.append(old)
         for old in out:
             _close_ring(old)
         return
     _close_ring(state)
-
 
 
 def _close_ring(state):
@@ -926,16 +952,22 @@ def _close_ring(state):
             _FDS.pop(state.ring_id, None)
 
 
-def _take_kept(device, loader):
-    """A kept ring for ``device`` (``None`` in a dry run), taken: the one last iterated for
-    ``loader`` (its batches' size), else one whose loader is gone; otherwise ``None``."""
+def _take_kept(device, loader, taken):
+    """A kept ring for ``device`` (``None`` in a dry run), taken: ``(ring, True)`` for the one
+    last iterated for ``loader`` (its batches' size), ``(ring, False)`` for one whose loader is
+    gone, ``(None, False)`` for none. ``taken`` gets the ring before it leaves the list (a
+    Ctrl-C between is the caller's to clean up)."""
     with _KEPT_LOCK:
-        mine = [r for r in _KEPT if r.device == device and not r.orphan() and r.owner() is loader]
-        free = [r for r in _KEPT if r.device == device and r.orphan()]
-        st = (mine or free or [None])[-1]
-        if st is not None:
-            _KEPT.remove(st)
-        return st
+        while True:
+            mine = [r for r in _KEPT if r.device == device and not r.orphan() and r.owner() is loader]
+            free = [r for r in _KEPT if r.device == device and r.orphan()]
+            st = (mine or free or [None])[-1]
+            if st is None:
+                return None, False
+            if st in _KEPT:  # (a collection above may have taken it meanwhile)
+                taken.append(st)
+                _KEPT.remove(st)
+                return st, bool(mine)
 
 
 def kept_rings():
@@ -947,10 +979,12 @@ def kept_rings():
 def release_kept(device=...):
     """Gives back the rings kept for a next iteration: all of them, or those page-locked for
     ``device`` (``None``: the dry runs')."""
+    out = []
     with _KEPT_LOCK:
-        out = [r for r in _KEPT if device is ... or r.device == device]
-        for r in out:
-            _KEPT.remove(r)
+        for r in [r for r in _KEPT if device is ... or r.device == device]:
+            if r in _KEPT:  # (a collection above may have taken it meanwhile)
+                _KEPT.remove(r)
+                out.append(r)
     for r in out:
         _close_ring(r)
 

@@ -118,45 +118,104 @@ def test_views_still_alive_keep_the_ring_from_the_next_iteration():
     assert _maps_ring() == 2
 
 
+class Big(torch.utils.data.Dataset):
+    """Batch ``i``: ``k`` 3x256x256 images (``k`` 4: 768 KiB, a 2 MiB slot; ``k`` 16: 3 MiB, a
+    4 MiB slot), each filled from its batch and image numbers; ``k`` may change between epochs."""
+
+    def __init__(self, n, k):
+        self.n, self.k = n, k
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = torch.arange(self.k * 3 * 256 * 256, dtype=torch.int64).reshape(self.k, 3, 256, 256)
+        return ((x * 7 + i * 13) % 251).to(torch.uint8), torch.arange(self.k) + 100 * i
+
+
+def big_epoch(dl, dry):
+    """One iteration of ``dl`` over ``Big``, every batch checked; its reader and its warnings."""
+    made = []
+    init = wr.WorkerRingReader.__init__
+
+    def record(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    wr.WorkerRingReader.__init__ = record
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=dry)
+            ds = dl.dataset
+            for i, (x, y) in enumerate(p):
+                want_x, want_y = ds[i]
+                assert np.array_equal(host(x), want_x.numpy()), i
+                assert np.array_equal(host(y), want_y.numpy()), i
+            p.close()
+            del p, x, y
+            gc.collect()
+    finally:
+        wr.WorkerRingReader.__init__ = init
+    (r,) = made
+    return r, [str(w.message) for w in seen if "kept" in str(w.message)]
+
+
 @pytest.mark.parametrize("dry", MODES)
-def test_a_kept_ring_too_small_for_the_next_batches_is_not_kept_again(dry):
-    class Big(torch.utils.data.Dataset):
-        """Batch ``i``: ``k`` 3x256x256 images (``k`` 4: 768 KiB, a 2 MiB slot; ``k`` 16:
-        3 MiB), each filled from its batch and image numbers."""
-
-        def __init__(self, n, k):
-            self.n, self.k = n, k
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            x = torch.arange(self.k * 3 * 256 * 256, dtype=torch.int64).reshape(self.k, 3, 256, 256)
-            return ((x * 7 + i * 13) % 251).to(torch.uint8), torch.arange(self.k) + 100 * i
-
-    def run(k, n=10):
-        p = pinstream.prefetch(loader(Big(n, k)), dtype="uint8", worker_ring=True, dry_run=dry)
-        ds = Big(n, k)
-        for i, (x, y) in enumerate(p):
-            want_x, want_y = ds[i]
-            assert np.array_equal(host(x), want_x.numpy()), (k, i)
-            assert np.array_equal(host(y), want_y.numpy()), (k, i)
-        p.close()
-        del p, x, y
-        gc.collect()
-
-    run(4)
+def test_a_loaders_own_ring_too_small_for_its_next_batches_is_not_kept_again(dry):
+    ds = Big(10, 4)
+    dl = loader(ds)
+    r, warned = big_epoch(dl, dry)
     (small,) = wr.kept_rings()
-    assert small.slot_bytes == 2 << 20
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        run(16)
-    assert any("kept from the last iteration" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    assert small.slot_bytes == 2 << 20 and r.in_ring > 0 and not warned
+    ds.k = 16  # the same loader's images grow
+    r, warned = big_epoch(dl, dry)
+    assert warned and r.in_ring == 0
     # Closed once its iteration was over, not kept again; the next epoch sizes a ring anew.
     assert wr.kept_rings() == [] and small.fd == -1
-    run(16)
-    assert [r.slot_bytes for r in wr.kept_rings()] == [4 << 20]
-    wr.release_kept()
+    r, warned = big_epoch(dl, dry)
+    assert r.in_ring > 0 and not warned
+    assert [k.slot_bytes for k in wr.kept_rings()] == [4 << 20]
+
+
+@pytest.mark.parametrize("dry", MODES)
+def test_a_ring_left_by_a_loader_that_is_gone_is_made_anew_for_larger_batches(dry):
+    """A ring whose loader is gone goes to the next loader, whatever its batches: where they do
+    not fit its slots, it is made anew from the same memory before any worker maps it, with no
+    warning and no epoch lost (found by the second review: the new loader's whole first epoch
+    came the usual way, with a warning about another loader's ring)."""
+    r, warned = big_epoch(loader(Big(10, 4)), dry)
+    (small,) = wr.kept_rings()
+    fd = small.fd
+    r, warned = big_epoch(loader(Big(10, 16)), dry)  # the first loader is gone
+    assert r.in_ring > 0 and not warned, (r.in_ring, r.usual, warned)
+    (again,) = wr.kept_rings()
+    assert again is small and again.fd == fd and again.slot_bytes == 4 << 20
+    # And a smaller one after it uses the larger slots as they are.
+    r, warned = big_epoch(loader(Big(10, 4)), dry)
+    assert r.in_ring > 0 and not warned
+    assert [k.slot_bytes for k in wr.kept_rings()] == [4 << 20]
+
+
+def test_ctrl_c_as_the_kept_ring_leaves_the_list_loses_nothing(monkeypatch):
+    """A Ctrl-C right after the kept ring left the list, before ``iter()`` had it (found by the
+    second review: the ring's memory and descriptor stayed, owned by nobody)."""
+    epoch(loader(Batches(16)), True, 16)
+    assert len(wr.kept_rings()) == 1
+
+    class Interrupted(list):
+        def remove(self, x):
+            super().remove(x)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(wr, "_KEPT", Interrupted(wr._KEPT))
+    r = wr.WorkerRingReader(loader(Batches(16)), None, 8, None)
+    with pytest.raises(KeyboardInterrupt):
+        iter(r)
+    del r
+    gc.collect()
+    assert wr.kept_rings() == []
+    assert ring_fds() == 0 and _maps_ring() == 0
 
 
 def test_keep_ring_false_closes_the_ring_with_its_iteration(monkeypatch):
@@ -348,3 +407,57 @@ def test_a_child_forked_while_the_lock_is_held_can_give_rings_back():
     os.close(rd)
     _, status = os.waitpid(pid, 0)
     assert said == b"ok" and status == 0, (said, status)
+
+
+def test_a_collection_inside_the_kept_rings_lock_does_not_deadlock():
+    """A collection while a thread holds the kept rings' lock (any allocation there) can let
+    another ring's last view go, whose finalizer keeps that ring on the same thread (found by
+    the second review: with a lock that was not reentrant, this hung). Here the collection is
+    made to happen there."""
+    from test_hostile import run_child
+
+    run_child(
+        """
+        import torch, numpy as np, pinstream.worker_ring as wr
+        class B(torch.utils.data.Dataset):
+            def __len__(self): return 6
+            def __getitem__(self, i):
+                return torch.full((3, 3, 5, 7), i, dtype=torch.uint8), torch.arange(3)
+        def loader():
+            return torch.utils.data.DataLoader(B(), batch_size=None, num_workers=2)
+        A, C = loader(), loader()
+        def views(dl):
+            r = wr.WorkerRingReader(dl, None, 4, None)
+            got = []
+            for i, (x, y) in enumerate(r):
+                assert int(x[0, 0, 0, 0]) == i
+                got.append(x)
+            made = r.in_ring
+            r.close()
+            return got, made
+        a, made = views(A)
+        assert made > 0
+        del a
+        gc.collect()
+        assert len(wr.kept_rings()) == 1           # A's
+        gc.disable()
+        c, made = views(C)
+        assert made > 0
+        c.append(c)
+        del c                                       # C's views: garbage in a cycle, not collected
+        orphan = wr._Ring.orphan
+        def collecting(self):
+            gc.collect()                            # under the lock: C's ring goes, and is kept
+            return orphan(self)
+        wr._Ring.orphan = collecting
+        again, made = views(A)                      # iter() takes A's ring under the lock
+        wr._Ring.orphan = orphan
+        assert made > 0
+        del again
+        gc.enable()
+        gc.collect()
+        assert len(wr.kept_rings()) == 2
+        print("ok")
+        """,
+        timeout=120,
+    )
