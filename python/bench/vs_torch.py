@@ -103,15 +103,23 @@ def ring_counts():
     return {"in_ring": r.in_ring, "stacked": r.stacked, "usual": r.usual} if r is not None else {}
 
 
+_GILWAIT = [False]
+
+
 def gil_waited():
     """This thread's waits in pthread condition variables, ``{condition: (ns, count)}``, where
     python/bench/gilwait.c is preloaded (``LD_PRELOAD``), else ``None``: CPython's GIL waits
     apart from the CUDA driver's."""
     import ctypes
 
-    try:
-        f = ctypes.CDLL(None).gilwait_table
-    except (AttributeError, OSError):
+    f = _GILWAIT[0]
+    if f is False:
+        try:
+            f = ctypes.CDLL(None).gilwait_table
+        except (AttributeError, OSError):
+            f = None
+        _GILWAIT[0] = f  # looked up once: this runs every step
+    if f is None:
         return None
     cond, ns, n = ((ctypes.c_ulonglong * 16)() for _ in range(3))
     k = f(cond, ns, n, 16)

@@ -497,8 +497,8 @@ def empty_cache(device=0):
     """Gives the memory pinstream keeps for reuse back: the device memory of freed uploads and
     of tensors their consumers released (as ``torch.cuda.empty_cache()`` does for PyTorch's;
     call it where PyTorch needs the room), the idle page-locked host memory of released
-    downloads, and the page-locked ring a DataLoader's workers wrote (``worker_ring``), kept
-    for the next iteration. Memory still in use stays."""
+    downloads, and the page-locked rings DataLoaders' workers wrote (``worker_ring``), kept
+    for their next iteration on that device. Memory still in use stays."""
     from . import worker_ring
 
     device = _device(device)

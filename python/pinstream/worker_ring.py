@@ -21,8 +21,9 @@ was: its ``collate_fn`` is swapped only while ``iter()`` forks the workers.
 
 The ring outlives its iteration (``KEEP_RING``): once the iteration is over, nothing refers to its
 slots any more and every worker of that iteration has exited, it waits, mapped and page-locked,
-for the next iteration of the same loader on the same device (or, once that loader is gone, of
-any loader), which takes it over before its workers fork. At most ``KEEP_MAX`` rings and
+for the next iteration of the same loader on the same device, which takes it over before its
+workers fork (once that loader is gone, the next loader takes it: as it is where its first batch
+fits the slots, made anew from the same memfd otherwise). At most ``KEEP_MAX`` rings and
 ``MAX_RING_BYTES`` are kept (the oldest go first); ``pinstream.empty_cache()``, ``release_kept()``
 and the interpreter's exit give them back. Page-locking a ring of hundreds of megabytes, and
 unpinning it, takes milliseconds during which the CUDA driver holds up the training thread's own
@@ -313,10 +314,7 @@ class RingCollate:
 
     def _into_ring(self, out):
         np = _numpy()
-        place = _images_place(out, self._keys)
-        if place is None:
-            return out
-        images = _ring_array(out[place[1]] if place[0] != "item" else out, np)
+        place, images = _ring_images(out, self._keys, np)
         if images is None:
             return out
         got = self._slot(images.nbytes)
@@ -401,6 +399,15 @@ class RingCollate:
             self._give_back(s)
             raise
         return msg
+
+
+def _ring_images(item, keys, np):
+    """Where an item's images are (``_images_place``) and their array as the ring takes it
+    (``_ring_array``); ``(None, None)`` / ``(place, None)`` where it has none the ring takes."""
+    place = _images_place(item, keys)
+    if place is None:
+        return None, None
+    return place, _ring_array(item[place[1]] if place[0] != "item" else item, np)
 
 
 def _torch_code(f, name=None):
@@ -741,11 +748,7 @@ class WorkerRingReader:
         iteration: where its images are larger than that ring's slots (the images' size
         changed), every batch of this iteration comes the usual way, a warning says so, and the
         ring is not kept again (the next iteration makes one of the new size)."""
-        np = self._np
-        place = _images_place(item, self._keys)
-        if place is None:
-            return
-        images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
+        _, images = _ring_images(item, self._keys, self._np)
         if images is None or images.nbytes <= self._slot_bytes:
             return
         with self._lock:
@@ -767,11 +770,7 @@ class WorkerRingReader:
                 self._make_ring_locked(item)
 
     def _make_ring_locked(self, item):
-        np = self._np
-        place = _images_place(item, self._keys)
-        if place is None:
-            return
-        images = _ring_array(item[place[1]] if place[0] != "item" else item, np)
+        _, images = _ring_images(item, self._keys, self._np)
         if images is None:
             return
         slot_bytes = max(_ALIGN, -(-images.nbytes // _ALIGN) * _ALIGN)

@@ -8,6 +8,7 @@ batches is not kept again; an interrupted ``iter()`` loses nothing; ``KEEP_RING 
 ``release_kept`` and ``empty_cache`` give it back; a forked process neither keeps its
 descriptor nor lets it go, nor waits for a lock a parent thread held."""
 
+import contextlib
 import gc
 import os
 import signal
@@ -35,8 +36,9 @@ def device_of(dry):
     return None if dry else 0
 
 
-def epoch(dl, dry, n):
-    """One iteration of ``dl`` through ``pinstream.prefetch``, every batch checked; its reader."""
+@contextlib.contextmanager
+def recorded():
+    """Every ``WorkerRingReader`` made meanwhile, in a list."""
     made = []
     init = wr.WorkerRingReader.__init__
 
@@ -46,9 +48,15 @@ def epoch(dl, dry, n):
 
     wr.WorkerRingReader.__init__ = record
     try:
-        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=dry)
+        yield made
     finally:
         wr.WorkerRingReader.__init__ = init
+
+
+def epoch(dl, dry, n):
+    """One iteration of ``dl`` through ``pinstream.prefetch``, every batch checked; its reader."""
+    with recorded() as made:
+        p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=dry)
     got = 0
     for i, (x, y) in enumerate(p):
         assert np.array_equal(host(x), pixels(i)), i
@@ -135,15 +143,7 @@ class Big(torch.utils.data.Dataset):
 
 def big_epoch(dl, dry):
     """One iteration of ``dl`` over ``Big``, every batch checked; its reader and its warnings."""
-    made = []
-    init = wr.WorkerRingReader.__init__
-
-    def record(self, *a, **k):
-        init(self, *a, **k)
-        made.append(self)
-
-    wr.WorkerRingReader.__init__ = record
-    try:
+    with recorded() as made:
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             p = pinstream.prefetch(dl, dtype="uint8", worker_ring=True, dry_run=dry)
@@ -155,8 +155,6 @@ def big_epoch(dl, dry):
             p.close()
             del p, x, y
             gc.collect()
-    finally:
-        wr.WorkerRingReader.__init__ = init
     (r,) = made
     return r, [str(w.message) for w in seen if "kept" in str(w.message)]
 
