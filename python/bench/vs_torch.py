@@ -136,6 +136,42 @@ def gil_waits_per_step(before, after, steps):
     return sorted(out, reverse=True)
 
 
+def critical_tids():
+    """The threads a training step runs on: this one (which launches the forward pass and the
+    optimizer) and PyTorch's autograd engine threads (``pt_autograd_*``, which launch the
+    backward pass)."""
+    tids = [threading.get_native_id()]
+    try:
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    if f.read().startswith("pt_autograd"):
+                        tids.append(int(t))
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return tids
+
+
+def runq_ns(tids):
+    """``[(cpu ns, run-queue wait ns)]`` of these threads (``/proc/.../schedstat``): the time
+    each waited runnable for a CPU, that is preempted or not yet scheduled after a wake-up."""
+    out = []
+    for t in tids:
+        try:
+            with open(f"/proc/self/task/{t}/schedstat") as f:
+                cpu, wait, _ = f.read().split()
+            out.append((int(cpu), int(wait)))
+        except (OSError, ValueError):
+            out.append((0, 0))
+    return out
+
+
+#: ``--runq``: each step's run-queue waits of the training step's threads read (two files a
+#: step, on the training thread's path from the sync to the next forward pass: off unless told).
+_RUNQ = [False]
+
 #: Garbage collections while a source is timed: ``[(generation, seconds, thread name)]``.
 _GC = {"on": False, "start": 0.0, "gen": 0, "runs": []}
 
@@ -152,8 +188,9 @@ def _gc_callback(phase, info):
 
 def gpu_summary(trace_file, steps):
     """A CUDA trace's GPU timeline per step: on the stream with the most kernels (the step's),
-    the time it was idle between its first and last kernel; every other stream's kernels and
-    copies (a prefetcher's); host-to-device copies' count and mean time."""
+    the time it was idle between its first and last kernel and the time its kernels ran; every
+    other stream's kernels and copies (a prefetcher's); host-to-device copies' count and mean
+    time."""
     import gzip
 
     with gzip.open(trace_file, "rt") if trace_file.endswith(".gz") else open(trace_file) as f:
@@ -175,7 +212,11 @@ def gpu_summary(trace_file, steps):
     h2d = [e["dur"] for e in gpu if e["cat"] == "gpu_memcpy" and "HtoD" in e.get("name", "")]
     others = {str(k): (len(v), round(sum(e["dur"] for e in v) / 1e3 / steps, 3)) for k, v in by.items() if k != main}
     gaps.sort(reverse=True)
+    # The step stream's own work (its kernels do not overlap): the same for every source where
+    # a source's cost is the GPU's waits, not slower kernels.
+    busy = sum(e["dur"] for e in ks)
     return {"step_gpu_ms": round(span / 1e3 / steps, 3), "idle_ms": round(idle / 1e3 / steps, 3),
+            "busy_ms": round(busy / 1e3 / steps, 3),
             "largest_gaps_ms": [round(g / 1e3, 3) for g in gaps[:6]],
             "h2d": (len(h2d), round(sum(h2d) / max(len(h2d), 1) / 1e3, 3)),
             "other_streams_ms": others}
@@ -707,6 +748,13 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         scaler = torch.amp.GradScaler("cuda")
         crit = torch.nn.CrossEntropyLoss()
+        # The training thread's path from the CUDA sync (GradScaler.step's, just before the
+        # optimizer's step) to the next forward pass, where the GPU has nothing queued: the
+        # optimizer's step, the rest of the step, next() and the forward's start, per step.
+        marks = {}
+        opt.register_step_pre_hook(lambda *a: marks.__setitem__("opt0", time.perf_counter()))
+        opt.register_step_post_hook(lambda *a: marks.__setitem__("opt1", time.perf_counter()))
+        model.register_forward_pre_hook(lambda *a: marks.__setitem__("fwd", time.perf_counter()))
 
         def step(x, y):
             with torch.autocast("cuda", dtype=torch.float16):
@@ -741,7 +789,9 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 gc.callbacks.append(_gc_callback)
             _GC["runs"].clear()
             _GC["on"] = True
-            per_step = []  # (end, step seconds, seconds in next(), main GIL ns so far)
+            per_step = []  # (end, step seconds, seconds in next(), main GIL ns so far, runq ns)
+            crit_tids = critical_tids()
+            rq0 = runq_ns(crit_tids) if _RUNQ[0] else []
             prof = None
             if _TRACE["dir"] and _TRACE["source"] not in _TRACE["done"]:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -765,7 +815,9 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 n += 1
                 te = time.perf_counter()
                 gw = gil_waited()
-                per_step.append((te, te - tw, t_next, gw or {}))
+                per_step.append((te, te - tw, t_next, gw or {}, runq_ns(crit_tids) if _RUNQ[0] else [],
+                                 (tw, tw + t_next, marks.get("fwd", 0.0), marks.get("opt0", 0.0),
+                                  marks.get("opt1", 0.0))))
             torch.cuda.synchronize()
             wall = time.perf_counter() - t0
             _GC["on"] = False
@@ -801,14 +853,38 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
             def gil_ns(g):
                 return sum(v[0] for c, v in g.items() if c != sync)
 
+            def runq(j):
+                # The step's run-queue waits of the training thread and the autograd threads, ms.
+                before = per_step[j - 1][4] if j else rq0
+                return [round((a[1] - b[1]) / 1e6, 2) for a, b in zip(per_step[j][4], before)]
+
             for j in sorted(range(len(per_step)), key=lambda j: -per_step[j][1])[:3]:
-                end, dt, tn, g = per_step[j]
+                end, dt, tn, g = per_step[j][:4]
                 gil = (gil_ns(g) - gil_ns(per_step[j - 1][3])) / 1e6 if j else 0.0
                 gcs = [(gen, round(d * 1e3, 2), th[:12]) for gen, d, at, th in _GC["runs"] if end - dt <= at <= end]
-                slow.append((j, round(dt * 1e3, 2), round(tn * 1e3, 2), round(gil, 2), gcs))
+                slow.append((j, round(dt * 1e3, 2), round(tn * 1e3, 2), round(gil, 2), gcs, runq(j)))
+            rq_steps = [sum(runq(j)) for j in range(len(per_step))] if _RUNQ[0] else []
+            # From the previous step's sync to this step's forward, ms: the optimizer's step,
+            # the rest of the previous step and the loop, next(), the forward's start (prep,
+            # autocast); the median of each over the steps.
+            crit_path = {"opt": [], "after_opt": [], "next": [], "to_fwd": [], "sync_to_fwd": []}
+            for j in range(1, len(per_step)):
+                tw_, tn_, fwd_, _, _ = per_step[j][5]
+                _, _, _, o0, o1 = per_step[j - 1][5]
+                crit_path["opt"].append(o1 - o0)
+                crit_path["after_opt"].append(tw_ - o1)
+                crit_path["next"].append(tn_ - tw_)
+                crit_path["to_fwd"].append(fwd_ - tn_)
+                crit_path["sync_to_fwd"].append(fwd_ - o0)
+            crit_path = {k: round(statistics.median(v) * 1e3, 3) for k, v in crit_path.items() if v}
             main = {"step_median_ms": round(statistics.median(steps_ms), 3),
                     "step_mean_ms": round(statistics.mean(steps_ms), 3),
                     "slowest": slow,
+                    # (--runq) Run-queue waits of the step's threads: mean a step, steps with
+                    # over 1 ms.
+                    **({"runq_ms": round(statistics.mean(rq_steps), 3),
+                        "runq_over_1ms": sum(r > 1.0 for r in rq_steps)} if rq_steps else {}),
+                    "sync_path_ms": crit_path,
                     "gc": {g: (sum(1 for r in _GC["runs"] if r[0] == g),
                                round(sum(r[1] for r in _GC["runs"] if r[0] == g) * 1e3, 2)) for g in (0, 1, 2)},
                     "main_cpu_ms": round(main_cpu / n * 1e3, 3), "next_ms": round(waited / n * 1e3, 3),
@@ -1225,11 +1301,15 @@ def main():
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds) for the whole run: how long a thread "
                          "waiting for the GIL lets the holder run before asking for it")
+    ap.add_argument("--runq", action="store_true",
+                    help="models: each step's run-queue waits of the training thread and the autograd "
+                         "engine's (/proc schedstat), and those of the slowest steps")
     ap.add_argument("--trace", default=None,
                     help="models: each source's first round under torch.profiler, its GPU timeline "
                          "summed up and the trace saved in this folder")
     a = ap.parse_args()
     _TRACE["dir"] = a.trace
+    _RUNQ[0] = a.runq
     if a.process_copy_threads is not None:
         from pinstream import process as process_mod
 
