@@ -171,6 +171,9 @@ def runq_ns(tids):
 #: ``--runq``: each step's run-queue waits of the training step's threads read (two files a
 #: step, on the training thread's path from the sync to the next forward pass: off unless told).
 _RUNQ = [False]
+#: ``--phases``: CUDA events at the forward pass's start and end and around the optimizer's
+#: step, each step (four event records a step on the training thread: off unless told).
+_PHASES = {"on": False}
 
 #: Garbage collections while a source is timed: ``[(generation, seconds, thread name)]``.
 _GC = {"on": False, "start": 0.0, "gen": 0, "runs": []}
@@ -752,9 +755,24 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
         # optimizer's step) to the next forward pass, where the GPU has nothing queued: the
         # optimizer's step, the rest of the step, next() and the forward's start, per step.
         marks = {}
-        opt.register_step_pre_hook(lambda *a: marks.__setitem__("opt0", time.perf_counter()))
-        opt.register_step_post_hook(lambda *a: marks.__setitem__("opt1", time.perf_counter()))
-        model.register_forward_pre_hook(lambda *a: marks.__setitem__("fwd", time.perf_counter()))
+        # (--phases) CUDA events on the step's stream at the same four points, timing each
+        # phase on the GPU (its kernels and its waits for the CPU): [(fwd0, fwd1, opt0, opt1)].
+        phase_events = []
+
+        def mark(name):
+            marks[name] = time.perf_counter()
+            if _PHASES["on"]:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                if name == "fwd":
+                    phase_events.append({})
+                if phase_events:
+                    phase_events[-1][name] = ev
+
+        opt.register_step_pre_hook(lambda *a: mark("opt0"))
+        opt.register_step_post_hook(lambda *a: mark("opt1"))
+        model.register_forward_pre_hook(lambda *a: mark("fwd"))
+        model.register_forward_hook(lambda *a: mark("fwd1"))
 
         def step(x, y):
             with torch.autocast("cuda", dtype=torch.float16):
@@ -877,6 +895,18 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                 crit_path["to_fwd"].append(fwd_ - tn_)
                 crit_path["sync_to_fwd"].append(fwd_ - o0)
             crit_path = {k: round(statistics.median(v) * 1e3, 3) for k, v in crit_path.items() if v}
+            # (--phases) The GPU's time per phase, the median over the timed steps, ms: the
+            # forward pass; the loss, the backward pass and the sync; the optimizer's step; from
+            # there to the next forward (the scaler's update, next(), the GPU waiting for both).
+            phases = {}
+            timed_ev = phase_events[-n:] if _PHASES["on"] else []
+            for a, b in zip(timed_ev, timed_ev[1:]):
+                if len(a) == 4 and "fwd" in b:
+                    for k, (e0, e1) in {"fwd": (a["fwd"], a["fwd1"]), "bwd_sync": (a["fwd1"], a["opt0"]),
+                                        "opt": (a["opt0"], a["opt1"]), "to_next_fwd": (a["opt1"], b["fwd"])}.items():
+                        phases.setdefault(k, []).append(e0.elapsed_time(e1))
+            phases = {k: round(statistics.median(v), 3) for k, v in phases.items()}
+            phase_events.clear()
             main = {"step_median_ms": round(statistics.median(steps_ms), 3),
                     "step_mean_ms": round(statistics.mean(steps_ms), 3),
                     "slowest": slow,
@@ -885,6 +915,7 @@ def bench_models(quick, models=("resnet18", "resnet50"), steps=None, pick=None, 
                     **({"runq_ms": round(statistics.mean(rq_steps), 3),
                         "runq_over_1ms": sum(r > 1.0 for r in rq_steps)} if rq_steps else {}),
                     "sync_path_ms": crit_path,
+                    **({"gpu_phases_ms": phases} if phases else {}),
                     "gc": {g: (sum(1 for r in _GC["runs"] if r[0] == g),
                                round(sum(r[1] for r in _GC["runs"] if r[0] == g) * 1e3, 2)) for g in (0, 1, 2)},
                     "main_cpu_ms": round(main_cpu / n * 1e3, 3), "next_ms": round(waited / n * 1e3, 3),
@@ -1304,12 +1335,16 @@ def main():
     ap.add_argument("--runq", action="store_true",
                     help="models: each step's run-queue waits of the training thread and the autograd "
                          "engine's (/proc schedstat), and those of the slowest steps")
+    ap.add_argument("--phases", action="store_true",
+                    help="models: each step's phases timed on the GPU with CUDA events (forward, backward "
+                         "and sync, optimizer, to the next forward)")
     ap.add_argument("--trace", default=None,
                     help="models: each source's first round under torch.profiler, its GPU timeline "
                          "summed up and the trace saved in this folder")
     a = ap.parse_args()
     _TRACE["dir"] = a.trace
     _RUNQ[0] = a.runq
+    _PHASES["on"] = a.phases
     if a.process_copy_threads is not None:
         from pinstream import process as process_mod
 
