@@ -647,13 +647,27 @@ class WorkerRingReader:
                     kept.fd = -1
                 _close_ring(kept)
             raise
-        # The workers hold their own copies of the read end; this process only gives back.
-        _close_fd(self._ring_id, free_r)
-        self._it = it
-        self._ring_fd = ring_fd
-        ring = self._ring_id
-        self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
-        self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._slots)
+        try:
+            # The workers hold their own copies of the read end; this process only gives back.
+            _close_fd(self._ring_id, free_r)
+            self._it = it
+            self._ring_fd = ring_fd
+            ring = self._ring_id
+            self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
+            self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._slots)
+        except BaseException:
+            # A Ctrl-C here, after the loader's own iter(): the pipe's ends still open close
+            # (the write end with the slots once they hold it; the table says which are open,
+            # so none is closed twice), and the loader's iterator ends, its workers with it.
+            with forklock.LOCK:
+                still = set(_FDS.get(self._ring_id, ()))
+            if free_r in still:
+                _close_fd(self._ring_id, free_r)
+            if self._slots is None and free_w in still:
+                _close_fd(self._ring_id, free_w)
+            self._it = it
+            self.close()
+            raise
         st = self._state.state
         if st.map is not None and own:
             # This loader's own kept ring: its slots go to these workers from the first batch.

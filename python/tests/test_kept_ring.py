@@ -14,7 +14,9 @@ import os
 import signal
 import threading
 import time
+import types
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -459,3 +461,48 @@ def test_a_collection_inside_the_kept_rings_lock_does_not_deadlock():
         """,
         timeout=120,
     )
+
+
+def pipe_fds():
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("at", ["slots", "finalizer"])
+def test_ctrl_c_in_iter_after_the_loaders_iter_loses_nothing(at, monkeypatch):
+    """Ctrl-C in ``iter()`` after the loader's own ``iter()`` returned (its workers forked), while
+    the reader takes over the pipe's write end (``at``): the pipe is closed, the workers end,
+    and the ring is kept or closed as after any iteration (left by the first review: the free
+    slots' pipe stayed open)."""
+    import multiprocessing
+
+    base_pipes, base_rings = pipe_fds(), ring_fds()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    if at == "slots":
+        monkeypatch.setattr(wr, "_Slots", interrupted)
+    else:
+        fake = types.SimpleNamespace(ref=weakref.ref, finalize=interrupted)
+        monkeypatch.setattr(wr, "weakref", fake)
+    r = wr.WorkerRingReader(loader(Batches(16)), None, 8, None)
+    with pytest.raises(KeyboardInterrupt):
+        iter(r)
+    monkeypatch.undo()
+    del r
+    gc.collect()
+    for _ in range(200):  # the workers' exit (they are joined by the loader's iterator)
+        if not multiprocessing.active_children():
+            break
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()
+    assert not any(wr._FDS.values())
+    assert pipe_fds() == base_pipes
+    wr.release_kept()
+    assert ring_fds() == base_rings
