@@ -655,27 +655,31 @@ class WorkerRingReader:
             ring = self._ring_id
             self._slots = _Slots(free_w, close_fd=lambda fd: _close_fd(ring, fd))
             self._finalizer = weakref.finalize(self, _stop, os.getpid(), self._slots)
+            st = self._state.state
+            if st.map is not None and own:
+                # This loader's own kept ring: its slots go to these workers from the first
+                # batch.
+                self._adopted = self._tried = True
+                self._ring, self._registration = st.map, st.registration
+                self._slot_bytes, self._made = st.slot_bytes, st.slots
+                for s in range(st.slots):
+                    self._slots.release(s)
         except BaseException:
-            # A Ctrl-C here, after the loader's own iter(): the pipe's ends still open close
-            # (the write end with the slots once they hold it; the table says which are open,
-            # so none is closed twice), and the loader's iterator ends, its workers with it.
-            with forklock.LOCK:
-                still = set(_FDS.get(self._ring_id, ()))
-            if free_r in still:
-                _close_fd(self._ring_id, free_r)
-            if self._slots is None and free_w in still:
-                _close_fd(self._ring_id, free_w)
+            # A Ctrl-C here, after the loader's own iter() (the caller never gets this reader):
+            # the loader's iterator ends, its workers with it, and the pipe's ends still open
+            # close (the write end with the slots once they hold it; the table says which are
+            # open, so none is closed twice), also after a second Ctrl-C in the first part.
             self._it = it
-            self.close()
+            try:
+                self.close()
+            finally:
+                with forklock.LOCK:
+                    still = set(_FDS.get(self._ring_id, ()))
+                if free_r in still:
+                    _close_fd(self._ring_id, free_r)
+                if self._slots is None and free_w in still:
+                    _close_fd(self._ring_id, free_w)
             raise
-        st = self._state.state
-        if st.map is not None and own:
-            # This loader's own kept ring: its slots go to these workers from the first batch.
-            self._adopted = self._tried = True
-            self._ring, self._registration = st.map, st.registration
-            self._slot_bytes, self._made = st.slot_bytes, st.slots
-            for s in range(st.slots):
-                self._slots.release(s)
         # Another loader's (one that is gone): its slots go out once the first batch says
         # they fit (no worker maps the ring before it has a slot); else it is made anew
         # (`_make_ring_locked`).
@@ -690,28 +694,33 @@ class WorkerRingReader:
         prefetcher drops."""
         self._done = True
         it, self._it = self._it, None
-        if it is not None:
-            try:
-                if self._pulling and threading.get_ident() != self._puller:
-                    deadline = time.monotonic() + STUCK_SECONDS
-                    while self._pulling and time.monotonic() < deadline:
-                        time.sleep(0.005)
-            finally:
-                # Also when a second Ctrl-C ends the wait: the loader thread would wait forever.
-                end_iteration(it, self._pulling, STUCK_SECONDS)
-        del it
-        # The ring's descriptors and this reader's hold on its mapping go now, not with the
-        # reader: an exception kept by the caller refers to the reader through its traceback.
-        # Views still out keep the mapping (and its registration) until they go.
-        with self._lock:
-            if self._finalizer is not None:
-                self._finalizer()
-            elif self._slots is not None:
-                self._slots.close()
-            self._ring = None
-            self._registration = None
-            # The ring is kept (or closed) once the views still out are gone too.
-            self._state = None
+        try:
+            if it is not None:
+                try:
+                    if self._pulling and threading.get_ident() != self._puller:
+                        deadline = time.monotonic() + STUCK_SECONDS
+                        while self._pulling and time.monotonic() < deadline:
+                            time.sleep(0.005)
+                finally:
+                    # Also when a second Ctrl-C ends the wait: the loader thread would wait
+                    # forever.
+                    end_iteration(it, self._pulling, STUCK_SECONDS)
+        finally:
+            # Also when a Ctrl-C ends the workers' end early: nothing else closes the slots
+            # of a reader whose finalizer was never made.
+            del it
+            # The ring's descriptors and this reader's hold on its mapping go now, not with
+            # the reader: an exception kept by the caller refers to the reader through its
+            # traceback. Views still out keep the mapping (and its registration) until they go.
+            with self._lock:
+                if self._finalizer is not None:
+                    self._finalizer()
+                elif self._slots is not None:
+                    self._slots.close()
+                self._ring = None
+                self._registration = None
+                # The ring is kept (or closed) once the views still out are gone too.
+                self._state = None
 
     def __next__(self):
         it = self._it

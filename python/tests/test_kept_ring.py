@@ -473,14 +473,40 @@ def pipe_fds():
     return n
 
 
-@pytest.mark.parametrize("at", ["slots", "finalizer"])
-def test_ctrl_c_in_iter_after_the_loaders_iter_loses_nothing(at, monkeypatch):
-    """Ctrl-C in ``iter()`` after the loader's own ``iter()`` returned (its workers forked), while
-    the reader takes over the pipe's write end (``at``): the pipe is closed, the workers end,
-    and the ring is kept or closed as after any iteration (left by the first review: the free
-    slots' pipe stayed open)."""
+def _is_pipe(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    except OSError:
+        return False
+
+
+def _settled(base_pipes):
+    """The workers gone (they are joined as the loader's iterator ends), and no pipe left open
+    beyond ``base_pipes``."""
     import multiprocessing
 
+    for _ in range(200):
+        if not multiprocessing.active_children():
+            break
+        time.sleep(0.05)
+    assert not multiprocessing.active_children()
+    assert pipe_fds() == base_pipes
+
+
+@pytest.mark.parametrize("at", ["slots", "finalizer", "adopting"])
+def test_ctrl_c_in_iter_after_the_loaders_iter_loses_nothing(at, monkeypatch):
+    """Ctrl-C in ``iter()`` after the loader's own ``iter()`` returned (its workers forked), while
+    the reader takes over the pipe's write end, or hands its own kept ring's slots to the new
+    workers (``at``): within ``iter()`` itself (the caller never gets the reader), the pipe is
+    closed and the workers end; the ring is kept or closed as after any iteration (left by the
+    first review: the free slots' pipe stayed open; the adopting case found by the review of
+    that fix)."""
+    import pinstream.process as pp
+
+    ld = loader(Batches(16))
+    if at == "adopting":
+        epoch(ld, True, 16)
+        assert len(wr.kept_rings()) == 1
     base_pipes, base_rings = pipe_fds(), ring_fds()
 
     def interrupted(*a, **k):
@@ -488,21 +514,72 @@ def test_ctrl_c_in_iter_after_the_loaders_iter_loses_nothing(at, monkeypatch):
 
     if at == "slots":
         monkeypatch.setattr(wr, "_Slots", interrupted)
+    elif at == "finalizer":
+        # Only the reader's own finalizer (``_stop``): the ring's hold makes one earlier.
+        def finalize(obj, f, *a, **k):
+            if f is wr._stop:
+                raise KeyboardInterrupt
+            return weakref.finalize(obj, f, *a, **k)
+
+        monkeypatch.setattr(wr, "weakref", types.SimpleNamespace(ref=weakref.ref, finalize=finalize))
     else:
-        fake = types.SimpleNamespace(ref=weakref.ref, finalize=interrupted)
-        monkeypatch.setattr(wr, "weakref", fake)
+        class Slots(pp._Slots):
+            given = 0
+
+            def release(self, s):
+                Slots.given += 1
+                if Slots.given == 3:
+                    raise KeyboardInterrupt
+                return super().release(s)
+
+        monkeypatch.setattr(wr, "_Slots", Slots)
+    r = wr.WorkerRingReader(ld, None, 8, None)
+    with pytest.raises(KeyboardInterrupt):
+        iter(r)
+    monkeypatch.undo()
+    # Within iter() itself (the traceback still refers to the reader, and its frame to the
+    # loader's iterator and that iterator's queues): no pipe of the ring's left in the table.
+    assert not [fd for fd in wr._FDS.get(r._ring_id, ()) if _is_pipe(fd)]
+    del r
+    gc.collect()
+    _settled(base_pipes)
+    wr.release_kept()
+    assert not any(wr._FDS.values())
+    assert ring_fds() == 0 if at == "adopting" else ring_fds() == base_rings
+    # The loader's next epoch is whole.
+    epoch(ld, True, 16)
+
+
+def test_a_second_ctrl_c_while_iter_ends_the_workers_loses_nothing(monkeypatch):
+    """A first Ctrl-C as the reader's finalizer is made, a second while ``iter()`` waits for the
+    workers to end: the free slots' pipe is closed all the same (found by the review: the slots'
+    write end and its table entry stayed for good)."""
+    import multiprocessing.process as mpp
+
+    base_pipes = pipe_fds()
+    armed = []
+    real_join = mpp.BaseProcess.join
+
+    def join(self, timeout=None):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt("second")
+        return real_join(self, timeout)
+
+    def finalize(obj, f, *a, **k):
+        if f is wr._stop:
+            armed.append(1)
+            raise KeyboardInterrupt("first")
+        return weakref.finalize(obj, f, *a, **k)
+
+    monkeypatch.setattr(wr, "weakref", types.SimpleNamespace(ref=weakref.ref, finalize=finalize))
+    monkeypatch.setattr(mpp.BaseProcess, "join", join)
     r = wr.WorkerRingReader(loader(Batches(16)), None, 8, None)
     with pytest.raises(KeyboardInterrupt):
         iter(r)
     monkeypatch.undo()
     del r
     gc.collect()
-    for _ in range(200):  # the workers' exit (they are joined by the loader's iterator)
-        if not multiprocessing.active_children():
-            break
-        time.sleep(0.05)
-    assert not multiprocessing.active_children()
-    assert not any(wr._FDS.values())
-    assert pipe_fds() == base_pipes
+    _settled(base_pipes)
     wr.release_kept()
-    assert ring_fds() == base_rings
+    assert not any(wr._FDS.values())
