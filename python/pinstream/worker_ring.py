@@ -660,10 +660,7 @@ class WorkerRingReader:
                 # This loader's own kept ring: its slots go to these workers from the first
                 # batch.
                 self._adopted = self._tried = True
-                self._ring, self._registration = st.map, st.registration
-                self._slot_bytes, self._made = st.slot_bytes, st.slots
-                for s in range(st.slots):
-                    self._slots.release(s)
+                self._use_kept(st)
         except BaseException:
             # A Ctrl-C here, after the loader's own iter() (the caller never gets this reader):
             # the loader's iterator ends, its workers with it, and the pipe's ends still open
@@ -806,10 +803,7 @@ class WorkerRingReader:
             # its slots; otherwise let go (unpinned, unmapped) and made anew from its memfd,
             # before any worker has mapped it.
             if images.nbytes <= st.slot_bytes and st.slots >= 2:
-                self._ring, self._registration = st.map, st.registration
-                self._slot_bytes, self._made = st.slot_bytes, st.slots
-                for s in range(st.slots):
-                    self._slots.release(s)
+                self._use_kept(st)
                 return
             st.registration = st.map = None
         size = _HEADER + slot_bytes * slots
@@ -824,6 +818,14 @@ class WorkerRingReader:
         self._ring, self._slot_bytes, self._made = ring, slot_bytes, slots
         st.map, st.registration, st.slot_bytes, st.slots = ring, self._registration, slot_bytes, slots
         for s in range(slots):
+            self._slots.release(s)
+
+    def _use_kept(self, st):
+        """A kept ring taken over as it is: its mapping and page-locking become this reader's,
+        and every slot goes to the workers."""
+        self._ring, self._registration = st.map, st.registration
+        self._slot_bytes, self._made = st.slot_bytes, st.slots
+        for s in range(st.slots):
             self._slots.release(s)
 
     def _from_ring(self, msg):
